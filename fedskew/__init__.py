@@ -1,0 +1,3 @@
+"""fedskew: federated learning under label skew."""
+
+__version__ = "0.1.0"

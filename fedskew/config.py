@@ -1,0 +1,193 @@
+"""The run configuration: a pydantic schema, YAML files and ``key=value`` overrides.
+
+The top-level keys ``method, dataset, partition, model, rounds, clients_per_round, local_epochs,
+batch_size, lr, seed, device, out_dir`` are the public contract. ``method``, ``dataset``,
+``partition`` and ``model`` take a name (``method: fedavg``) or a mapping with ``name`` and that
+component's options (``partition: {name: pcdd, classes_per_client: 2}``).
+
+Every validation problem becomes :class:`ConfigError` with one sentence per problem that names
+the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from fedskew import __version__
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the key, the value and what is allowed."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _name_or_mapping(value: Any) -> Any:
+    return {"name": value} if isinstance(value, str) else value
+
+
+class DatasetConfig(_Strict):
+    name: Literal["digits", "synthetic", "mnist", "fmnist"] = "digits"
+    root: str | None = Field(None, description="folder holding the files (mnist, fmnist)")
+    download: bool = Field(True, description="try the usual mirrors when no local files are found")
+    test_fraction: float = Field(0.2, gt=0, lt=1, description="digits: stratified global test share")
+    num_classes: int = Field(10, ge=2, description="synthetic only")
+    dim: int = Field(60, ge=1, description="synthetic only")
+    train_per_class: int = Field(200, ge=1, description="synthetic only")
+    test_per_class: int = Field(50, ge=1, description="synthetic only")
+    separation: float = Field(3.0, gt=0, description="synthetic only: class-mean spread")
+
+
+class PartitionConfig(_Strict):
+    name: Literal["iid", "pcdd", "label_k", "dirichlet", "random_classes"] = "pcdd"
+    num_clients: int = Field(20, ge=1)
+    classes_per_client: int = Field(3, ge=1, description="pcdd: y of PxCy; label_k: k of #C=k")
+    alpha: float = Field(0.5, gt=0, description="dirichlet concentration")
+    min_size: int = Field(10, ge=1, description="dirichlet: minimum samples per client")
+    size_sigma: float = Field(0.0, ge=0, description="random_classes: LogNormal size-factor sigma")
+    min_classes: int = Field(2, ge=1, description="random_classes: fewest classes per client")
+    local_test_fraction: float = Field(0.2, ge=0, lt=1, description="per-client local test hold-out")
+
+
+class ModelConfig(_Strict):
+    name: Literal["mlp", "lenet", "simplecnn", "tcnn", "cnnbn"] = "mlp"
+    classifier_bias: bool = True
+    hidden: list[int] = Field(default_factory=lambda: [200, 200], description="mlp hidden widths")
+    width: int = Field(32, ge=1, description="cnnbn channel width")
+
+
+class MethodConfig(BaseModel):
+    """``name`` plus that method's own options, validated by the method's ``Options`` schema."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = "fedavg"
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class RunConfig(_Strict):
+    method: MethodConfig = Field(default_factory=MethodConfig)
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    partition: PartitionConfig = Field(default_factory=PartitionConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rounds: int = Field(50, ge=1)
+    clients_per_round: int = Field(10, ge=1)
+    local_epochs: int = Field(5, ge=1)
+    batch_size: int = Field(16, ge=1)
+    lr: float = Field(0.01, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(1e-5, ge=0)
+    grad_clip: float | None = Field(None, gt=0, description="max global grad norm per client step")
+    lr_decay: float = Field(1.0, gt=0, le=1, description="lr at round t = lr * lr_decay**t")
+    seed: int = Field(0, ge=0)
+    device: str = "cpu"
+    out_dir: str = "runs"
+    run_name: str | None = None
+    eval_every: int = Field(1, ge=1)
+    executor: Literal["sequential", "vectorized"] = "sequential"
+    max_parallel_clients: int | None = Field(None, ge=1, description="vectorized: clients per chunk")
+    final_personalization: bool = Field(True, description="train every client once from the final model")
+
+    _coerce = field_validator("method", "dataset", "partition", "model", mode="before")(
+        lambda cls, v: _name_or_mapping(v))
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v != "cpu" and not (v == "cuda" or (v.startswith("cuda:") and v[5:].isdigit())):
+            raise ValueError("must be 'cpu', 'cuda' or 'cuda:N'")
+        return v
+
+    @model_validator(mode="after")
+    def _method_options(self) -> "RunConfig":
+        from fedskew.methods import validate_method_config
+
+        validate_method_config(self.method)
+        if self.clients_per_round > self.partition.num_clients:
+            raise ValueError(f"clients_per_round = {self.clients_per_round} exceeds partition.num_clients = "
+                             f"{self.partition.num_clients}")
+        return self
+
+    def resolved(self) -> dict[str, Any]:
+        """The config as plain data, with the library version (written into every run directory)."""
+        return {"fedskew_version": __version__, **self.model_dump(mode="json")}
+
+
+def _format_error(err: dict) -> str:
+    key = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+    value = err.get("input")
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return f"config key '{key}' is not known; check its spelling against README's config keys."
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if not key:
+        return f"config: {msg}."
+    shown = value if not isinstance(value, dict) else "{...}"
+    return f"config key '{key}' = {shown!r} is not allowed: {msg}."
+
+
+def validate_config(data: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(" ".join(_format_error(e) for e in exc.errors())) from None
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not of the form key=value (e.g. partition.classes_per_client=2).")
+    key, raw = item.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{item}' has an empty key; use dotted keys such as model.name=mlp.")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set ``a.b.c=value`` items into a nested dict (values parsed as YAML scalars/lists)."""
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if isinstance(child, str):
+                child = {"name": child}
+            if child is None:
+                child = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{item}': config key '{part}' holds a value, not a section.")
+            node[part] = child
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML file (optional), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' does not exist.")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file '{path}' is not valid YAML ({str(exc).splitlines()[0]}).") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of keys, not a {type(loaded).__name__}.")
+        data = loaded or {}
+    data.pop("fedskew_version", None)
+    return validate_config(apply_overrides(data, overrides or []))

@@ -1,0 +1,8 @@
+"""Data sets, label-skew partitions and federations."""
+
+from fedskew.data.datasets import DATASETS, Dataset, DatasetError, load_dataset, read_idx
+from fedskew.data.federated import Federation, build_federation, load_federation
+from fedskew.data.partitions import PARTITIONS, PartitionError
+
+__all__ = ["DATASETS", "Dataset", "DatasetError", "Federation", "PARTITIONS", "PartitionError",
+           "build_federation", "load_dataset", "load_federation", "read_idx"]

@@ -1,0 +1,95 @@
+"""A federation: one data set in memory plus, per client, index sets into it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedskew.data.datasets import Dataset, load_dataset
+from fedskew.data.partitions import local_test_split, partition_labels
+from fedskew.engine.rng import numpy_rng
+
+
+@dataclass(frozen=True)
+class Federation:
+    """The data set and, per client, its local train and local test indices into ``x_train``."""
+
+    data: Dataset
+    train_idx: list[torch.Tensor]
+    test_idx: list[torch.Tensor]
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.train_idx)
+
+    @property
+    def num_classes(self) -> int:
+        return self.data.num_classes
+
+    def counts(self, split: str = "train") -> np.ndarray:
+        """Clients x classes sample counts of the local train (or local test) sets."""
+        idx = self.train_idx if split == "train" else self.test_idx
+        y = self.data.y_train.numpy()
+        return np.stack([np.bincount(y[i.numpy()], minlength=self.num_classes) for i in idx])
+
+    def client_class_counts(self, client: int) -> torch.Tensor:
+        return torch.bincount(self.data.y_train[self.train_idx[client]], minlength=self.num_classes)
+
+    def summary_rows(self) -> list[dict]:
+        tr, te = self.counts("train"), self.counts("test")
+        return [{"client": k, "train": int(tr[k].sum()), "local_test": int(te[k].sum()),
+                 "classes": [int(c) for c in np.flatnonzero(tr[k])],
+                 "counts": {int(c): int(tr[k, c]) for c in np.flatnonzero(tr[k])}}
+                for k in range(self.num_clients)]
+
+    def heatmap(self, path: Path, title: str = "") -> Path:
+        """Draw clients x classes training counts (FedMR Fig. 6 / FedKA Fig. 7 style) as a PNG."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        counts = self.counts("train")
+        k, c = counts.shape
+        fig, ax = plt.subplots(figsize=(min(2 + 0.5 * c, 14), min(1.5 + 0.25 * k, 14)))
+        im = ax.imshow(counts, aspect="auto", cmap="viridis", interpolation="nearest")
+        ax.set_xlabel("class")
+        ax.set_ylabel("client")
+        ax.set_xticks(range(c))
+        if k <= 40:
+            ax.set_yticks(range(k))
+        if k * c <= 400:
+            for i in range(k):
+                for j in range(c):
+                    if counts[i, j]:
+                        ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=7,
+                                color="white" if counts[i, j] < counts.max() / 2 else "black")
+        fig.colorbar(im, ax=ax, label="training samples")
+        ax.set_title(title or f"{self.data.name}: {k} clients x {c} classes")
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+
+def build_federation(data: Dataset, partition_cfg, seed: int) -> Federation:
+    """Partition ``data`` with the seed's ``partition`` stream and carve each client's local test
+    split with its ``local_split`` stream."""
+    labels = data.y_train.numpy()
+    parts = partition_labels(partition_cfg, labels, data.num_classes, numpy_rng(seed, "partition"))
+    train, test = [], []
+    for k, idx in enumerate(parts):
+        tr, te = local_test_split(idx, partition_cfg.local_test_fraction, numpy_rng(seed, "local_split", k))
+        train.append(torch.from_numpy(tr.astype(np.int64)))
+        test.append(torch.from_numpy(te.astype(np.int64)))
+    return Federation(data, train, test)
+
+
+def load_federation(cfg) -> Federation:
+    """Data set + partition of a full :class:`fedskew.config.RunConfig`."""
+    return build_federation(load_dataset(cfg.dataset, cfg.seed), cfg.partition, cfg.seed)

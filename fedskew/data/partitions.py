@@ -1,0 +1,206 @@
+"""Label-skew partitions (protocols.md, "Partitions").
+
+Every partitioner takes the training labels, the number of clients and a numpy Generator (the
+seed's ``partition`` stream) and returns one sorted index array per client. A request that cannot
+be met raises :class:`PartitionError` with one sentence naming the field, the value and what is
+allowed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class PartitionError(ValueError):
+    """A partition that cannot be built from the given labels and parameters."""
+
+
+def _check_clients(num_clients: int, num_samples: int) -> None:
+    if num_clients < 1:
+        raise PartitionError(f"partition.num_clients = {num_clients} is not allowed; it must be at least 1.")
+    if num_clients > num_samples:
+        raise PartitionError(f"partition.num_clients = {num_clients} exceeds the {num_samples} training "
+                             f"samples; every client needs at least one sample.")
+
+
+def _split_classes_among_holders(labels: np.ndarray, holders: list[list[int]], num_clients: int,
+                                 rng: np.random.Generator, shares: list[np.ndarray] | None = None
+                                 ) -> list[np.ndarray]:
+    """Shuffle each class and cut it among its holders (equal parts, or by ``shares[c]``)."""
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for c, who in enumerate(holders):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        if not who:
+            continue
+        if len(idx) < len(who):
+            raise PartitionError(f"class {c} has {len(idx)} samples but {len(who)} clients hold it; "
+                                 f"lower partition.num_clients or the classes per client.")
+        if shares is None:
+            pieces = np.array_split(idx, len(who))
+        else:
+            cuts = (np.cumsum(shares[c])[:-1] * len(idx)).astype(int)
+            pieces = np.split(idx, cuts)
+        for k, piece in zip(who, pieces):
+            parts[k].append(piece)
+    out = [np.sort(np.concatenate(p)) if p else np.empty(0, dtype=np.int64) for p in parts]
+    empty = [k for k, p in enumerate(out) if len(p) == 0]
+    if empty:
+        raise PartitionError(f"clients {empty[:5]} would receive no samples; lower partition.num_clients.")
+    return out
+
+
+def _holders_from_classes(client_classes: list[list[int]], num_classes: int, name: str) -> list[list[int]]:
+    holders: list[list[int]] = [[] for _ in range(num_classes)]
+    for k, classes in enumerate(client_classes):
+        for c in classes:
+            holders[c].append(k)
+    missing = [c for c, h in enumerate(holders) if not h]
+    if missing:
+        raise PartitionError(f"partition '{name}' left classes {missing} with no holder; "
+                             f"raise partition.num_clients or the classes per client.")
+    return holders
+
+
+def iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Shuffle all samples and split them into ``num_clients`` near-equal parts."""
+    _check_clients(num_clients, len(labels))
+    return [np.sort(p) for p in np.array_split(rng.permutation(len(labels)), num_clients)]
+
+
+def pcdd_classes(num_clients: int, classes_per_client: int, num_classes: int,
+                 rng: np.random.Generator) -> list[list[int]]:
+    """The class sets of the FedMR "PxCy" partition.
+
+    Classes are dealt in order with a running counter (client 0 takes 0..y-1, client 1 the next y,
+    ...) until every class has been dealt once; each remaining slot then takes a uniformly random
+    class that the client does not already hold.
+    """
+    if not 1 <= classes_per_client <= num_classes:
+        raise PartitionError(f"partition.classes_per_client = {classes_per_client} is not allowed; "
+                             f"it must be between 1 and the {num_classes} classes.")
+    if num_clients * classes_per_client < num_classes:
+        raise PartitionError(f"partition pcdd with num_clients = {num_clients} and classes_per_client = "
+                             f"{classes_per_client} has {num_clients * classes_per_client} class slots, "
+                             f"fewer than the {num_classes} classes; every class needs a holder.")
+    counter = 0
+    out: list[list[int]] = []
+    for _ in range(num_clients):
+        held: list[int] = []
+        while len(held) < classes_per_client and counter < num_classes:
+            held.append(counter)
+            counter += 1
+        while len(held) < classes_per_client:
+            choices = np.setdiff1d(np.arange(num_classes), held)
+            held.append(int(rng.choice(choices)))
+        out.append(sorted(held))
+    return out
+
+
+def pcdd(labels: np.ndarray, num_clients: int, classes_per_client: int, num_classes: int,
+         rng: np.random.Generator) -> list[np.ndarray]:
+    """FedMR's "PxCy": x clients with y classes each; each class split once, equally, among its
+    holders (the reference code's double split that duplicates samples is not reproduced)."""
+    _check_clients(num_clients, len(labels))
+    classes = pcdd_classes(num_clients, classes_per_client, num_classes, rng)
+    return _split_classes_among_holders(labels, _holders_from_classes(classes, num_classes, "pcdd"),
+                                        num_clients, rng)
+
+
+def label_k(labels: np.ndarray, num_clients: int, classes_per_client: int, num_classes: int,
+            rng: np.random.Generator) -> list[np.ndarray]:
+    """NIID-Bench's "#C=k": client i holds class i mod C plus k-1 distinct random others."""
+    _check_clients(num_clients, len(labels))
+    k = classes_per_client
+    if not 1 <= k <= num_classes:
+        raise PartitionError(f"partition.classes_per_client = {k} is not allowed; it must be between 1 "
+                             f"and the {num_classes} classes.")
+    classes = []
+    for i in range(num_clients):
+        first = i % num_classes
+        others = rng.choice(np.setdiff1d(np.arange(num_classes), [first]), size=k - 1, replace=False)
+        classes.append(sorted([first, *(int(c) for c in others)]))
+    return _split_classes_among_holders(labels, _holders_from_classes(classes, num_classes, "label_k"),
+                                        num_clients, rng)
+
+
+def dirichlet(labels: np.ndarray, num_clients: int, alpha: float, num_classes: int,
+              rng: np.random.Generator, min_size: int = 10, max_tries: int = 1000) -> list[np.ndarray]:
+    """NIID-Bench's Dir(alpha): per class, proportions ~ Dir(alpha) over clients; a client that
+    already holds >= N/K samples gets no more; the whole draw repeats until every client holds at
+    least ``min_size`` samples (at most ``max_tries`` times)."""
+    _check_clients(num_clients, len(labels))
+    if alpha <= 0:
+        raise PartitionError(f"partition.alpha = {alpha} is not allowed; it must be positive.")
+    n = len(labels)
+    if min_size * num_clients > n:
+        raise PartitionError(f"partition.min_size = {min_size} times {num_clients} clients exceeds the "
+                             f"{n} training samples; lower min_size or num_clients.")
+    for _ in range(max_tries):
+        parts: list[list[int]] = [[] for _ in range(num_clients)]
+        for c in range(num_classes):
+            idx = rng.permutation(np.flatnonzero(labels == c))
+            p = rng.dirichlet(np.full(num_clients, alpha))
+            sizes = np.array([len(q) for q in parts])
+            p = p * (sizes < n / num_clients)
+            p = p / p.sum() if p.sum() > 0 else np.full(num_clients, 1.0 / num_clients)
+            cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
+            for k, piece in enumerate(np.split(idx, cuts)):
+                parts[k].extend(piece.tolist())
+        if min(len(q) for q in parts) >= min_size:
+            return [np.sort(np.asarray(q, dtype=np.int64)) for q in parts]
+    raise PartitionError(f"partition dirichlet with alpha = {alpha} gave some client fewer than "
+                         f"min_size = {min_size} samples in {max_tries} draws; raise alpha or lower min_size.")
+
+
+def random_classes(labels: np.ndarray, num_clients: int, num_classes: int, rng: np.random.Generator,
+                   size_sigma: float = 0.0, min_classes: int = 2) -> list[np.ndarray]:
+    """MAP's partition: each client draws its number of classes uniformly from {min_classes..C}
+    and that many distinct classes; with ``size_sigma > 0`` it also draws a size factor
+    ~ LogNormal(0, size_sigma). Each class is cut among its holders in proportion to their factors."""
+    _check_clients(num_clients, len(labels))
+    if not 1 <= min_classes <= num_classes:
+        raise PartitionError(f"partition.min_classes = {min_classes} is not allowed; it must be between "
+                             f"1 and the {num_classes} classes.")
+    classes = []
+    for _ in range(num_clients):
+        m = int(rng.integers(min_classes, num_classes + 1))
+        classes.append(sorted(int(c) for c in rng.choice(num_classes, size=m, replace=False)))
+    factors = rng.lognormal(0.0, size_sigma, size=num_clients) if size_sigma > 0 else np.ones(num_clients)
+    holders = _holders_from_classes(classes, num_classes, "random_classes")
+    shares = [factors[h] / factors[h].sum() for h in holders]
+    return _split_classes_among_holders(labels, holders, num_clients, rng, shares)
+
+
+def local_test_split(indices: np.ndarray, fraction: float, rng: np.random.Generator
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """MAP protocol: shuffle a client's samples and hold out ``fraction`` (at least 1) as its local
+    test set. Returns sorted (train, test)."""
+    if fraction <= 0:
+        return np.sort(indices), np.empty(0, dtype=np.int64)
+    perm = rng.permutation(indices)
+    n_test = max(1, int(round(fraction * len(perm))))
+    if n_test >= len(perm):
+        raise PartitionError(f"a client with {len(perm)} samples cannot hold out a local test split "
+                             f"(partition.local_test_fraction = {fraction}); lower the fraction or num_clients.")
+    return np.sort(perm[n_test:]), np.sort(perm[:n_test])
+
+
+PARTITIONS = ("iid", "pcdd", "label_k", "dirichlet", "random_classes")
+
+
+def partition_labels(cfg, labels: np.ndarray, num_classes: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Dispatch on a :class:`fedskew.config.PartitionConfig`."""
+    k = cfg.num_clients
+    if cfg.name == "iid":
+        return iid(labels, k, rng)
+    if cfg.name == "pcdd":
+        if cfg.classes_per_client == num_classes:
+            return iid(labels, k, rng)
+        return pcdd(labels, k, cfg.classes_per_client, num_classes, rng)
+    if cfg.name == "label_k":
+        return label_k(labels, k, cfg.classes_per_client, num_classes, rng)
+    if cfg.name == "dirichlet":
+        return dirichlet(labels, k, cfg.alpha, num_classes, rng, cfg.min_size)
+    if cfg.name == "random_classes":
+        return random_classes(labels, k, num_classes, rng, cfg.size_sigma, cfg.min_classes)
+    raise PartitionError(f"partition.name '{cfg.name}' is not known; allowed: {list(PARTITIONS)}.")

@@ -1,0 +1,1 @@
+"""Round engine and executors."""

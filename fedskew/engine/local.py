@@ -1,0 +1,155 @@
+"""What every executor shares: local-training settings, batch schedules, model state helpers and
+the sequential executor (the reference for correctness)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from fedskew.data.federated import Federation
+from fedskew.engine.rng import batch_order
+from fedskew.methods.base import ClientReport, Forward, Method, State
+
+
+@dataclass(frozen=True)
+class LocalSettings:
+    """Mini-batch SGD on a client: torch.optim.SGD semantics (dampening 0, no Nesterov; weight
+    decay added to the gradient before momentum; optional clipping of the global grad norm)."""
+
+    epochs: int
+    batch_size: int
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: float | None = None
+    seed: int = 0
+
+
+@dataclass
+class ClientResult:
+    client_id: int
+    upload: State
+    client_state: State
+    report: ClientReport
+    train_loss: float
+    acc_before: float | None = None
+    acc_after: float | None = None
+    aux: dict = field(default_factory=dict)
+
+
+def federated_state(model: nn.Module) -> State:
+    """The tensors a federation exchanges: parameters and floating-point buffers (BatchNorm running
+    statistics). Integer buffers (``num_batches_tracked``) stay local: nothing reads them when BN
+    momentum is set, and an average of counters means nothing."""
+    out = {k: v.detach().clone() for k, v in model.named_parameters()}
+    out.update({k: v.detach().clone() for k, v in model.named_buffers() if v.is_floating_point()})
+    return out
+
+
+def load_state(model: nn.Module, state: State) -> None:
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    with torch.no_grad():
+        for k, v in state.items():
+            tensors[k].copy_(v)
+
+
+def batch_schedule(settings: LocalSettings, round_idx: int, client_id: int, n: int) -> list[np.ndarray]:
+    """The client's mini-batches for the round, as positions into its local index set: one fresh
+    permutation per epoch (stream ``batch_order``), cut into batches of B; the last batch of an
+    epoch may be smaller (no sample is dropped)."""
+    batches = []
+    for perm in batch_order(settings.seed, round_idx, client_id, n, settings.epochs):
+        batches += [perm[i:i + settings.batch_size] for i in range(0, n, settings.batch_size)]
+    return batches
+
+
+def num_steps(n: int, settings: LocalSettings) -> int:
+    return settings.epochs * math.ceil(n / settings.batch_size)
+
+
+@torch.no_grad()
+def predict(model: nn.Module, state: State, x: torch.Tensor, batch: int = 4096) -> torch.Tensor:
+    """Predicted labels of the model with ``state`` (eval mode)."""
+    was_training = model.training
+    model.eval()
+    try:
+        preds = [functional_call(model, state, (x[i:i + batch],)).argmax(1) for i in range(0, len(x), batch)]
+    finally:
+        model.train(was_training)
+    return torch.cat(preds) if preds else torch.empty(0, dtype=torch.long, device=x.device)
+
+
+def frozen_forward(model: nn.Module):
+    """``(state, x) -> (z, logits)`` in eval mode without gradient, for ``Forward.frozen``."""
+    def run(state: State, x: torch.Tensor):
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                return functional_call(model, state, (x,), {"return_features": True})
+        finally:
+            model.train(was_training)
+    return run
+
+
+class SequentialExecutor:
+    """Trains the selected clients one after another with ordinary autograd and torch.optim.SGD."""
+
+    name = "sequential"
+
+    def __init__(self, model: nn.Module, fed: Federation, method: Method, settings: LocalSettings,
+                 device: torch.device):
+        self.model = model
+        self.fed = fed
+        self.method = method
+        self.settings = settings
+        self.device = device
+        self.x = fed.data.x_train.to(device)
+        self.y = fed.data.y_train.to(device)
+        self.train_idx = [i.to(device) for i in fed.train_idx]
+        self.test_idx = [i.to(device) for i in fed.test_idx]
+
+    def local_accuracy(self, state: State, client_id: int) -> float | None:
+        idx = self.test_idx[client_id]
+        if len(idx) == 0:
+            return None
+        return (predict(self.model, state, self.x[idx]) == self.y[idx]).float().mean().item()
+
+    def train_round(self, round_idx: int, clients: list[int], payload: State,
+                    client_states: dict[int, State], lr: float) -> list[ClientResult]:
+        return [self.train_client(round_idx, k, payload, client_states[k], lr) for k in clients]
+
+    def train_client(self, round_idx: int, client_id: int, payload: State, client_state: State,
+                     lr: float) -> ClientResult:
+        s, model, method = self.settings, self.model, self.method
+        start = method.local_start(payload, client_state)
+        acc_before = self.local_accuracy(start, client_id)
+        load_state(model, start)
+        model.train()
+        params = dict(model.named_parameters())
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=s.momentum, weight_decay=s.weight_decay)
+        fwd = Forward(lambda x: model(x, return_features=True), frozen_forward(model))
+        idx = self.train_idx[client_id]
+        batches = batch_schedule(s, round_idx, client_id, len(idx))
+        loss_sum = torch.zeros((), device=self.device)
+        for positions in batches:
+            rows = idx[torch.from_numpy(positions).to(self.device)]
+            loss, _ = method.local_loss(fwd, params, self.x[rows], self.y[rows], payload, client_state)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if s.grad_clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+            opt.step()
+            loss_sum += loss.detach()
+        trained = federated_state(model)
+        report = ClientReport(client_id, len(idx), len(batches))
+        upload, new_state = method.after_training(trained, payload, client_state, report)
+        acc_after = self.local_accuracy(method.personal_state(trained, new_state), client_id)
+        return ClientResult(client_id, upload, new_state, report, (loss_sum / max(len(batches), 1)).item(),
+                            acc_before, acc_after)
+

@@ -1,0 +1,232 @@
+"""The round loop: config -> federation + model + method -> rounds -> metrics in a run directory.
+
+A run directory holds ``config.yaml`` (resolved, with seed and library version), ``partition.png``
+and ``partition.json``, ``metrics.jsonl`` (one JSON object per round), ``summary.json`` (final
+values) and ``checkpoint.pt`` (written atomically after every round; ``resume`` continues from it
+exactly, because every random draw is a function of (seed, stream, round, client)).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import yaml
+
+from fedskew.config import ConfigError, RunConfig, load_config
+from fedskew.data.federated import Federation, load_federation
+from fedskew.engine.local import LocalSettings, SequentialExecutor, federated_state
+from fedskew.engine.rng import sample_clients, seeded_torch
+from fedskew.methods import FederationInfo, build_method
+from fedskew.metrics import count_floats, global_metrics, mean_std
+from fedskew.models import build_model
+
+
+def resolve_device(name: str) -> torch.device:
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"config key 'device' = '{name}' is not allowed: no CUDA device is available "
+                          f"here; use device=cpu.")
+    return torch.device(name)
+
+
+def make_executor(cfg: RunConfig, model, fed: Federation, method, device):
+    settings = LocalSettings(cfg.local_epochs, cfg.batch_size, cfg.momentum, cfg.weight_decay,
+                             cfg.grad_clip, cfg.seed)
+    if cfg.executor == "vectorized":
+        from fedskew.engine.vectorized import VectorizedExecutor
+
+        return VectorizedExecutor(model, fed, method, settings, device, cfg.max_parallel_clients)
+    return SequentialExecutor(model, fed, method, settings, device)
+
+
+def atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def atomic_write_text(text: str, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    summary: dict
+    history: list[dict]
+    global_state: dict
+
+
+class Experiment:
+    """One federated run. ``run()`` executes (or resumes) it and returns a :class:`RunResult`."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path | None = None):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.fed = load_federation(cfg)
+        with seeded_torch(cfg.seed, "model_init"):
+            self.model = build_model(cfg.model, self.fed.data.input_shape, self.fed.num_classes)
+        self.model.to(self.device)
+        self.method = build_method(cfg.method)
+        self.info = FederationInfo(self.fed.num_clients, self.fed.num_classes,
+                                   torch.from_numpy(self.fed.counts("train")), cfg.rounds,
+                                   cfg.clients_per_round, cfg.seed)
+        self.executor = make_executor(cfg, self.model, self.fed, self.method, self.device)
+        self.x_test = self.fed.data.x_test.to(self.device)
+        self.y_test = self.fed.data.y_test.to(self.device)
+        self.run_dir = Path(run_dir) if run_dir else default_run_dir(cfg)
+
+    # -- files ---------------------------------------------------------------------------------
+    def _prepare_dir(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(yaml.safe_dump(self.cfg.resolved(), sort_keys=False), self.run_dir / "config.yaml")
+        (self.run_dir / "partition.json").write_text(json.dumps(self.fed.summary_rows()))
+        self.fed.heatmap(self.run_dir / "partition.png",
+                         f"{self.cfg.dataset.name} / {self.cfg.partition.name}: "
+                         f"{self.fed.num_clients} clients")
+
+    def _checkpoint(self, state: dict) -> None:
+        atomic_save(state, self.run_dir / "checkpoint.pt")
+
+    def _load_checkpoint(self) -> dict | None:
+        path = self.run_dir / "checkpoint.pt"
+        return torch.load(path, map_location=self.device, weights_only=False) if path.exists() else None
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self, on_round: Callable[[dict], None] | None = None) -> RunResult:
+        cfg, method = self.cfg, self.method
+        self._prepare_dir()
+        ckpt = self._load_checkpoint()
+        if ckpt is not None:
+            start, global_state = ckpt["next_round"], ckpt["global_state"]
+            server_state, client_states, totals = ckpt["server_state"], ckpt["client_states"], ckpt["totals"]
+            history = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()
+                       if line.strip()]
+            history = [h for h in history if h["round"] < start]
+        else:
+            start, history = 0, []
+            global_state = federated_state(self.model)
+            server_state = method.server_init(global_state, self.info)
+            client_states, totals = {}, {"up": 0, "down": 0}
+        atomic_write_text("".join(json.dumps(h) + "\n" for h in history), self.run_dir / "metrics.jsonl")
+
+        for t in range(start, cfg.rounds):
+            record = self._round(t, global_state, server_state, client_states, totals)
+            global_state, server_state = record.pop("_global"), record.pop("_server")
+            history.append(record)
+            with open(self.run_dir / "metrics.jsonl", "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            self._checkpoint({"next_round": t + 1, "global_state": global_state, "server_state": server_state,
+                              "client_states": client_states, "totals": totals})
+            if on_round:
+                on_round(record)
+
+        summary = self._summary(history, global_state, server_state, client_states)
+        atomic_write_text(json.dumps(summary, indent=2), self.run_dir / "summary.json")
+        return RunResult(self.run_dir, summary, history, global_state)
+
+    def _round(self, t, global_state, server_state, client_states, totals) -> dict:
+        cfg, method = self.cfg, self.method
+        t0 = time.perf_counter()
+        selected = sample_clients(cfg.seed, t, self.fed.num_clients, cfg.clients_per_round)
+        for k in selected:
+            if k not in client_states:
+                client_states[k] = method.client_init(k, global_state, self.info)
+        payload = method.broadcast(global_state, server_state)
+        lr = cfg.lr * cfg.lr_decay ** t
+        t1 = time.perf_counter()
+        results = self.executor.train_round(t, selected, payload, client_states, lr)
+        train_s = time.perf_counter() - t1
+        for r in results:
+            client_states[r.client_id] = r.client_state
+        uploads = [r.upload for r in results]
+        reports = [r.report for r in results]
+        new_global, new_server = method.aggregate(server_state, global_state, uploads, reports)
+        if not all(torch.isfinite(v).all() for v in new_global.values() if v.is_floating_point()):
+            raise FloatingPointError(f"round {t}: the aggregated model holds NaN or inf (training diverged); "
+                                     f"lower lr or set grad_clip. The last good checkpoint is kept in {self.run_dir}.")
+        down = count_floats(payload) * len(selected)
+        up = sum(count_floats(u) for u in uploads)
+        totals["down"] += down
+        totals["up"] += up
+        n = sum(r.report.num_samples for r in results)
+        samples_seen = sum(r.report.num_samples * cfg.local_epochs for r in results)
+        before, before_std = mean_std([r.acc_before for r in results])
+        after, after_std = mean_std([r.acc_after for r in results])
+        record = {
+            "round": t, "clients": selected, "lr": lr,
+            "train/loss": sum(r.train_loss * r.report.num_samples for r in results) / n,
+            "personal/acc_before": before, "personal/acc_before_std": before_std,
+            "personal/acc_after": after, "personal/acc_after_std": after_std,
+            "comm/down_floats": down, "comm/up_floats": up,
+            "comm/down_floats_total": totals["down"], "comm/up_floats_total": totals["up"],
+            "time/client_train_s": train_s, "time/samples_per_s": samples_seen / max(train_s, 1e-9),
+        }
+        if (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
+            record.update(global_metrics(self.model, new_global, self.x_test, self.y_test, self.fed.num_classes))
+        record["time/round_s"] = time.perf_counter() - t0
+        record["_global"], record["_server"] = new_global, new_server
+        return record
+
+    def _final_personalization(self, global_state, server_state, client_states) -> dict:
+        """Every client receives the final global model and trains once (no aggregation, no state
+        kept): ``personal/final_acc_before`` and ``personal/final_acc_after`` over all clients."""
+        cfg = self.cfg
+        clients = list(range(self.fed.num_clients))
+        states = {k: client_states.get(k) or self.method.client_init(k, global_state, self.info) for k in clients}
+        payload = self.method.broadcast(global_state, server_state)
+        results = self.executor.train_round(cfg.rounds, clients, payload, states, cfg.lr * cfg.lr_decay ** cfg.rounds)
+        before, before_std = mean_std([r.acc_before for r in results])
+        after, after_std = mean_std([r.acc_after for r in results])
+        return {"personal/final_acc_before": before, "personal/final_acc_before_std": before_std,
+                "personal/final_acc_after": after, "personal/final_acc_after_std": after_std}
+
+    def _summary(self, history, global_state, server_state, client_states) -> dict:
+        evals = [h for h in history if "global/test_acc" in h]
+        last = evals[-1]
+        accs = [h["global/test_acc"] for h in evals]
+        best = max(range(len(accs)), key=accs.__getitem__)
+        summary = {
+            "method": self.cfg.method.name, "dataset": self.cfg.dataset.name,
+            "partition": self.cfg.partition.name, "model": self.cfg.model.name, "seed": self.cfg.seed,
+            "rounds": self.cfg.rounds,
+            "global/test_acc": last["global/test_acc"],
+            "global/test_acc_best": accs[best], "global/test_acc_best_round": evals[best]["round"],
+            "global/test_acc_mean_last10": sum(accs[-10:]) / len(accs[-10:]),
+            **{k: v for k, v in last.items() if k.startswith("global/class_acc/")},
+            "personal/acc_before": history[-1]["personal/acc_before"],
+            "personal/acc_after": history[-1]["personal/acc_after"],
+            "comm/down_floats_total": history[-1]["comm/down_floats_total"],
+            "comm/up_floats_total": history[-1]["comm/up_floats_total"],
+            "time/round_s_mean": sum(h["time/round_s"] for h in history) / len(history),
+            "train/loss": history[-1]["train/loss"],
+        }
+        if self.cfg.final_personalization and self.cfg.partition.local_test_fraction > 0:
+            summary.update(self._final_personalization(global_state, server_state, client_states))
+        return summary
+
+
+def default_run_dir(cfg: RunConfig) -> Path:
+    name = cfg.run_name or (f"{cfg.method.name}-{cfg.dataset.name}-{cfg.partition.name}-s{cfg.seed}-"
+                            f"{time.strftime('%Y%m%d-%H%M%S')}")
+    return Path(cfg.out_dir) / name
+
+
+def run(cfg: RunConfig, run_dir: Path | None = None, on_round=None) -> RunResult:
+    return Experiment(cfg, run_dir).run(on_round)
+
+
+def resume(run_dir: str | Path, on_round=None) -> RunResult:
+    """Continue an interrupted run from its directory's ``checkpoint.pt`` and ``config.yaml``."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"'{run_dir}' is not a run directory (it holds no config.yaml).")
+    return run(load_config(run_dir / "config.yaml"), run_dir, on_round)
+

@@ -1,0 +1,152 @@
+"""The method interface, and FedAvg (McMahan et al., 2017) as its default implementation.
+
+A method is a handful of pure functions over explicit state (design.md, "A method is a few pure
+functions"). Every executor (sequential loop, vectorised ``torch.func`` program, Flower app) calls
+the same functions:
+
+=====================  =======================================================================
+``server_init``        global model state -> server state (control variates, prototypes, ...)
+``client_init``        client id -> that client's persistent state (created on first selection)
+``broadcast``          (global state, server state) -> payload, the flat dict sent to a client
+``local_start``        (payload, client state) -> the model state local training starts from
+``local_loss``         (forward, params, x, y, payload, client state) -> (loss, aux); pure, so it
+                       can run under ``vmap(grad(...))``
+``after_training``     (trained state, payload, client state, report) -> (upload, client state)
+``personal_state``     (trained state, client state) -> the client's personalised model
+``aggregate``          (server state, global state, uploads, reports) -> (global, server state)
+=====================  =======================================================================
+
+Payloads, uploads and states are flat ``dict[str, Tensor]``. Model tensors travel under the
+``model.`` prefix. Communication is counted by summing the sizes of payloads and uploads, so no
+method can misreport it. Methods hold their options (immutable) and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict
+
+State = dict[str, torch.Tensor]
+MODEL = "model."
+
+
+@dataclass(frozen=True)
+class FederationInfo:
+    """What a method may know about the federation (static for the whole run)."""
+
+    num_clients: int
+    num_classes: int
+    class_counts: torch.Tensor  # clients x classes, local training samples
+    rounds: int
+    clients_per_round: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class ClientReport:
+    """Facts about one client's local training in one round."""
+
+    client_id: int
+    num_samples: int
+    num_steps: int
+
+
+class Forward:
+    """What ``local_loss`` may call: ``fwd(x) -> (z, logits)`` runs the model being trained
+    (train mode); ``fwd.frozen(state, x)`` runs the same architecture with another state in eval
+    mode and without gradient (e.g. the received global model, a teacher)."""
+
+    def __init__(self, train_fn: Callable, frozen_fn: Callable):
+        self._train_fn = train_fn
+        self._frozen_fn = frozen_fn
+
+    def __call__(self, x: torch.Tensor):
+        return self._train_fn(x)
+
+    def frozen(self, state: State, x: torch.Tensor):
+        return self._frozen_fn(state, x)
+
+
+def model_part(d: State) -> State:
+    """The model tensors of a payload/upload, without the ``model.`` prefix."""
+    return {k[len(MODEL):]: v for k, v in d.items() if k.startswith(MODEL)}
+
+
+def as_model_part(state: State) -> State:
+    return {MODEL + k: v for k, v in state.items()}
+
+
+def weighted_mean(states: list[State], weights: torch.Tensor) -> State:
+    """sum_i w_i * state_i for every key (weights must sum to 1)."""
+    out = {}
+    for key in states[0]:
+        stacked = torch.stack([s[key].to(torch.float32) for s in states])
+        w = weights.to(stacked).view(-1, *([1] * (stacked.dim() - 1)))
+        out[key] = (stacked * w).sum(0).to(states[0][key].dtype)
+    return out
+
+
+class FedAvgOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    weighting: Literal["samples", "batches", "uniform"] = "samples"
+
+
+class Method:
+    """FedAvg. Subclasses override the pieces they change."""
+
+    name = "fedavg"
+    Options: type[BaseModel] = FedAvgOptions
+
+    def __init__(self, options: BaseModel | None = None):
+        self.opt = options if options is not None else self.Options()
+
+    # -- state ---------------------------------------------------------------------------------
+    def server_init(self, global_state: State, info: FederationInfo) -> State:
+        return {}
+
+    def client_init(self, client_id: int, global_state: State, info: FederationInfo) -> State:
+        return {}
+
+    # -- down ----------------------------------------------------------------------------------
+    def broadcast(self, global_state: State, server_state: State) -> State:
+        return as_model_part(global_state)
+
+    def local_start(self, payload: State, client_state: State) -> State:
+        return model_part(payload)
+
+    # -- local ---------------------------------------------------------------------------------
+    def local_loss(self, fwd: Forward, params: State, x: torch.Tensor, y: torch.Tensor,
+                   payload: State, client_state: State) -> tuple[torch.Tensor, State]:
+        """Cross-entropy of the local model on the batch (FedAvg's local objective)."""
+        _, logits = fwd(x)
+        return F.cross_entropy(logits, y), {}
+
+    def after_training(self, trained: State, payload: State, client_state: State,
+                       report: ClientReport) -> tuple[State, State]:
+        return as_model_part(trained), client_state
+
+    def personal_state(self, trained: State, client_state: State) -> State:
+        """The client's personalised model after this round (FedAvg: the locally trained model;
+        FedPHP: its inherited private model). Scored as ``personal/acc_after``."""
+        return trained
+
+    # -- up ------------------------------------------------------------------------------------
+    def client_weights(self, reports: list[ClientReport]) -> torch.Tensor:
+        """FedAvg weights p_k: by samples n_k (default), by local batches, or uniform."""
+        if self.opt.weighting == "samples":
+            w = torch.tensor([r.num_samples for r in reports], dtype=torch.float64)
+        elif self.opt.weighting == "batches":
+            w = torch.tensor([r.num_steps for r in reports], dtype=torch.float64)
+        else:
+            w = torch.ones(len(reports), dtype=torch.float64)
+        return w / w.sum()
+
+    def aggregate(self, server_state: State, global_state: State, uploads: list[State],
+                  reports: list[ClientReport]) -> tuple[State, State]:
+        """theta <- sum_k p_k theta_k over the selected clients, BatchNorm buffers included."""
+        new = weighted_mean([model_part(u) for u in uploads], self.client_weights(reports))
+        return new, server_state
