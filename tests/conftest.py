@@ -1,0 +1,24 @@
+import gzip
+import struct
+
+import numpy as np
+import pytest
+
+
+def write_idx(path, array: np.ndarray, gz: bool = True, truncate: int = 0) -> None:
+    """Write ``array`` (uint8) in the IDX format (optionally gzipped, optionally cut short)."""
+    header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(">" + "I" * array.ndim, *array.shape)
+    raw = header + array.astype(np.uint8).tobytes()
+    if truncate:
+        raw = raw[:-truncate]
+    (gzip.open if gz else open)(path, "wb").write(raw)
+
+
+@pytest.fixture
+def idx_folder(tmp_path):
+    """A small MNIST-format folder: 120 train / 40 test images of 28x28, labels 0..9."""
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 120), ("t10k", 40)):
+        write_idx(tmp_path / f"{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, size=(n, 28, 28)))
+        write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte.gz", np.arange(n) % 10)
+    return tmp_path

@@ -1,0 +1,62 @@
+import pytest
+
+from fedskew.config import ConfigError, apply_overrides, load_config
+
+
+def one_sentence(msg: str) -> bool:
+    return msg.count(". ") == 0 and msg.endswith(".")
+
+
+def test_defaults_are_the_documented_contract():
+    cfg = load_config()
+    assert (cfg.method.name, cfg.dataset.name, cfg.partition.name, cfg.model.name) == ("fedavg", "digits", "pcdd", "mlp")
+    for key in ["method", "dataset", "partition", "model", "rounds", "clients_per_round", "local_epochs",
+                "batch_size", "lr", "seed", "device", "out_dir"]:
+        assert key in cfg.model_dump()
+
+
+def test_overrides_nested_and_typed():
+    cfg = load_config(None, ["partition.classes_per_client=2", "lr=0.1", "model.hidden=[8, 4]",
+                             "method.weighting=uniform", "grad_clip=1"])
+    assert cfg.partition.classes_per_client == 2 and cfg.lr == 0.1 and cfg.model.hidden == [8, 4]
+    assert cfg.method.options == {"weighting": "uniform"} and cfg.grad_clip == 1.0
+
+
+def test_string_section_then_nested_override():
+    data = apply_overrides({"model": "mlp"}, ["model.hidden=[3]"])
+    assert data == {"model": {"name": "mlp", "hidden": [3]}}
+
+
+@pytest.mark.parametrize("override,fragment", [
+    (["partition.classes_per_clinet=2"], "config key 'partition.classes_per_clinet' is not known"),
+    (["partition.classes_per_client=0"], "'partition.classes_per_client' = 0 is not allowed"),
+    (["dataset.name=cifar7"], "'dataset.name' = 'cifar7' is not allowed"),
+    (["lr=-1"], "'lr' = -1 is not allowed"),
+    (["device=tpu"], "'device' = 'tpu' is not allowed: must be 'cpu', 'cuda' or 'cuda:N'"),
+    (["method=fedfoo"], "method.name 'fedfoo' is not known"),
+    (["method.weighting=random"], "method.weighting = 'random' is not allowed"),
+    (["method.mu=1"], "method.mu is not an option of fedavg"),
+    (["clients_per_round=50"], "clients_per_round = 50 exceeds partition.num_clients = 20"),
+])
+def test_bad_values_give_one_sentence_naming_key_and_value(override, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, override)
+    msg = str(info.value)
+    assert fragment in msg, msg
+    assert "\n" not in msg and "Traceback" not in msg
+
+
+def test_bad_override_syntax_and_files(tmp_path):
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        load_config(None, ["rounds"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(tmp_path / "list.yaml")
+
+
+def test_yaml_file_with_overrides(tmp_path):
+    (tmp_path / "c.yaml").write_text("method: fedavg\npartition: {name: dirichlet, alpha: 0.3}\nrounds: 7\n")
+    cfg = load_config(tmp_path / "c.yaml", ["rounds=9"])
+    assert cfg.partition.name == "dirichlet" and cfg.partition.alpha == 0.3 and cfg.rounds == 9

@@ -1,0 +1,132 @@
+import numpy as np
+import pytest
+
+from fedskew.data import partitions as P
+from fedskew.data.partitions import PartitionError
+
+
+def labels(n_per_class=50, classes=10):
+    return np.repeat(np.arange(classes), n_per_class)
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def check_exact_cover(parts, n):
+    allidx = np.concatenate(parts)
+    assert len(allidx) == n and len(np.unique(allidx)) == n  # every sample once, no duplicates
+
+
+def classes_of(parts, y):
+    return [sorted(set(y[p].tolist())) for p in parts]
+
+
+def test_pcdd_class_assignment_by_hand():
+    # P4C3 on 10 classes: dealt in order 0..9, then the last two slots of client 3 are random.
+    cls = P.pcdd_classes(4, 3, 10, rng())
+    assert cls[:3] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert 9 in cls[3] and len(set(cls[3])) == 3
+
+
+@pytest.mark.parametrize("x,y", [(10, 2), (20, 3), (7, 5), (50, 3)])
+def test_pcdd_each_client_exactly_y_classes_and_all_covered(x, y):
+    lab = labels()
+    parts = P.pcdd(lab, x, y, 10, rng())
+    check_exact_cover(parts, len(lab))
+    held = classes_of(parts, lab)
+    assert all(len(h) == y for h in held)
+    assert set().union(*map(set, held)) == set(range(10))
+    # each class split in near-equal parts among its holders
+    for c in range(10):
+        sizes = [int((lab[p] == c).sum()) for p in parts if (lab[p] == c).any()]
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_pcdd_same_seed_same_indices_and_seed_matters():
+    lab = labels()
+    a = P.pcdd(lab, 20, 3, 10, rng(1))
+    b = P.pcdd(lab, 20, 3, 10, rng(1))
+    c = P.pcdd(lab, 20, 3, 10, rng(2))
+    assert all(np.array_equal(p, q) for p, q in zip(a, b))
+    assert not all(np.array_equal(p, q) for p, q in zip(a, c))
+
+
+def test_pcdd_impossible_requests_are_one_sentence_errors():
+    lab = labels()
+    with pytest.raises(PartitionError, match="classes_per_client = 11"):
+        P.pcdd(lab, 20, 11, 10, rng())
+    with pytest.raises(PartitionError, match="fewer than the 10 classes"):
+        P.pcdd(lab, 3, 3, 10, rng())
+    with pytest.raises(PartitionError, match="num_clients = 1000 exceeds"):
+        P.pcdd(lab, 1000, 3, 10, rng())
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_label_k_holds_i_mod_c_and_k_classes(k):
+    lab = labels()
+    parts = P.label_k(lab, 30, k, 10, rng())
+    check_exact_cover(parts, len(lab))
+    for i, h in enumerate(classes_of(parts, lab)):
+        assert len(h) == k and (i % 10) in h
+
+
+def test_label_k_uncovered_class_is_a_clear_error():
+    with pytest.raises(PartitionError, match="no holder"):
+        P.label_k(labels(), 3, 1, 10, rng())
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.5, 5.0])
+def test_dirichlet_respects_min_size(alpha):
+    lab = labels(100)
+    parts = P.dirichlet(lab, 10, alpha, 10, rng(), min_size=20)
+    check_exact_cover(parts, len(lab))
+    assert min(len(p) for p in parts) >= 20
+
+
+def test_dirichlet_small_alpha_is_skewed():
+    lab = labels(100)
+    parts = P.dirichlet(lab, 10, 0.05, 10, rng(), min_size=5)
+    # with alpha -> 0 most clients hold few classes
+    assert np.mean([len(h) for h in classes_of(parts, lab)]) < 6
+
+
+def test_dirichlet_impossible_min_size():
+    with pytest.raises(PartitionError, match="min_size = 100"):
+        P.dirichlet(labels(), 10, 0.5, 10, rng(), min_size=100)
+
+
+def test_random_classes_draws_two_to_c_classes():
+    lab = labels(100)
+    parts = P.random_classes(lab, 40, 10, rng(), size_sigma=0.3)
+    check_exact_cover(parts, len(lab))
+    counts = [len(h) for h in classes_of(parts, lab)]
+    assert min(counts) >= 2 and max(counts) <= 10
+
+
+def test_iid_is_even():
+    parts = P.iid(labels(), 7, rng())
+    check_exact_cover(parts, 500)
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_local_test_split_fraction_and_minimum():
+    idx = np.arange(100, 110)
+    tr, te = P.local_test_split(idx, 0.2, rng())
+    assert len(te) == 2 and len(tr) == 8 and set(tr) | set(te) == set(idx)
+    tr, te = P.local_test_split(np.arange(3), 0.05, rng())
+    assert len(te) == 1  # at least one sample
+    with pytest.raises(PartitionError, match="cannot hold out"):
+        P.local_test_split(np.arange(1), 0.2, rng())
+
+
+def test_federation_is_deterministic_and_disjoint():
+    from fedskew.config import load_config
+    from fedskew.data import load_federation
+
+    cfg = load_config(None, ["partition.num_clients=10", "partition.classes_per_client=2"])
+    a, b = load_federation(cfg), load_federation(cfg)
+    for k in range(10):
+        assert np.array_equal(a.train_idx[k], b.train_idx[k])
+        assert not set(a.train_idx[k].tolist()) & set(a.test_idx[k].tolist())
+    assert (a.counts("train") > 0).sum(1).tolist() == [2] * 10
