@@ -118,7 +118,7 @@ class SequentialExecutor:
         idx = self.test_idx[client_id]
         if len(idx) == 0:
             return None
-        return (predict(self.model, state, self.x[idx]) == self.y[idx]).float().mean().item()
+        return (predict(self.model, state, self.x[idx]) == self.y[idx]).sum().item() / len(idx)
 
     def train_round(self, round_idx: int, clients: list[int], payload: State,
                     client_states: dict[int, State], lr: float) -> list[ClientResult]:

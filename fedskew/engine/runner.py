@@ -67,8 +67,9 @@ class RunResult:
 class Experiment:
     """One federated run. ``run()`` executes (or resumes) it and returns a :class:`RunResult`."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path | None = None):
+    def __init__(self, cfg: RunConfig, run_dir: Path | None = None, resume: bool = False):
         self.cfg = cfg
+        self.resume = resume
         self.device = resolve_device(cfg.device)
         self.fed = load_federation(cfg)
         with seeded_torch(cfg.seed, "model_init"):
@@ -82,6 +83,9 @@ class Experiment:
         self.x_test = self.fed.data.x_test.to(self.device)
         self.y_test = self.fed.data.y_test.to(self.device)
         self.run_dir = Path(run_dir) if run_dir else default_run_dir(cfg)
+        if not resume and (self.run_dir / "metrics.jsonl").exists():
+            raise ConfigError(f"run directory '{self.run_dir}' already holds a run; continue it with "
+                              f"`fedskew resume {self.run_dir}` or choose another run_name.")
 
     # -- files ---------------------------------------------------------------------------------
     def _prepare_dir(self) -> None:
@@ -103,7 +107,7 @@ class Experiment:
     def run(self, on_round: Callable[[dict], None] | None = None) -> RunResult:
         cfg, method = self.cfg, self.method
         self._prepare_dir()
-        ckpt = self._load_checkpoint()
+        ckpt = self._load_checkpoint() if self.resume else None
         if ckpt is not None:
             start, global_state = ckpt["next_round"], ckpt["global_state"]
             server_state, client_states, totals = ckpt["server_state"], ckpt["client_states"], ckpt["totals"]
@@ -228,5 +232,5 @@ def resume(run_dir: str | Path, on_round=None) -> RunResult:
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"'{run_dir}' is not a run directory (it holds no config.yaml).")
-    return run(load_config(run_dir / "config.yaml"), run_dir, on_round)
+    return Experiment(load_config(run_dir / "config.yaml"), run_dir, resume=True).run(on_round)
 

@@ -1,0 +1,235 @@
+"""The vectorised executor: all selected clients of a round train as one ``torch.func`` program.
+
+Parameters, buffers (BatchNorm statistics included), momentum buffers and per-client method state
+of the selected clients are stacked on a leading client dimension. Each local step is one call of
+``vmap(grad_and_value(loss))`` over the clients, followed by SGD with momentum and weight decay as
+batched ``torch._foreach_*`` ops, with torch.optim.SGD's exact semantics (weight decay added to the
+gradient, then ``buf = m * buf + g``, ``p -= lr * buf``; clipping of each client's global grad norm
+as ``clip_grad_norm_`` does it).
+
+Unequal clients. Every client keeps exactly the batch schedule of the sequential executor (one
+permutation per epoch, last batch of an epoch smaller). At local step s the clients still training
+are grouped by their batch size at that step, and each group is one vmapped call; clients that have
+finished are simply not in any group (masking by omission). We group rather than pad because a
+padded batch changes BatchNorm statistics and every method's batch means; grouping is exact, and
+in the common case (equal sizes) there is one group per step and no gather at all.
+
+Chunks. ``max_parallel_clients`` caps how many clients are stacked at once; by default the chunk
+is all selected clients unless the stacked training state (parameters, gradients, momentum,
+start state: 4 copies per client) would exceed a quarter of the device memory, in which case the
+chunk shrinks to fit. ``peak_state_bytes`` reports the stacked state of the largest chunk (and
+``peak_device_bytes`` the CUDA allocator's peak when on a GPU).
+
+Fallback. A method that sets ``vectorizable = False``, or whose loss fails under ``vmap`` (an
+unsupported op, data-dependent control flow), runs on the sequential executor instead, after a
+one-line notice; results are never silently different.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
+
+from fedskew.data.federated import Federation
+from fedskew.engine.local import (ClientResult, LocalSettings, SequentialExecutor, batch_schedule,
+                                  frozen_forward)
+from fedskew.methods.base import ClientReport, Forward, Method, State
+
+
+def stack_states(states: list[State]) -> State:
+    keys = set(states[0])
+    for s in states[1:]:
+        if set(s) != keys:
+            raise ValueError(f"client states differ in their keys ({sorted(keys)} vs {sorted(s)}); "
+                             f"a vectorised method must give every client state the same tensors.")
+    return {k: torch.stack([s[k] for s in states]) for k in states[0]}
+
+
+def unstack(state: State, i: int) -> State:
+    return {k: v[i] for k, v in state.items()}
+
+
+def _device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+class VectorizedExecutor:
+    name = "vectorized"
+
+    def __init__(self, model: nn.Module, fed: Federation, method: Method, settings: LocalSettings,
+                 device: torch.device, max_parallel_clients: int | None = None):
+        self.model = model
+        self.fed = fed
+        self.method = method
+        self.settings = settings
+        self.device = device
+        self.max_parallel_clients = max_parallel_clients
+        self.sequential = SequentialExecutor(model, fed, method, settings, device)
+        self.x, self.y = self.sequential.x, self.sequential.y
+        self.train_idx, self.test_idx = self.sequential.train_idx, self.sequential.test_idx
+        self.fallback_reason: str | None = None if getattr(method, "vectorizable", True) else \
+            f"method {method.name} is marked not vectorizable"
+        if self.fallback_reason:
+            print(f"fedskew: vectorized executor falls back to sequential: {self.fallback_reason}.", flush=True)
+        self._checked = False
+        self.peak_state_bytes = 0
+        self.peak_device_bytes = 0
+        self._int_buffers = {k: v for k, v in model.named_buffers() if not v.is_floating_point()}
+        self._frozen = frozen_forward(model)
+        self._step = vmap(grad_and_value(self._loss, has_aux=True), in_dims=(0, 0, 0, 0, None, 0))
+        self._eval = vmap(self._logits, in_dims=(0, 0))
+
+    # -- pure pieces -------------------------------------------------------------------------------
+    def _loss(self, params, buffers, x, y, payload, client_state):
+        def train_fn(inp):
+            return functional_call(self.model, {**params, **buffers}, (inp,), {"return_features": True})
+
+        loss, aux = self.method.local_loss(Forward(train_fn, self._frozen), params, x, y, payload, client_state)
+        return loss, (loss, aux)
+
+    def _logits(self, state, x):
+        return functional_call(self.model, state, (x,))
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def chunk_size(self, num_clients: int) -> int:
+        if self.max_parallel_clients:
+            return min(self.max_parallel_clients, num_clients)
+        per_client = 4 * sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return max(1, min(num_clients, _device_memory(self.device) // 4 // max(per_client, 1)))
+
+    @torch.no_grad()
+    def local_accuracies(self, states: State, clients: list[int]) -> list[float | None]:
+        """Each client's state on its own local test split, all clients in one vmapped eval pass
+        (test sets padded to the longest and masked; eval mode, so padding cannot leak)."""
+        lengths = [len(self.test_idx[k]) for k in clients]
+        longest = max(lengths)
+        if longest == 0:
+            return [None] * len(clients)
+        rows = torch.zeros(len(clients), longest, dtype=torch.long, device=self.device)
+        mask = torch.zeros(len(clients), longest, dtype=torch.bool, device=self.device)
+        for i, k in enumerate(clients):
+            rows[i, :lengths[i]] = self.test_idx[k]
+            mask[i, :lengths[i]] = True
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            preds = self._eval(states, self.x[rows]).argmax(-1)
+        finally:
+            self.model.train(was_training)
+        correct = ((preds == self.y[rows]) & mask).sum(1)
+        return [correct[i].item() / n if n else None for i, n in enumerate(lengths)]
+
+    # -- the round ---------------------------------------------------------------------------------
+    def train_round(self, round_idx: int, clients: list[int], payload: State,
+                    client_states: dict[int, State], lr: float) -> list[ClientResult]:
+        if self.fallback_reason:
+            return self.sequential.train_round(round_idx, clients, payload, client_states, lr)
+        if not self._checked:
+            try:
+                out = self._train_all(round_idx, clients, payload, client_states, lr)
+            except (RuntimeError, ValueError, NotImplementedError) as exc:
+                self.fallback_reason = str(exc).splitlines()[0][:200]
+                print(f"fedskew: vectorized executor falls back to sequential for method {self.method.name}: "
+                      f"{self.fallback_reason}", flush=True)
+                return self.sequential.train_round(round_idx, clients, payload, client_states, lr)
+            self._checked = True
+            return out
+        return self._train_all(round_idx, clients, payload, client_states, lr)
+
+    def _train_all(self, round_idx, clients, payload, client_states, lr) -> list[ClientResult]:
+        size = self.chunk_size(len(clients))
+        results = []
+        for i in range(0, len(clients), size):
+            results += self._train_chunk(round_idx, clients[i:i + size], payload, client_states, lr)
+        return results
+
+    def _train_chunk(self, round_idx, clients, payload, client_states, lr) -> list[ClientResult]:
+        s, method, G = self.settings, self.method, len(clients)
+        starts = [method.local_start(payload, client_states[k]) for k in clients]
+        start = stack_states(starts)
+        param_names = [n for n, _ in self.model.named_parameters()]
+        params = {n: start[n].clone() for n in param_names}
+        buffers = {n: v.clone() for n, v in start.items() if n not in params}
+        buffers.update({n: v.unsqueeze(0).repeat(G, *[1] * v.dim()) for n, v in self._int_buffers.items()})
+        cstates = stack_states([client_states[k] for k in clients])
+        momentum = {n: torch.zeros_like(p) for n, p in params.items()} if s.momentum else None
+        state_bytes = sum(t.numel() * t.element_size() for t in [*params.values(), *buffers.values()]) * 4
+        self.peak_state_bytes = max(self.peak_state_bytes, state_bytes)
+
+        acc_before = self.local_accuracies(start, clients)
+        schedules = [batch_schedule(s, round_idx, k, len(self.train_idx[k])) for k in clients]
+        loss_sum = torch.zeros(G, device=self.device)
+        self.model.train()
+        for step in range(max(map(len, schedules))):
+            groups: dict[int, list[int]] = defaultdict(list)
+            for i, sched in enumerate(schedules):
+                if step < len(sched):
+                    groups[len(sched[step])].append(i)
+            for members in groups.values():
+                rows = torch.stack([self.train_idx[clients[i]][torch.from_numpy(schedules[i][step]).to(self.device)]
+                                    for i in members])
+                everyone = len(members) == G
+                gi = None if everyone else torch.tensor(members, device=self.device)
+                take = (lambda d: d) if everyone else (lambda d: {k: v.index_select(0, gi) for k, v in d.items()})
+                p, b, cs = take(params), take(buffers), take(cstates)
+                grads, (loss, _) = self._step(p, b, self.x[rows], self.y[rows], payload, cs)
+                new_p, new_m = self._sgd(p, grads, take(momentum) if momentum else None, lr)
+                if everyone:
+                    params, momentum = new_p, new_m
+                else:
+                    for k in params:
+                        params[k].index_copy_(0, gi, new_p[k])
+                        if momentum:
+                            momentum[k].index_copy_(0, gi, new_m[k])
+                    for k in buffers:
+                        buffers[k].index_copy_(0, gi, b[k])
+                if everyone:
+                    loss_sum.add_(loss.detach())
+                else:
+                    loss_sum.index_add_(0, gi, loss.detach())
+        if self.device.type == "cuda":
+            self.peak_device_bytes = max(self.peak_device_bytes, torch.cuda.max_memory_allocated(self.device))
+
+        trained_all = {**params, **{k: v for k, v in buffers.items() if v.is_floating_point()}}
+        results, personal = [], []
+        for i, k in enumerate(clients):
+            trained = {n: v.detach().clone() for n, v in unstack(trained_all, i).items()}
+            report = ClientReport(k, len(self.train_idx[k]), len(schedules[i]))
+            upload, new_state = method.after_training(trained, payload, client_states[k], report)
+            personal.append(method.personal_state(trained, new_state))
+            results.append(ClientResult(k, upload, new_state, report,
+                                        (loss_sum[i] / max(len(schedules[i]), 1)).item(), acc_before[i]))
+        for r, acc in zip(results, self.local_accuracies(stack_states(personal), clients)):
+            r.acc_after = acc
+        return results
+
+    @torch.no_grad()
+    def _sgd(self, params: State, grads: State, momentum: State | None, lr: float):
+        """One torch.optim.SGD step (dampening 0, no Nesterov) for every client at once."""
+        s = self.settings
+        names = list(params)
+        g = [grads[n] for n in names]
+        if s.grad_clip is not None:
+            norms = torch.sqrt(sum(t.pow(2).flatten(1).sum(1) for t in g))
+            coef = torch.clamp(s.grad_clip / (norms + 1e-6), max=1.0)
+            g = [t * coef.view(-1, *[1] * (t.dim() - 1)) for t in g]
+        p = [params[n] for n in names]
+        if s.weight_decay:
+            g = torch._foreach_add(g, p, alpha=s.weight_decay)
+        if momentum is not None:
+            m = torch._foreach_mul([momentum[n] for n in names], s.momentum)
+            torch._foreach_add_(m, g)
+            g = m
+        new_p = torch._foreach_add(p, g, alpha=-lr)
+        return dict(zip(names, new_p)), (dict(zip(names, g)) if momentum is not None else None)
+
