@@ -28,11 +28,11 @@ one-line notice; results are never silently different.
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 
+import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, vmap
 
 from fedskew.data.federated import Federation
 from fedskew.engine.local import (ClientResult, LocalSettings, SequentialExecutor, batch_schedule,
@@ -86,7 +86,7 @@ class VectorizedExecutor:
         self.peak_device_bytes = 0
         self._int_buffers = {k: v for k, v in model.named_buffers() if not v.is_floating_point()}
         self._frozen = frozen_forward(model)
-        self._step = vmap(grad_and_value(self._loss, has_aux=True), in_dims=(0, 0, 0, 0, None, 0))
+        self._losses = vmap(self._loss, in_dims=(0, 0, 0, 0, None, 0))
         self._eval = vmap(self._logits, in_dims=(0, 0))
 
     # -- pure pieces -------------------------------------------------------------------------------
@@ -94,8 +94,8 @@ class VectorizedExecutor:
         def train_fn(inp):
             return functional_call(self.model, {**params, **buffers}, (inp,), {"return_features": True})
 
-        loss, aux = self.method.local_loss(Forward(train_fn, self._frozen), params, x, y, payload, client_state)
-        return loss, (loss, aux)
+        loss, _ = self.method.local_loss(Forward(train_fn, self._frozen), params, x, y, payload, client_state)
+        return loss
 
     def _logits(self, state, x):
         return functional_call(self.model, state, (x,))
@@ -153,10 +153,25 @@ class VectorizedExecutor:
             results += self._train_chunk(round_idx, clients[i:i + size], payload, client_states, lr)
         return results
 
+    def _stack_starts(self, starts: list[State]) -> State:
+        """Stack the clients' start states; a tensor shared by all clients (FedAvg's broadcast
+        model) is expanded instead of copied G times."""
+        out = {}
+        for k, first in starts[0].items():
+            if all(s[k] is first for s in starts):
+                out[k] = first.unsqueeze(0).expand(len(starts), *first.shape)
+            else:
+                out[k] = torch.stack([s[k] for s in starts])
+        return out
+
     def _train_chunk(self, round_idx, clients, payload, client_states, lr) -> list[ClientResult]:
-        s, method, G = self.settings, self.method, len(clients)
-        starts = [method.local_start(payload, client_states[k]) for k in clients]
-        start = stack_states(starts)
+        s, method = self.settings, self.method
+        # Clients sorted by local size: those that share a batch size at a step are then mostly a
+        # contiguous range of the stack, trained through views with no gather or scatter.
+        given_order = {k: i for i, k in enumerate(clients)}
+        clients = sorted(clients, key=lambda k: len(self.train_idx[k]))
+        G = len(clients)
+        start = self._stack_starts([method.local_start(payload, client_states[k]) for k in clients])
         param_names = [n for n, _ in self.model.named_parameters()]
         params = {n: start[n].clone() for n in param_names}
         buffers = {n: v.clone() for n, v in start.items() if n not in params}
@@ -165,57 +180,68 @@ class VectorizedExecutor:
         momentum = {n: torch.zeros_like(p) for n, p in params.items()} if s.momentum else None
         state_bytes = sum(t.numel() * t.element_size() for t in [*params.values(), *buffers.values()]) * 4
         self.peak_state_bytes = max(self.peak_state_bytes, state_bytes)
-
         acc_before = self.local_accuracies(start, clients)
+
+        # Batch schedules exactly as the sequential executor's; sizes[i, step] = 0 once finished.
         schedules = [batch_schedule(s, round_idx, k, len(self.train_idx[k])) for k in clients]
+        steps = np.array([len(sc) for sc in schedules])
+        sizes = np.zeros((G, steps.max()), dtype=np.int64)
+        rows, offsets = [], []
+        for i, (k, sched) in enumerate(zip(clients, schedules)):
+            sizes[i, :len(sched)] = [len(b) for b in sched]
+            rows.append(self.train_idx[k][torch.from_numpy(np.concatenate(sched)).to(self.device)])
+            offsets.append(np.concatenate([[0], np.cumsum(sizes[i, :len(sched)])]))
+
         loss_sum = torch.zeros(G, device=self.device)
         self.model.train()
-        for step in range(max(map(len, schedules))):
-            groups: dict[int, list[int]] = defaultdict(list)
-            for i, sched in enumerate(schedules):
-                if step < len(sched):
-                    groups[len(sched[step])].append(i)
-            for members in groups.values():
-                rows = torch.stack([self.train_idx[clients[i]][torch.from_numpy(schedules[i][step]).to(self.device)]
-                                    for i in members])
-                everyone = len(members) == G
-                gi = None if everyone else torch.tensor(members, device=self.device)
-                take = (lambda d: d) if everyone else (lambda d: {k: v.index_select(0, gi) for k, v in d.items()})
-                p, b, cs = take(params), take(buffers), take(cstates)
-                grads, (loss, _) = self._step(p, b, self.x[rows], self.y[rows], payload, cs)
-                new_p, new_m = self._sgd(p, grads, take(momentum) if momentum else None, lr)
-                if everyone:
-                    params, momentum = new_p, new_m
+        for step in range(sizes.shape[1]):
+            for size in np.unique(sizes[:, step]):
+                if size == 0:
+                    continue
+                members = np.flatnonzero(sizes[:, step] == size)
+                batch_rows = torch.stack([rows[i][offsets[i][step]:offsets[i][step] + size] for i in members])
+                a, b = int(members[0]), int(members[-1]) + 1
+                if b - a == len(members):  # contiguous: views, updated in place
+                    gi = None
+                    pick = (lambda d: {k: v[a:b] for k, v in d.items()})
+                else:  # scattered: gathered copies, written back after the step
+                    gi = torch.from_numpy(members).to(self.device)
+                    pick = (lambda d: {k: v.index_select(0, gi) for k, v in d.items()})
+                p, buf, mom = pick(params), pick(buffers), pick(momentum) if momentum else None
+                leaves = {k: v.detach().requires_grad_(True) for k, v in p.items()}
+                losses = self._losses(leaves, buf, self.x[batch_rows], self.y[batch_rows], payload, pick(cstates))
+                grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
+                # Each client's loss depends only on its own row of the stack, so the gradient of
+                # the sum is every client's own gradient.
+                self._sgd_(p, dict(zip(p, grads)), mom, lr)
+                if gi is None:
+                    loss_sum[a:b] += losses.detach()
                 else:
-                    for k in params:
-                        params[k].index_copy_(0, gi, new_p[k])
-                        if momentum:
-                            momentum[k].index_copy_(0, gi, new_m[k])
-                    for k in buffers:
-                        buffers[k].index_copy_(0, gi, b[k])
-                if everyone:
-                    loss_sum.add_(loss.detach())
-                else:
-                    loss_sum.index_add_(0, gi, loss.detach())
+                    with torch.no_grad():
+                        for d, new in ((params, p), (buffers, buf), (momentum, mom)):
+                            for k in (new or {}):
+                                d[k].index_copy_(0, gi, new[k])
+                    loss_sum.index_add_(0, gi, losses.detach())
         if self.device.type == "cuda":
             self.peak_device_bytes = max(self.peak_device_bytes, torch.cuda.max_memory_allocated(self.device))
 
         trained_all = {**params, **{k: v for k, v in buffers.items() if v.is_floating_point()}}
         results, personal = [], []
         for i, k in enumerate(clients):
-            trained = {n: v.detach().clone() for n, v in unstack(trained_all, i).items()}
-            report = ClientReport(k, len(self.train_idx[k]), len(schedules[i]))
+            trained = unstack(trained_all, i)  # views into the stack; methods never write in place
+            report = ClientReport(k, len(self.train_idx[k]), int(steps[i]))
             upload, new_state = method.after_training(trained, payload, client_states[k], report)
             personal.append(method.personal_state(trained, new_state))
             results.append(ClientResult(k, upload, new_state, report,
-                                        (loss_sum[i] / max(len(schedules[i]), 1)).item(), acc_before[i]))
+                                        (loss_sum[i] / max(int(steps[i]), 1)).item(), acc_before[i]))
         for r, acc in zip(results, self.local_accuracies(stack_states(personal), clients)):
             r.acc_after = acc
-        return results
+        return sorted(results, key=lambda r: given_order[r.client_id])
 
     @torch.no_grad()
-    def _sgd(self, params: State, grads: State, momentum: State | None, lr: float):
-        """One torch.optim.SGD step (dampening 0, no Nesterov) for every client at once."""
+    def _sgd_(self, params: State, grads: State, momentum: State | None, lr: float) -> None:
+        """One torch.optim.SGD step (dampening 0, no Nesterov) for every client at once, in place
+        on ``params`` and ``momentum``."""
         s = self.settings
         names = list(params)
         g = [grads[n] for n in names]
@@ -225,11 +251,10 @@ class VectorizedExecutor:
             g = [t * coef.view(-1, *[1] * (t.dim() - 1)) for t in g]
         p = [params[n] for n in names]
         if s.weight_decay:
-            g = torch._foreach_add(g, p, alpha=s.weight_decay)
+            torch._foreach_add_(g, p, alpha=s.weight_decay)
         if momentum is not None:
-            m = torch._foreach_mul([momentum[n] for n in names], s.momentum)
+            m = [momentum[n] for n in names]
+            torch._foreach_mul_(m, s.momentum)
             torch._foreach_add_(m, g)
             g = m
-        new_p = torch._foreach_add(p, g, alpha=-lr)
-        return dict(zip(names, new_p)), (dict(zip(names, g)) if momentum is not None else None)
-
+        torch._foreach_add_(p, g, alpha=-lr)
