@@ -140,11 +140,13 @@ _IDX_NORMALISATION = {"mnist": (0.1307, 0.3081), "fmnist": (0.2860, 0.3530)}
 
 def idx_search_folders(name: str, root: str | None) -> list[Path]:
     """Folders searched for a data set's IDX files, in order."""
+    # Sub-folder names used by fedskew, by Debian/other mirrors and by torchvision's layout.
+    subs = {"mnist": ["mnist", "MNIST/raw"], "fmnist": ["fmnist", "fashion-mnist", "FashionMNIST/raw"]}[name]
     folders = []
     if root:
-        folders += [Path(root), Path(root) / name]
+        folders += [Path(root)] + [Path(root) / sub for sub in subs]
     if os.environ.get("FEDSKEW_DATA"):
-        folders.append(Path(os.environ["FEDSKEW_DATA"]) / name)
+        folders += [Path(os.environ["FEDSKEW_DATA"]) / sub for sub in subs]
     folders.append(Path.home() / ".cache" / "fedskew" / name)
     if name == "fmnist":
         folders.append(Path("/usr/share/datasets/fashion-mnist"))
@@ -181,7 +183,8 @@ def load_idx_dataset(name: str, root: str | None = None, download: bool = True,
                      timeout: float = 20.0) -> Dataset:
     """MNIST (``mnist``) or Fashion-MNIST (``fmnist``) from IDX files.
 
-    Searched in order: ``root`` and ``root/<name>``, ``$FEDSKEW_DATA/<name>``,
+    Searched in order: ``root`` and its sub-folders ``<name>``, ``fashion-mnist`` (fmnist) and
+    torchvision's ``MNIST/raw`` / ``FashionMNIST/raw``, the same under ``$FEDSKEW_DATA``,
     ``~/.cache/fedskew/<name>`` and, for Fashion-MNIST, Debian's ``/usr/share/datasets/fashion-mnist``.
     Only when no folder holds all four files and ``download`` is set does it try the usual
     mirrors, into ``root`` (or the cache folder).
@@ -199,7 +202,7 @@ def load_idx_dataset(name: str, root: str | None = None, download: bool = True,
 
     found = locate()
     if found is None and download:
-        target = Path(root) if root else folders[-2 if name == "fmnist" else -1]
+        target = Path(root) if root else Path.home() / ".cache" / "fedskew" / name
         if _download(name, target, timeout):
             found = locate()
     if found is None:

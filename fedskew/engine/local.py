@@ -114,11 +114,19 @@ class SequentialExecutor:
         self.train_idx = [i.to(device) for i in fed.train_idx]
         self.test_idx = [i.to(device) for i in fed.test_idx]
 
-    def local_accuracy(self, state: State, client_id: int) -> float | None:
+    def local_accuracy(self, state: State | None, client_id: int) -> float | None:
+        """Accuracy on the client's local test split of ``state`` (None: the model as loaded)."""
         idx = self.test_idx[client_id]
         if len(idx) == 0:
             return None
-        return (predict(self.model, state, self.x[idx]) == self.y[idx]).sum().item() / len(idx)
+        if state is None:
+            self.model.eval()
+            with torch.no_grad():
+                preds = self.model(self.x[idx]).argmax(1)
+            self.model.train()
+        else:
+            preds = predict(self.model, state, self.x[idx])
+        return (preds == self.y[idx]).sum().item() / len(idx)
 
     def train_round(self, round_idx: int, clients: list[int], payload: State,
                     client_states: dict[int, State], lr: float) -> list[ClientResult]:
@@ -127,9 +135,8 @@ class SequentialExecutor:
     def train_client(self, round_idx: int, client_id: int, payload: State, client_state: State,
                      lr: float) -> ClientResult:
         s, model, method = self.settings, self.model, self.method
-        start = method.local_start(payload, client_state)
-        acc_before = self.local_accuracy(start, client_id)
-        load_state(model, start)
+        load_state(model, method.local_start(payload, client_state))
+        acc_before = self.local_accuracy(None, client_id)
         model.train()
         params = dict(model.named_parameters())
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=s.momentum, weight_decay=s.weight_decay)
@@ -149,7 +156,8 @@ class SequentialExecutor:
         trained = federated_state(model)
         report = ClientReport(client_id, len(idx), len(batches))
         upload, new_state = method.after_training(trained, payload, client_state, report)
-        acc_after = self.local_accuracy(method.personal_state(trained, new_state), client_id)
+        personal = method.personal_state(trained, new_state)
+        acc_after = self.local_accuracy(None if personal is trained else personal, client_id)
         return ClientResult(client_id, upload, new_state, report, (loss_sum / max(len(batches), 1)).item(),
                             acc_before, acc_after)
 
