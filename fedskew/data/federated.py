@@ -55,7 +55,10 @@ class Federation:
         counts = self.counts("train")
         k, c = counts.shape
         fig, ax = plt.subplots(figsize=(min(2 + 0.5 * c, 14), min(1.5 + 0.25 * k, 14)))
-        im = ax.imshow(counts, aspect="auto", cmap="viridis", interpolation="nearest")
+        cmap = matplotlib.colormaps["viridis"].copy()
+        cmap.set_bad("white")  # classes a client does not hold stay blank
+        im = ax.imshow(np.ma.masked_equal(counts, 0), aspect="auto", cmap=cmap, interpolation="nearest",
+                       vmin=0, vmax=max(int(counts.max()), 1))
         ax.set_xlabel("class")
         ax.set_ylabel("client")
         ax.set_xticks(range(c))
