@@ -55,8 +55,7 @@ class Federation:
         counts = self.counts("train")
         k, c = counts.shape
         fig, ax = plt.subplots(figsize=(min(2 + 0.5 * c, 14), min(1.5 + 0.25 * k, 14)))
-        cmap = matplotlib.colormaps["viridis"].copy()
-        cmap.set_bad("white")  # classes a client does not hold stay blank
+        cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")  # classes not held stay blank
         im = ax.imshow(np.ma.masked_equal(counts, 0), aspect="auto", cmap=cmap, interpolation="nearest",
                        vmin=0, vmax=max(int(counts.max()), 1))
         ax.set_xlabel("class")

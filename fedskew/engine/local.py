@@ -84,6 +84,28 @@ def predict(model: nn.Module, state: State, x: torch.Tensor, batch: int = 4096) 
     return torch.cat(preds) if preds else torch.empty(0, dtype=torch.long, device=x.device)
 
 
+def feature_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 4096):
+    """``state -> (z, y)`` over all of ``x`` in eval mode without gradient (``ClientReport.local_features``)."""
+    def run(state: State):
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                z = [functional_call(model, state, (x[i:i + batch],), {"return_features": True})[0]
+                     for i in range(0, len(x), batch)]
+        finally:
+            model.train(was_training)
+        return torch.cat(z), y
+    return run
+
+
+def add_tracked(total: dict, tracked: dict) -> dict:
+    """Accumulate a step's loss and aux values (detached)."""
+    for k, v in tracked.items():
+        total[k] = total[k] + v.detach() if k in total else v.detach()
+    return total
+
+
 def frozen_forward(model: nn.Module):
     """``(state, x) -> (z, logits)`` in eval mode without gradient, for ``Forward.frozen``."""
     def run(state: State, x: torch.Tensor):
@@ -143,21 +165,21 @@ class SequentialExecutor:
         fwd = Forward(lambda x: model(x, return_features=True), frozen_forward(model))
         idx = self.train_idx[client_id]
         batches = batch_schedule(s, round_idx, client_id, len(idx))
-        loss_sum = torch.zeros((), device=self.device)
+        sums: dict = {}
         for positions in batches:
             rows = idx[torch.from_numpy(positions).to(self.device)]
-            loss, _ = method.local_loss(fwd, params, self.x[rows], self.y[rows], payload, client_state)
+            loss, aux = method.local_loss(fwd, params, self.x[rows], self.y[rows], payload, client_state)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if s.grad_clip is not None:
                 nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
             opt.step()
-            loss_sum += loss.detach()
+            add_tracked(sums, {"loss": loss, **aux})
         trained = federated_state(model)
-        report = ClientReport(client_id, len(idx), len(batches))
+        report = ClientReport(client_id, len(idx), len(batches), feature_fn(model, self.x[idx], self.y[idx]))
         upload, new_state = method.after_training(trained, payload, client_state, report)
         personal = method.personal_state(trained, new_state)
         acc_after = self.local_accuracy(None if personal is trained else personal, client_id)
-        return ClientResult(client_id, upload, new_state, report, (loss_sum / max(len(batches), 1)).item(),
-                            acc_before, acc_after)
+        means = {k: (v / max(len(batches), 1)).item() for k, v in sums.items()}
+        return ClientResult(client_id, upload, new_state, report, means.pop("loss", 0.0), acc_before, acc_after, means)
 

@@ -36,7 +36,7 @@ from torch.func import functional_call, vmap
 
 from fedskew.data.federated import Federation
 from fedskew.engine.local import (ClientResult, LocalSettings, SequentialExecutor, batch_schedule,
-                                  frozen_forward)
+                                  feature_fn, frozen_forward)
 from fedskew.methods.base import ClientReport, Forward, Method, State
 
 
@@ -94,8 +94,8 @@ class VectorizedExecutor:
         def train_fn(inp):
             return functional_call(self.model, {**params, **buffers}, (inp,), {"return_features": True})
 
-        loss, _ = self.method.local_loss(Forward(train_fn, self._frozen), params, x, y, payload, client_state)
-        return loss
+        loss, aux = self.method.local_loss(Forward(train_fn, self._frozen), params, x, y, payload, client_state)
+        return loss, aux
 
     def _logits(self, state, x):
         return functional_call(self.model, state, (x,))
@@ -192,7 +192,7 @@ class VectorizedExecutor:
             rows.append(self.train_idx[k][torch.from_numpy(np.concatenate(sched)).to(self.device)])
             offsets.append(np.concatenate([[0], np.cumsum(sizes[i, :len(sched)])]))
 
-        loss_sum = torch.zeros(G, device=self.device)
+        sums: dict[str, torch.Tensor] = {}
         self.model.train()
         for step in range(sizes.shape[1]):
             for size in np.unique(sizes[:, step]):
@@ -209,19 +209,25 @@ class VectorizedExecutor:
                     pick = (lambda d: {k: v.index_select(0, gi) for k, v in d.items()})
                 p, buf, mom = pick(params), pick(buffers), pick(momentum) if momentum else None
                 leaves = {k: v.detach().requires_grad_(True) for k, v in p.items()}
-                losses = self._losses(leaves, buf, self.x[batch_rows], self.y[batch_rows], payload, pick(cstates))
+                losses, aux = self._losses(leaves, buf, self.x[batch_rows], self.y[batch_rows], payload,
+                                           pick(cstates))
+                tracked = {"loss": losses, **aux}
+                for key, v in tracked.items():
+                    sums.setdefault(key, torch.zeros(G, device=self.device))
                 grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
                 # Each client's loss depends only on its own row of the stack, so the gradient of
                 # the sum is every client's own gradient.
                 self._sgd_(p, dict(zip(p, grads)), mom, lr)
                 if gi is None:
-                    loss_sum[a:b] += losses.detach()
+                    for key, v in tracked.items():
+                        sums[key][a:b] += v.detach()
                 else:
                     with torch.no_grad():
                         for d, new in ((params, p), (buffers, buf), (momentum, mom)):
                             for k in (new or {}):
                                 d[k].index_copy_(0, gi, new[k])
-                    loss_sum.index_add_(0, gi, losses.detach())
+                    for key, v in tracked.items():
+                        sums[key].index_add_(0, gi, v.detach())
         if self.device.type == "cuda":
             self.peak_device_bytes = max(self.peak_device_bytes, torch.cuda.max_memory_allocated(self.device))
 
@@ -229,11 +235,12 @@ class VectorizedExecutor:
         results, personal = [], []
         for i, k in enumerate(clients):
             trained = unstack(trained_all, i)  # views into the stack; methods never write in place
-            report = ClientReport(k, len(self.train_idx[k]), int(steps[i]))
+            idx = self.train_idx[k]
+            report = ClientReport(k, len(idx), int(steps[i]), feature_fn(self.model, self.x[idx], self.y[idx]))
             upload, new_state = method.after_training(trained, payload, client_states[k], report)
             personal.append(method.personal_state(trained, new_state))
-            results.append(ClientResult(k, upload, new_state, report,
-                                        (loss_sum[i] / max(int(steps[i]), 1)).item(), acc_before[i]))
+            means = {key: (v[i] / max(int(steps[i]), 1)).item() for key, v in sums.items()}
+            results.append(ClientResult(k, upload, new_state, report, means.pop("loss"), acc_before[i], None, means))
         for r, acc in zip(results, self.local_accuracies(stack_states(personal), clients)):
             r.acc_after = acc
         return sorted(results, key=lambda r: given_order[r.client_id])

@@ -23,7 +23,7 @@ method can misreport it. Methods hold their options (immutable) and nothing else
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 import torch
@@ -53,6 +53,10 @@ class ClientReport:
     client_id: int
     num_samples: int
     num_steps: int
+    # state -> (features z, labels y) of the client's whole local training set, eval mode, no
+    # gradient (e.g. for class prototypes computed after training).
+    local_features: Callable[[dict], tuple[torch.Tensor, torch.Tensor]] | None = field(
+        default=None, compare=False, repr=False)
 
 
 class Forward:
