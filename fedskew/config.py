@@ -95,6 +95,7 @@ class RunConfig(_Strict):
     executor: Literal["sequential", "vectorized"] = "sequential"
     max_parallel_clients: int | None = Field(None, ge=1, description="vectorized: clients per chunk")
     final_personalization: bool = Field(True, description="train every client once from the final model")
+    feature_stats: bool = Field(False, description="record features/eig_var_top50 at every evaluation")
 
     _coerce = field_validator("method", "dataset", "partition", "model", mode="before")(
         lambda cls, v: _name_or_mapping(v))

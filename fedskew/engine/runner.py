@@ -23,7 +23,8 @@ from fedskew.data.federated import Federation, load_federation
 from fedskew.engine.local import LocalSettings, SequentialExecutor, federated_state
 from fedskew.engine.rng import sample_clients, seeded_torch
 from fedskew.methods import FederationInfo, build_method
-from fedskew.metrics import count_floats, global_metrics, mean_std
+from fedskew.methods.base import model_part
+from fedskew.metrics import count_floats, feature_eig_var, global_metrics, mean_std
 from fedskew.models import build_model
 
 
@@ -118,7 +119,7 @@ class Experiment:
             start, history = 0, []
             global_state = federated_state(self.model)
             server_state = method.server_init(global_state, self.info)
-            client_states, totals = {}, {"up": 0, "down": 0}
+            client_states, totals = {}, {"up": 0, "down": 0, "up_model": 0, "down_model": 0}
         atomic_write_text("".join(json.dumps(h) + "\n" for h in history), self.run_dir / "metrics.jsonl")
 
         for t in range(start, cfg.rounds):
@@ -132,7 +133,7 @@ class Experiment:
             if on_round:
                 on_round(record)
 
-        summary = self._summary(history, global_state, server_state, client_states)
+        summary = self._summary(history, global_state, server_state, client_states, totals)
         atomic_write_text(json.dumps(summary, indent=2), self.run_dir / "summary.json")
         return RunResult(self.run_dir, summary, history, global_state)
 
@@ -158,8 +159,12 @@ class Experiment:
                                      f"lower lr or set grad_clip. The last good checkpoint is kept in {self.run_dir}.")
         down = count_floats(payload) * len(selected)
         up = sum(count_floats(u) for u in uploads)
+        down_model = count_floats(model_part(payload)) * len(selected)
+        up_model = sum(count_floats(model_part(u)) for u in uploads)
         totals["down"] += down
         totals["up"] += up
+        totals["down_model"] += down_model
+        totals["up_model"] += up_model
         n = sum(r.report.num_samples for r in results)
         samples_seen = sum(r.report.num_samples * cfg.local_epochs for r in results)
         before, before_std = mean_std([r.acc_before for r in results])
@@ -169,12 +174,18 @@ class Experiment:
             "train/loss": sum(r.train_loss * r.report.num_samples for r in results) / n,
             "personal/acc_before": before, "personal/acc_before_std": before_std,
             "personal/acc_after": after, "personal/acc_after_std": after_std,
+            **{f"train/{key}": sum(r.aux[key] * r.report.num_samples for r in results if key in r.aux) /
+               sum(r.report.num_samples for r in results if key in r.aux)
+               for key in sorted({k for r in results for k in r.aux})},
             "comm/down_floats": down, "comm/up_floats": up,
+            "comm/down_extra_floats": down - down_model, "comm/up_extra_floats": up - up_model,
             "comm/down_floats_total": totals["down"], "comm/up_floats_total": totals["up"],
             "time/client_train_s": train_s, "time/samples_per_s": samples_seen / max(train_s, 1e-9),
         }
         if (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
             record.update(global_metrics(self.model, new_global, self.x_test, self.y_test, self.fed.num_classes))
+            if cfg.feature_stats:
+                record["features/eig_var_top50"] = feature_eig_var(self.model, new_global, self.x_test)
         record["time/round_s"] = time.perf_counter() - t0
         record["_global"], record["_server"] = new_global, new_server
         return record
@@ -192,7 +203,7 @@ class Experiment:
         return {"personal/final_acc_before": before, "personal/final_acc_before_std": before_std,
                 "personal/final_acc_after": after, "personal/final_acc_after_std": after_std}
 
-    def _summary(self, history, global_state, server_state, client_states) -> dict:
+    def _summary(self, history, global_state, server_state, client_states, totals) -> dict:
         evals = [h for h in history if "global/test_acc" in h]
         last = evals[-1]
         accs = [h["global/test_acc"] for h in evals]
@@ -209,6 +220,9 @@ class Experiment:
             "personal/acc_after": history[-1]["personal/acc_after"],
             "comm/down_floats_total": history[-1]["comm/down_floats_total"],
             "comm/up_floats_total": history[-1]["comm/up_floats_total"],
+            # Extra communication beyond the model, in % of the model's (FedMR Table 3).
+            "comm/extra_pct": 100.0 * ((totals["up"] + totals["down"]) - (totals["up_model"] + totals["down_model"]))
+            / max(totals["up_model"] + totals["down_model"], 1),
             "time/round_s_mean": sum(h["time/round_s"] for h in history) / len(history),
             "train/loss": history[-1]["train/loss"],
         }

@@ -1,36 +1,58 @@
-"""Method registry: one module per method family; every method is a :class:`Method`."""
+"""Method registry: one module per method family; every method is a :class:`Method`.
+
+Any method also takes the composable pieces of :data:`fedskew.methods.fedmr.COMPONENTS` as
+sub-options (``method.prototypes.mu2=1e-4``, ``method.decorrelation.mu1=0.01``): the method is then
+wrapped in a :class:`~fedskew.methods.compose.Composite`.
+"""
 
 from __future__ import annotations
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from fedskew.methods.base import ClientReport, FederationInfo, Forward, Method, State
+from fedskew.methods.compose import Composite
+from fedskew.methods.fedmr import COMPONENTS, FedMR
 
-METHODS: dict[str, type[Method]] = {"fedavg": Method}
+METHODS: dict[str, type[Method]] = {"fedavg": Method, "fedmr": FedMR}
 
 
-def _options(cfg):
-    cls = METHODS.get(cfg.name)
-    if cls is None:
-        raise ValueError(f"method.name '{cfg.name}' is not known; allowed: {sorted(METHODS)}")
+def _validate(schema: type[BaseModel], data: dict, where: str, what: str) -> BaseModel:
     try:
-        return cls, cls.Options.model_validate(cfg.options)
+        return schema.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         key = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
-            allowed = sorted(cls.Options.model_fields)
-            raise ValueError(f"method.{key} is not an option of {cfg.name}; allowed: {allowed}") from None
-        raise ValueError(f"method.{key} = {err.get('input')!r} is not allowed: {err['msg']}") from None
+            allowed = sorted(schema.model_fields) + (sorted(COMPONENTS) if where == "method" else [])
+            raise ValueError(f"{where}.{key} is not an option of {what}; allowed: {allowed}") from None
+        raise ValueError(f"{where}.{key} = {err.get('input')!r} is not allowed: {err['msg']}") from None
+
+
+def _parse(cfg):
+    cls = METHODS.get(cfg.name)
+    if cls is None:
+        raise ValueError(f"method.name '{cfg.name}' is not known; allowed: {sorted(METHODS)}")
+    options = dict(cfg.options)
+    parts = {}
+    for name, comp in COMPONENTS.items():
+        if name in options:
+            sub = options.pop(name)
+            if not isinstance(sub, dict):
+                raise ValueError(f"method.{name} must be a mapping of options such as {{mu2: 0.0001}}, not {sub!r}")
+            parts[name] = _validate(comp.Options, sub, f"method.{name}", name)
+    return cls, _validate(cls.Options, options, "method", cfg.name), parts
 
 
 def validate_method_config(cfg) -> None:
-    _options(cfg)
+    _parse(cfg)
 
 
 def build_method(cfg) -> Method:
-    cls, options = _options(cfg)
-    return cls(options)
+    cls, options, parts = _parse(cfg)
+    method = cls(options)
+    if not parts:
+        return method
+    return Composite(method, [COMPONENTS[name](opt) for name, opt in parts.items()])
 
 
 __all__ = ["ClientReport", "FederationInfo", "Forward", "METHODS", "Method", "State", "build_method",

@@ -6,7 +6,9 @@
   it received and its personalised model; mean over the clients selected in the round
   (``*_std``: standard deviation across those clients, the fairness figure).
 - ``comm/down_floats`` / ``comm/up_floats``: numbers of tensor elements actually sent in the
-  round, summed over the selected clients (``comm/*_total``: cumulative).
+  round, summed over the selected clients (``comm/*_total``: cumulative); ``comm/*_extra_floats``:
+  the part that is not the model (prototypes, control variates, ...).
+- ``features/eig_var_top50``: with ``feature_stats=true``, FedMR's Table 7 statistic.
 """
 
 from __future__ import annotations
@@ -36,6 +38,16 @@ def global_metrics(model, state, x_test: torch.Tensor, y_test: torch.Tensor, num
     for c, acc in enumerate(class_accuracy(preds, y_test, num_classes)):
         out[f"global/class_acc/{c}"] = acc
     return out
+
+
+def feature_eig_var(model, state, x_test: torch.Tensor, n: int = 128) -> float:
+    """``features/eig_var_top50``: FedMR Table 7 statistic of the global model's features on the
+    first ``n`` global test samples (see :func:`fedskew.methods.fedmr.eig_var_top50`)."""
+    from fedskew.engine.local import feature_fn
+    from fedskew.methods.fedmr import eig_var_top50
+
+    z, _ = feature_fn(model, x_test[:n], None)(state)
+    return eig_var_top50(z)
 
 
 def mean_std(values: list[float | None]) -> tuple[float | None, float | None]:

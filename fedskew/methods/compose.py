@@ -1,0 +1,136 @@
+"""Composable method pieces (design.md, "Methods compose").
+
+A :class:`Component` adds to a base method: extra server/client state, extra payload and upload
+entries under its own prefix, an extra loss term, and its own aggregation of its uploads. A
+:class:`Composite` is a base method plus components: losses add up, payloads and uploads merge.
+This is how FedMR is FedAvg + intra-class decorrelation + prototype margin, and how any method
+takes prototypes by configuration (``method.prototypes.mu2=1e-4``).
+
+All components of one composite see the same forward pass of a batch (:class:`SharedForward`), so
+BatchNorm statistics are updated once per step, as in the sequential reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel
+
+from fedskew.methods.base import ClientReport, FederationInfo, Forward, Method, State
+
+
+class SharedForward(Forward):
+    """A Forward whose training pass runs once per batch: later calls with the same ``x`` return
+    the first call's outputs."""
+
+    def __init__(self, fwd: Forward):
+        super().__init__(fwd._train_fn, fwd._frozen_fn)
+        self._last: tuple[torch.Tensor, tuple] | None = None
+
+    def __call__(self, x: torch.Tensor):
+        if self._last is None or self._last[0] is not x:
+            self._last = (x, self._train_fn(x))
+        return self._last[1]
+
+
+class Component:
+    """One composable piece. Entries it sends and keeps are prefixed with ``prefix``."""
+
+    prefix = ""
+    Options: type[BaseModel]
+
+    def __init__(self, options: BaseModel):
+        self.opt = options
+
+    def server_init(self, global_state: State, info: FederationInfo) -> State:
+        return {}
+
+    def client_init(self, client_id: int, global_state: State, info: FederationInfo) -> State:
+        return {}
+
+    def broadcast(self, server_state: State) -> State:
+        return {}
+
+    def loss(self, fwd: Forward, params: State, x: torch.Tensor, y: torch.Tensor, payload: State,
+             client_state: State) -> tuple[torch.Tensor | None, State]:
+        """The weighted extra loss term (None: none) and aux values to log."""
+        return None, {}
+
+    def after_training(self, trained: State, payload: State, client_state: State,
+                       report: ClientReport) -> tuple[State, State]:
+        return {}, client_state
+
+    def aggregate(self, server_state: State, uploads: list[State], reports: list[ClientReport]) -> State:
+        return server_state
+
+
+def _own(d: State, prefix: str) -> State:
+    return {k: v for k, v in d.items() if k.startswith(prefix)}
+
+
+def _others(d: State, prefixes: list[str]) -> State:
+    return {k: v for k, v in d.items() if not any(k.startswith(p) for p in prefixes)}
+
+
+class Composite(Method):
+    """A base method plus components. Subclasses set ``base`` and ``components`` in ``__init__``."""
+
+    def __init__(self, base: Method, components: list[Component], name: str | None = None):
+        self.base = base
+        self.components = components
+        self.opt = base.opt
+        self.name = name or "+".join([base.name, *(c.prefix.rstrip(".") for c in components)])
+        self.vectorizable = getattr(base, "vectorizable", True)
+        self._prefixes = [c.prefix for c in components]
+
+    def server_init(self, global_state, info):
+        state = self.base.server_init(global_state, info)
+        for c in self.components:
+            state.update(c.server_init(global_state, info))
+        return state
+
+    def client_init(self, client_id, global_state, info):
+        state = self.base.client_init(client_id, global_state, info)
+        for c in self.components:
+            state.update(c.client_init(client_id, global_state, info))
+        return state
+
+    def broadcast(self, global_state, server_state):
+        payload = self.base.broadcast(global_state, _others(server_state, self._prefixes))
+        for c in self.components:
+            payload.update(c.broadcast(_own(server_state, c.prefix)))
+        return payload
+
+    def local_start(self, payload, client_state):
+        return self.base.local_start(payload, _others(client_state, self._prefixes))
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        fwd = SharedForward(fwd)
+        loss, aux = self.base.local_loss(fwd, params, x, y, payload, _others(client_state, self._prefixes))
+        aux = dict(aux)
+        for c in self.components:
+            term, extra = c.loss(fwd, params, x, y, payload, _own(client_state, c.prefix))
+            if term is not None:
+                loss = loss + term
+            aux.update(extra)
+        return loss, aux
+
+    def after_training(self, trained, payload, client_state, report):
+        upload, new_state = self.base.after_training(trained, payload, _others(client_state, self._prefixes), report)
+        upload, new_state = dict(upload), dict(new_state)
+        for c in self.components:
+            up, st = c.after_training(trained, payload, _own(client_state, c.prefix), report)
+            upload.update(up)
+            new_state.update(st)
+        return upload, new_state
+
+    def personal_state(self, trained, client_state):
+        return self.base.personal_state(trained, _others(client_state, self._prefixes))
+
+    def aggregate(self, server_state, global_state, uploads, reports):
+        base_uploads = [_others(u, self._prefixes) for u in uploads]
+        new_global, base_state = self.base.aggregate(_others(server_state, self._prefixes), global_state,
+                                                     base_uploads, reports)
+        new_state = dict(base_state)
+        for c in self.components:
+            new_state.update(c.aggregate(_own(server_state, c.prefix), [_own(u, c.prefix) for u in uploads], reports))
+        return new_global, new_state
