@@ -60,3 +60,12 @@ def test_yaml_file_with_overrides(tmp_path):
     (tmp_path / "c.yaml").write_text("method: fedavg\npartition: {name: dirichlet, alpha: 0.3}\nrounds: 7\n")
     cfg = load_config(tmp_path / "c.yaml", ["rounds=9"])
     assert cfg.partition.name == "dirichlet" and cfg.partition.alpha == 0.3 and cfg.rounds == 9
+
+
+def test_example_configs_validate():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        load_config(path)

@@ -67,3 +67,14 @@ def test_digits_split_is_stratified_and_seeded():
     per_class = torch.bincount(a.y_test, minlength=10).float()
     assert per_class.min() >= 34 and per_class.max() <= 38  # 20% of ~180 per class
     assert 0.0 <= a.x_train.min() and a.x_train.max() <= 1.0
+
+
+def test_train_subsample_is_stratified_and_seeded():
+    from fedskew.data.datasets import subsample_train
+
+    full = load_digits(0)
+    a, b = subsample_train(full, 0.25, 0), subsample_train(full, 0.25, 0)
+    assert torch.equal(a.x_train, b.x_train) and torch.equal(a.x_test, full.x_test)
+    per_class = torch.bincount(a.y_train, minlength=10)
+    expected = torch.round(0.25 * torch.bincount(full.y_train, minlength=10).double()).long()
+    assert torch.equal(per_class, expected)

@@ -229,13 +229,29 @@ def load_idx_dataset(name: str, root: str | None = None, download: bool = True,
 DATASETS = ("digits", "synthetic", "mnist", "fmnist")
 
 
+def subsample_train(data: Dataset, fraction: float, seed: int) -> Dataset:
+    """Keep a stratified ``fraction`` of every class of the training set (stream ``subsample``);
+    the test set is untouched. For CPU-scale experiments on the large data sets."""
+    if fraction >= 1.0:
+        return data
+    from fedskew.engine.rng import numpy_rng
+
+    y = data.y_train.numpy()
+    rng = numpy_rng(seed, "subsample")
+    keep = np.sort(np.concatenate([rng.permutation(np.flatnonzero(y == c))[:max(1, int(round(fraction * (y == c).sum())))]
+                                   for c in np.unique(y)]))
+    idx = torch.from_numpy(keep)
+    return Dataset(data.name, data.x_train[idx], data.y_train[idx], data.x_test, data.y_test, data.num_classes)
+
+
 def load_dataset(cfg, seed: int) -> Dataset:
     """Build the data set named by a :class:`fedskew.config.DatasetConfig`."""
     if cfg.name == "digits":
-        return load_digits(seed, cfg.test_fraction)
-    if cfg.name == "synthetic":
-        return make_synthetic(seed, cfg.num_classes, cfg.dim, cfg.train_per_class,
-                              cfg.test_per_class, cfg.separation)
-    if cfg.name in ("mnist", "fmnist"):
-        return load_idx_dataset(cfg.name, cfg.root, cfg.download)
-    raise DatasetError(f"dataset.name '{cfg.name}' is not known; allowed: {list(DATASETS)}.")
+        data = load_digits(seed, cfg.test_fraction)
+    elif cfg.name == "synthetic":
+        data = make_synthetic(seed, cfg.num_classes, cfg.dim, cfg.train_per_class, cfg.test_per_class, cfg.separation)
+    elif cfg.name in ("mnist", "fmnist"):
+        data = load_idx_dataset(cfg.name, cfg.root, cfg.download)
+    else:
+        raise DatasetError(f"dataset.name '{cfg.name}' is not known; allowed: {list(DATASETS)}.")
+    return subsample_train(data, cfg.train_subsample, seed)
