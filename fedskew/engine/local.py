@@ -176,7 +176,8 @@ class SequentialExecutor:
             opt.step()
             add_tracked(sums, {"loss": loss, **aux})
         trained = federated_state(model)
-        report = ClientReport(client_id, len(idx), len(batches), feature_fn(model, self.x[idx], self.y[idx]))
+        report = ClientReport(client_id, len(idx), len(batches), lr, s.momentum,
+                              feature_fn(model, self.x[idx], self.y[idx]))
         upload, new_state = method.after_training(trained, payload, client_state, report)
         personal = method.personal_state(trained, new_state)
         acc_after = self.local_accuracy(None if personal is trained else personal, client_id)

@@ -76,10 +76,11 @@ class Experiment:
         with seeded_torch(cfg.seed, "model_init"):
             self.model = build_model(cfg.model, self.fed.data.input_shape, self.fed.num_classes)
         self.model.to(self.device)
-        self.method = build_method(cfg.method)
         self.info = FederationInfo(self.fed.num_clients, self.fed.num_classes,
                                    torch.from_numpy(self.fed.counts("train")), cfg.rounds,
-                                   cfg.clients_per_round, cfg.seed)
+                                   cfg.clients_per_round, cfg.seed,
+                                   tuple(n for n, _ in self.model.named_parameters()))
+        self.method = build_method(cfg.method, self.info)
         self.executor = make_executor(cfg, self.model, self.fed, self.method, self.device)
         self.x_test = self.fed.data.x_test.to(self.device)
         self.y_test = self.fed.data.y_test.to(self.device)
@@ -186,6 +187,9 @@ class Experiment:
             record.update(global_metrics(self.model, new_global, self.x_test, self.y_test, self.fed.num_classes))
             if cfg.feature_stats:
                 record["features/eig_var_top50"] = feature_eig_var(self.model, new_global, self.x_test)
+        peak = getattr(self.executor, "peak_state_bytes", 0)
+        if peak:
+            record["memory/peak_state_bytes"] = peak
         record["time/round_s"] = time.perf_counter() - t0
         record["_global"], record["_server"] = new_global, new_server
         return record

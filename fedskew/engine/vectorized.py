@@ -236,7 +236,8 @@ class VectorizedExecutor:
         for i, k in enumerate(clients):
             trained = unstack(trained_all, i)  # views into the stack; methods never write in place
             idx = self.train_idx[k]
-            report = ClientReport(k, len(idx), int(steps[i]), feature_fn(self.model, self.x[idx], self.y[idx]))
+            report = ClientReport(k, len(idx), int(steps[i]), lr, s.momentum,
+                                  feature_fn(self.model, self.x[idx], self.y[idx]))
             upload, new_state = method.after_training(trained, payload, client_states[k], report)
             personal.append(method.personal_state(trained, new_state))
             means = {key: (v[i] / max(int(steps[i]), 1)).item() for key, v in sums.items()}

@@ -11,9 +11,14 @@ from pydantic import BaseModel, ValidationError
 
 from fedskew.methods.base import ClientReport, FederationInfo, Forward, Method, State
 from fedskew.methods.compose import Composite
+from fedskew.methods.drift import FedDyn, FedNova, FedProx, Scaffold
 from fedskew.methods.fedmr import COMPONENTS, FedMR
+from fedskew.methods.server_opt import FedAdam, FedAvgM, FedYogi
 
-METHODS: dict[str, type[Method]] = {"fedavg": Method, "fedmr": FedMR}
+METHODS: dict[str, type[Method]] = {
+    "fedavg": Method, "fedmr": FedMR, "fedprox": FedProx, "scaffold": Scaffold, "feddyn": FedDyn,
+    "fednova": FedNova, "fedavgm": FedAvgM, "fedadam": FedAdam, "fedyogi": FedYogi,
+}
 
 
 def _validate(schema: type[BaseModel], data: dict, where: str, what: str) -> BaseModel:
@@ -47,9 +52,9 @@ def validate_method_config(cfg) -> None:
     _parse(cfg)
 
 
-def build_method(cfg) -> Method:
+def build_method(cfg, info: FederationInfo | None = None) -> Method:
     cls, options, parts = _parse(cfg)
-    method = cls(options)
+    method = cls(options, info)
     if not parts:
         return method
     return Composite(method, [COMPONENTS[name](opt) for name, opt in parts.items()])

@@ -18,7 +18,8 @@ the same functions:
 
 Payloads, uploads and states are flat ``dict[str, Tensor]``. Model tensors travel under the
 ``model.`` prefix. Communication is counted by summing the sizes of payloads and uploads, so no
-method can misreport it. Methods hold their options (immutable) and nothing else.
+method can misreport it. Methods hold their options and the federation's static facts
+(:class:`FederationInfo`), both immutable, and nothing else.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class FederationInfo:
     rounds: int
     clients_per_round: int
     seed: int
+    param_names: tuple[str, ...] = ()  # trainable tensors of the model state (the rest are buffers)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class ClientReport:
     client_id: int
     num_samples: int
     num_steps: int
+    lr: float = 0.0  # local SGD learning rate and momentum used this round
+    momentum: float = 0.0
     # state -> (features z, labels y) of the client's whole local training set, eval mode, no
     # gradient (e.g. for class prototypes computed after training).
     local_features: Callable[[dict], tuple[torch.Tensor, torch.Tensor]] | None = field(
@@ -105,8 +109,9 @@ class Method:
     name = "fedavg"
     Options: type[BaseModel] = FedAvgOptions
 
-    def __init__(self, options: BaseModel | None = None):
+    def __init__(self, options: BaseModel | None = None, info: FederationInfo | None = None):
         self.opt = options if options is not None else self.Options()
+        self.info = info  # static facts of the federation (numbers of clients, parameter names)
 
     # -- state ---------------------------------------------------------------------------------
     def server_init(self, global_state: State, info: FederationInfo) -> State:

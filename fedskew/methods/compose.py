@@ -78,6 +78,7 @@ class Composite(Method):
         self.base = base
         self.components = components
         self.opt = base.opt
+        self.info = base.info
         self.name = name or "+".join([base.name, *(c.prefix.rstrip(".") for c in components)])
         self.vectorizable = getattr(base, "vectorizable", True)
         self._prefixes = [c.prefix for c in components]

@@ -236,9 +236,9 @@ class FedMR(Composite):
 
     Options = FedMROptions
 
-    def __init__(self, options: FedMROptions | None = None):
+    def __init__(self, options: FedMROptions | None = None, info=None):
         opt = options if options is not None else FedMROptions()
-        base = Method(FedAvgOptions(weighting=opt.weighting))
+        base = Method(FedAvgOptions(weighting=opt.weighting), info)
         components: list[Component] = [
             IntraDecorrelation(DecorrelationOptions(mu1=opt.mu1, intra_form=opt.intra_form)),
             PrototypeMargin(PrototypeOptions(mu2=opt.mu2, inter_classes=opt.inter_classes, lite_n=opt.lite_n,

@@ -1,0 +1,180 @@
+"""Client-drift baselines: FedProx, SCAFFOLD, FedDyn, FedNova (methods.md section 5).
+
+Each is FedAvg with the pieces its paper changes. Correction terms that act on the gradient are
+written as loss terms whose gradient is exactly the correction (SCAFFOLD: <c - c_i, theta> has
+gradient c - c_i), so they run unchanged in every executor. Controls and dual variables cover the
+trainable parameters (``info.param_names``); BatchNorm statistics are averaged as in FedAvg.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from fedskew.methods.base import FedAvgOptions, Method, as_model_part, model_part, weighted_mean
+
+
+def _params(names, state, prefix=""):
+    return {prefix + k: state[k] for k in names}
+
+
+class FedProxOptions(FedAvgOptions):
+    mu: float = Field(0.01, ge=0, description="proximal weight")
+
+
+class FedProx(Method):
+    """FedProx (Li et al., 2020, Eq. 2): CE + (mu/2) ||w - w^t||^2 over the trainable parameters,
+    every batch. Sends and keeps what FedAvg does."""
+
+    name = "fedprox"
+    Options = FedProxOptions
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        loss, aux = super().local_loss(fwd, params, x, y, payload, client_state)
+        prox = sum((p - payload["model." + k]).pow(2).sum() for k, p in params.items())
+        return loss + 0.5 * self.opt.mu * prox, {**aux, "fedprox/prox": prox.detach()}
+
+
+class ScaffoldOptions(FedAvgOptions):
+    server_lr: float = Field(1.0, gt=0, description="eta_g")
+
+
+class Scaffold(Method):
+    """SCAFFOLD, option II (Karimireddy et al., 2020, Algorithm 1).
+
+    Local step y <- y - eta (g(y) + c - c_i), realised as the loss term <c - c_i, y> (with momentum
+    or weight decay the correction passes through them like the gradient; the paper uses plain
+    SGD). After tau_k steps: c_i+ = c_i - c + (x - y) / (tau_k eta) (Eq. 4, option II).
+    Server: x <- x + eta_g sum_k p_k (y_k - x); c <- c + (1/N) sum_{k in S} (c_i+ - c_i) with N =
+    all clients (adding c_i+ instead of the difference is a bug seen in another framework).
+
+    Down: |theta| + |params| (model, c). Up: |theta| + |params| (model, c_i+ - c_i).
+    Client keeps c_i (|params|); server keeps c (|params|).
+    """
+
+    name = "scaffold"
+    Options = ScaffoldOptions
+
+    def server_init(self, global_state, info):
+        return {k: torch.zeros_like(v) for k, v in _params(info.param_names, global_state, "c.").items()}
+
+    def client_init(self, client_id, global_state, info):
+        return {k: torch.zeros_like(v) for k, v in _params(info.param_names, global_state, "ci.").items()}
+
+    def broadcast(self, global_state, server_state):
+        return {**as_model_part(global_state), **server_state}
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        loss, aux = super().local_loss(fwd, params, x, y, payload, client_state)
+        correction = sum(((payload["c." + k] - client_state["ci." + k]) * p).sum() for k, p in params.items())
+        return loss + correction, aux
+
+    def after_training(self, trained, payload, client_state, report):
+        scale = 1.0 / (report.num_steps * report.lr)
+        new_ci, delta = {}, {}
+        for k in self.info.param_names:
+            ci = client_state["ci." + k]
+            new_ci["ci." + k] = ci - payload["c." + k] + (payload["model." + k] - trained[k]) * scale
+            delta["dc." + k] = new_ci["ci." + k] - ci
+        return {**as_model_part(trained), **delta}, new_ci
+
+    def aggregate(self, server_state, global_state, uploads, reports):
+        mean = weighted_mean([model_part(u) for u in uploads], self.client_weights(reports))
+        params = set(self.info.param_names)
+        new = {k: x + self.opt.server_lr * (mean[k] - x) if k in params else mean[k]
+               for k, x in global_state.items()}
+        n = self.info.num_clients
+        c = {key: v + sum(u["d" + key] for u in uploads) / n for key, v in server_state.items()}
+        return new, c
+
+
+class FedDynOptions(FedAvgOptions):
+    alpha: float = Field(0.01, gt=0)
+    alpha_by_data: bool = Field(False, description="reference code: alpha_k = alpha / (n_k / mean n)")
+
+
+class FedDyn(Method):
+    """FedDyn (Acar et al., 2021, Algorithm 1).
+
+    Client k keeps g_k (starts at 0). Local objective CE(theta) - <g_k, theta>
+    + (alpha/2) ||theta - theta^{t-1}||^2; after training g_k <- g_k - alpha (theta_k - theta^{t-1}).
+    Server keeps h (starts at 0): h <- h - alpha (1/m) sum_{k in S} (theta_k - theta^{t-1}), m = all
+    clients; theta^t = (1/|S|) sum_{k in S} theta_k - h / alpha (unweighted mean, as in the paper;
+    BatchNorm statistics: unweighted mean).
+
+    Down |theta|, up |theta|; client state g_k (|params|), server state h (|params|).
+    """
+
+    name = "feddyn"
+    Options = FedDynOptions
+
+    def server_init(self, global_state, info):
+        return {k: torch.zeros_like(v) for k, v in _params(info.param_names, global_state, "h.").items()}
+
+    def client_init(self, client_id, global_state, info):
+        state = {k: torch.zeros_like(v) for k, v in _params(info.param_names, global_state, "g.").items()}
+        alpha = self.opt.alpha
+        if self.opt.alpha_by_data:
+            sizes = info.class_counts.sum(1).double()
+            alpha = alpha / float(sizes[client_id] / sizes.mean())
+        device = global_state[info.param_names[0]].device
+        state["alpha"] = torch.tensor(alpha, dtype=torch.float32, device=device)
+        return state
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        loss, aux = super().local_loss(fwd, params, x, y, payload, client_state)
+        linear = sum((client_state["g." + k] * p).sum() for k, p in params.items())
+        prox = sum((p - payload["model." + k]).pow(2).sum() for k, p in params.items())
+        return loss - linear + 0.5 * client_state["alpha"] * prox, aux
+
+    def after_training(self, trained, payload, client_state, report):
+        alpha = client_state["alpha"]
+        new = {"g." + k: client_state["g." + k] - alpha * (trained[k] - payload["model." + k])
+               for k in self.info.param_names}
+        new["alpha"] = alpha
+        return as_model_part(trained), new
+
+    def aggregate(self, server_state, global_state, uploads, reports):
+        a, m = self.opt.alpha, self.info.num_clients
+        uniform = torch.full((len(uploads),), 1.0 / len(uploads), dtype=torch.float64)
+        mean = weighted_mean([model_part(u) for u in uploads], uniform)
+        h = {key: v - a * (mean[key[2:]] - global_state[key[2:]]) * len(uploads) / m
+             for key, v in server_state.items()}
+        new = {k: mean[k] - h["h." + k] / a if ("h." + k) in h else mean[k] for k in global_state}
+        return new, h
+
+
+class FedNova(Method):
+    """FedNova (Wang et al., 2020): normalised averaging.
+
+    a_i = [tau_i - rho (1 - rho^tau_i) / (1 - rho)] / (1 - rho) for local SGD momentum rho
+    (a_i = tau_i when rho = 0); d_i = (x - y_i) / a_i; p_i = n_i / sum n;
+    x <- x - (sum_i p_i a_i) sum_i p_i d_i. BatchNorm statistics: sample-weighted mean.
+    Sends and keeps what FedAvg does.
+    """
+
+    name = "fednova"
+    Options = FedAvgOptions
+
+    @staticmethod
+    def a_i(tau: int, rho: float) -> float:
+        if rho == 0:
+            return float(tau)
+        return (tau - rho * (1 - rho ** tau) / (1 - rho)) / (1 - rho)
+
+    def aggregate(self, server_state, global_state, uploads, reports):
+        n = torch.tensor([r.num_samples for r in reports], dtype=torch.float64)
+        p = n / n.sum()
+        a = torch.tensor([self.a_i(r.num_steps, r.momentum) for r in reports], dtype=torch.float64)
+        models = [model_part(u) for u in uploads]
+        mean = weighted_mean(models, p)
+        params = set(self.info.param_names)
+        tau_eff = float((p * a).sum())
+        new = {}
+        for k, x in global_state.items():
+            if k not in params:
+                new[k] = mean[k]
+                continue
+            d = sum(float(p[i] / a[i]) * (x - models[i][k]) for i in range(len(models)))
+            new[k] = x - tau_eff * d
+        return new, server_state

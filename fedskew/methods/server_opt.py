@@ -1,0 +1,69 @@
+"""Server optimisers: FedAvgM, FedAdam, FedYogi (Reddi et al., 2021, "Adaptive Federated
+Optimization", Algorithm 2; FedAvgM: Hsu et al., 2019).
+
+Pseudo-gradient Delta = sum_k p_k theta_k - x (FedAvg weights p_k). Then
+- FedAvgM: m <- beta m + Delta; x <- x + eta_g m.
+- FedAdam: m <- b1 m + (1 - b1) Delta; v <- b2 v + (1 - b2) Delta^2; x <- x + eta_g m / (sqrt(v) + tau).
+- FedYogi: as FedAdam but v <- v - (1 - b2) Delta^2 sign(v - Delta^2).
+No bias correction (Reddi et al.); v starts at tau^2 (their v_{-1} >= tau^2), m at 0. This is not
+torch.optim.Adam. Only trainable parameters are optimised; BatchNorm statistics take the weighted
+mean. Communication as FedAvg; the server keeps m (and v).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from fedskew.methods.base import FedAvgOptions, Method, model_part, weighted_mean
+
+
+class ServerOptOptions(FedAvgOptions):
+    server_lr: float = Field(1.0, gt=0, description="eta_g")
+    beta1: float = Field(0.9, ge=0, lt=1, description="FedAvgM momentum beta / Adam-Yogi beta1")
+    beta2: float = Field(0.99, ge=0, lt=1)
+    tau: float = Field(1e-3, gt=0, description="adaptivity")
+
+
+class ServerOpt(Method):
+    kind: Literal["avgm", "adam", "yogi"] = "avgm"
+    Options = ServerOptOptions
+
+    def server_init(self, global_state, info):
+        state = {"m." + k: torch.zeros_like(global_state[k]) for k in info.param_names}
+        if self.kind != "avgm":
+            state.update({"v." + k: torch.full_like(global_state[k], self.opt.tau ** 2) for k in info.param_names})
+        return state
+
+    def aggregate(self, server_state, global_state, uploads, reports):
+        o = self.opt
+        mean = weighted_mean([model_part(u) for u in uploads], self.client_weights(reports))
+        new, state = dict(mean), {}
+        for k in self.info.param_names:
+            delta = mean[k] - global_state[k]
+            m = server_state["m." + k]
+            if self.kind == "avgm":
+                m = o.beta1 * m + delta
+                new[k] = global_state[k] + o.server_lr * m
+            else:
+                m = o.beta1 * m + (1 - o.beta1) * delta
+                v, d2 = server_state["v." + k], delta.pow(2)
+                v = o.beta2 * v + (1 - o.beta2) * d2 if self.kind == "adam" else v - (1 - o.beta2) * d2 * torch.sign(v - d2)
+                state["v." + k] = v
+                new[k] = global_state[k] + o.server_lr * m / (v.sqrt() + o.tau)
+            state["m." + k] = m
+        return new, state
+
+
+class FedAvgM(ServerOpt):
+    name, kind = "fedavgm", "avgm"
+
+
+class FedAdam(ServerOpt):
+    name, kind = "fedadam", "adam"
+
+
+class FedYogi(ServerOpt):
+    name, kind = "fedyogi", "yogi"
