@@ -61,6 +61,7 @@ class ModelConfig(_Strict):
     classifier_bias: bool = True
     hidden: list[int] = Field(default_factory=lambda: [200, 200], description="mlp hidden widths")
     width: int = Field(32, ge=1, description="cnnbn channel width")
+    projection_dim: int | None = Field(None, ge=1, description="add MOON's projection head (d->d->n); features = its output")
 
 
 class MethodConfig(BaseModel):

@@ -167,3 +167,66 @@ def test_scaffold_and_feddyn_communication_and_state(tmp_path):
     assert res.history[0]["comm/up_floats"] == 2 * 2 * theta    # model + delta c_i
     res = run(load_config(None, SETUP + ["method=feddyn"]), tmp_path / "d")
     assert res.history[0]["comm/up_floats"] == 2 * theta
+
+
+def test_moon_contrastive_on_hand_vectors():
+    from fedskew.methods.representation import moon_contrastive
+
+    z = torch.tensor([[1.0, 0.0]])
+    z_glob = torch.tensor([[1.0, 1.0]])   # cos = 1/sqrt(2)
+    z_prev = torch.tensor([[0.0, -2.0]])  # cos = 0
+    tau = 0.5
+    sg, sp = (1 / np.sqrt(2)) / tau, 0.0
+    expected = -np.log(np.exp(sg) / (np.exp(sg) + np.exp(sp)))
+    assert moon_contrastive(z, z_glob, z_prev, tau).item() == pytest.approx(expected, rel=1e-6)
+    # direction: moving z towards the global representation lowers the loss
+    closer = moon_contrastive(torch.tensor([[1.0, 0.5]]), z_glob, z_prev, tau)
+    assert closer.item() < expected
+
+
+def test_moon_first_round_has_no_contrastive_term(tmp_path):
+    cfg = load_config(None, SETUP + ["method=moon", "method.mu=5"])
+    moon = run(cfg, tmp_path / "moon").history
+    avg = run(load_config(None, SETUP), tmp_path / "avg").history
+    # round 0: every client is new, so MOON's loss is FedAvg's
+    assert moon[0]["train/loss"] == pytest.approx(avg[0]["train/loss"], rel=1e-6)
+    assert moon[0]["train/moon/contrastive"] > 0  # computed (and logged) but weighted by zero
+
+
+def test_mmd_on_two_tiny_samples_by_hand():
+    from fedskew.methods.representation import mmd2
+
+    x, y = torch.tensor([[0.0], [1.0]]), torch.tensor([[3.0]])
+    # pooled points 0, 1, 3: squared distances 1, 9, 4 -> b0 = 2 * (1 + 9 + 4) / 6 = 14 / 3
+    b0 = 14 / 3
+    k = lambda d2: sum(np.exp(-d2 / (s * b0)) for s in (0.25, 0.5, 1.0, 2.0, 4.0))
+    kxx = (2 * k(0) + 2 * k(1)) / 4
+    kyy = k(0)
+    kxy = (k(9) + k(4)) / 2
+    assert mmd2(x, y).item() == pytest.approx(kxx + kyy - 2 * kxy, rel=1e-6)
+    assert mmd2(x, x).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_fedaws_spreadout_value_and_direction():
+    from fedskew.methods.server_opt import spreadout
+
+    w = torch.tensor([[1.0, 0.0], [1.0, 1.0], [-1.0, 0.0]])
+    # cosine distances: d01 = (1 - 1/sqrt2)/2 = 0.1464, d02 = 1, d12 = (1 + 1/sqrt2)/2 = 0.8536
+    d01 = (1 - 1 / np.sqrt(2)) / 2
+    expected = 2 * (0.5 - d01) ** 2 / 6  # only the pair (0, 1) is inside the margin; 6 ordered pairs
+    assert spreadout(w, 0.5).item() == pytest.approx(expected, rel=1e-6)
+    w.requires_grad_(True)
+    (g,) = torch.autograd.grad(spreadout(w, 0.5), w)
+    moved = (w - 0.5 * g).detach()
+    cos = torch.nn.functional.cosine_similarity(moved[0], moved[1], dim=0)
+    assert cos < 1 / np.sqrt(2)  # one step pushes rows 0 and 1 apart
+    assert torch.equal(g[2], torch.zeros(2))  # row 2 is outside every margin
+
+
+def test_projection_head_model():
+    from fedskew.config import ModelConfig
+    from fedskew.models import build_model
+
+    model = build_model(ModelConfig(name="mlp", hidden=[32], projection_dim=16), (1, 8, 8), 10)
+    z, logits = model(torch.randn(3, 1, 8, 8), return_features=True)
+    assert z.shape == (3, 16) and logits.shape == (3, 10) and model.classifier.in_features == 16

@@ -61,6 +61,10 @@ def assert_same(a, b):
      "method.proto_share_fraction=0.5", "method.mu2=0.01", "method.inter_classes=local"],
     ["method=fedmr", "model=cnnbn", "model.width=4", "method.mu1=0", "method.mu2=0.01"],
     ["method.prototypes.mu2=0.01", "method.decorrelation.mu1=0.001", "model.hidden=[32,16]", "batch_size=32"],
+    # frozen forwards of other states inside the vmapped loss (global model, per-client previous model)
+    ["method=moon", "model=cnnbn", "model.width=4", "rounds=3"],
+    ["method=fedmmd", "model.projection_dim=16"],
+    ["method=scaffold", "method.prototypes.mu2=0.01"],
 ])
 def test_vectorized_matches_sequential(tmp_path, extra):
     assert_same(*both(tmp_path, extra))

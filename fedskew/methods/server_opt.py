@@ -67,3 +67,37 @@ class FedAdam(ServerOpt):
 
 class FedYogi(ServerOpt):
     name, kind = "fedyogi", "yogi"
+
+
+def spreadout(weight: torch.Tensor, margin: float) -> torch.Tensor:
+    """FedAwS spreadout regulariser: mean over pairs i != j of max(margin - d_ij, 0)^2 with
+    d_ij = (1 - cos(w_i, w_j)) / 2 (cosine distance of classifier rows, in [0, 1])."""
+    w = torch.nn.functional.normalize(weight, dim=1)
+    d = (1 - w @ w.T) / 2
+    c = weight.shape[0]
+    off = ~torch.eye(c, dtype=torch.bool, device=weight.device)
+    return torch.relu(margin - d[off]).pow(2).mean()
+
+
+class FedAwSOptions(FedAvgOptions):
+    margin: float = Field(0.5, gt=0, le=1, description="cosine-distance margin between classifier rows")
+    server_steps: int = Field(5, ge=0)
+    server_lr: float = Field(0.1, gt=0)
+
+
+class FedAwS(Method):
+    """FedAwS (Yu et al., 2020): FedAvg, then ``server_steps`` gradient steps of the spreadout
+    regulariser on the aggregated classifier rows (server side only). Communication as FedAvg."""
+
+    name = "fedaws"
+    Options = FedAwSOptions
+
+    def aggregate(self, server_state, global_state, uploads, reports):
+        new, server_state = super().aggregate(server_state, global_state, uploads, reports)
+        w = new["classifier.weight"].detach().clone()
+        for _ in range(self.opt.server_steps):
+            w.requires_grad_(True)
+            (g,) = torch.autograd.grad(spreadout(w, self.opt.margin), w)
+            w = (w - self.opt.server_lr * g).detach()
+        new["classifier.weight"] = w
+        return new, server_state

@@ -110,4 +110,15 @@ def build_model(cfg, input_shape: tuple[int, ...], num_classes: int) -> SkewNet:
         kwargs["hidden"] = tuple(cfg.hidden)
     if cfg.name == "cnnbn":
         kwargs["width"] = cfg.width
-    return MODELS[cfg.name](tuple(input_shape), num_classes, **kwargs)
+    model = MODELS[cfg.name](tuple(input_shape), num_classes, **kwargs)
+    if cfg.projection_dim:
+        model = with_projection_head(model, cfg.projection_dim, num_classes, cfg.classifier_bias)
+    return model
+
+
+def with_projection_head(model: SkewNet, out_dim: int, num_classes: int, bias: bool = True) -> SkewNet:
+    """MOON's architecture: backbone -> projection head (Linear d->d, ReLU, Linear d->out_dim) ->
+    classifier. The features z are the projection's output."""
+    d = model.feature_dim
+    body = nn.Sequential(model.backbone, nn.Linear(d, d), nn.ReLU(), nn.Linear(d, out_dim))
+    return SkewNet(body, out_dim, num_classes, bias)

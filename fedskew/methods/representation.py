@@ -1,0 +1,86 @@
+"""Representation-level baselines: MOON and FedMMD (methods.md section 5).
+
+Both regularise the features z of the model being trained against other models' features on the
+same batch, through ``fwd.frozen`` (eval mode, no gradient), so they run in every executor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from fedskew.methods.base import FedAvgOptions, Method, model_part
+
+
+def moon_contrastive(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch.Tensor, temperature: float) -> torch.Tensor:
+    """MOON's model-contrastive loss (Li et al., 2021, Eq. 3), batch mean:
+    -log( exp(cos(z, z_glob)/tau) / (exp(cos(z, z_glob)/tau) + exp(cos(z, z_prev)/tau)) )."""
+    sims = torch.stack([F.cosine_similarity(z, z_global, dim=-1), F.cosine_similarity(z, z_prev, dim=-1)], -1)
+    return -F.log_softmax(sims / temperature, dim=-1)[..., 0].mean()
+
+
+def mmd2(x: torch.Tensor, y: torch.Tensor, scales=(0.25, 0.5, 1.0, 2.0, 4.0)) -> torch.Tensor:
+    """Squared MMD, biased estimator, with a sum of Gaussian kernels exp(-||a - b||^2 / (s * b0))
+    for s in ``scales``, b0 = mean pairwise squared distance of the pooled samples (detached)."""
+    pooled = torch.cat([x, y])
+    d2 = torch.cdist(pooled, pooled).pow(2)
+    n = pooled.shape[0]
+    b0 = (d2.sum() / (n * n - n)).detach().clamp(min=1e-12)
+    k = sum(torch.exp(-d2 / (s * b0)) for s in scales)
+    m = x.shape[0]
+    return k[:m, :m].mean() + k[m:, m:].mean() - 2 * k[:m, m:].mean()
+
+
+class MoonOptions(FedAvgOptions):
+    mu: float = Field(5.0, ge=0, description="weight of the contrastive term (paper: 5 CIFAR-10, 1 CIFAR-100)")
+    temperature: float = Field(0.5, gt=0)
+
+
+class Moon(Method):
+    """MOON: CE + mu * model-contrastive loss between the features of the local model, the frozen
+    received global model (positive) and the client's previous local model (negative). In a
+    client's first round there is no previous model and the term is zero. Use
+    ``model.projection_dim=256`` for the paper's projection head.
+
+    Down |theta|, up |theta|; the client keeps its previous local model (|theta|)."""
+
+    name = "moon"
+    Options = MoonOptions
+
+    def client_init(self, client_id, global_state, info):
+        state = {"prev." + k: torch.zeros_like(v) for k, v in global_state.items()}
+        state["has_prev"] = torch.zeros((), device=next(iter(global_state.values())).device)
+        return state
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        z, logits = fwd(x)
+        ce = F.cross_entropy(logits, y)
+        z_glob, _ = fwd.frozen(model_part(payload), x)
+        z_prev, _ = fwd.frozen({k[5:]: v for k, v in client_state.items() if k.startswith("prev.")}, x)
+        con = moon_contrastive(z, z_glob, z_prev, self.opt.temperature)
+        return ce + self.opt.mu * client_state["has_prev"] * con, {"moon/contrastive": con.detach()}
+
+    def after_training(self, trained, payload, client_state, report):
+        state = {"prev." + k: v for k, v in trained.items()}
+        state["has_prev"] = torch.ones_like(client_state["has_prev"])
+        upload, _ = super().after_training(trained, payload, client_state, report)
+        return upload, state
+
+
+class FedMMDOptions(FedAvgOptions):
+    lam: float = Field(0.1, ge=0, description="weight of the MMD term")
+
+
+class FedMMD(Method):
+    """FedMMD (Yao et al., 2018): CE + lambda * MMD^2 between the batch features of the local
+    model and of the frozen received global model. Sends and keeps what FedAvg does."""
+
+    name = "fedmmd"
+    Options = FedMMDOptions
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        z, logits = fwd(x)
+        z_glob, _ = fwd.frozen(model_part(payload), x)
+        value = mmd2(z, z_glob)
+        return F.cross_entropy(logits, y) + self.opt.lam * value, {"fedmmd/mmd": value.detach()}
