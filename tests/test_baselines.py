@@ -12,6 +12,9 @@ reference below recomputes every round in float64 from the papers' rules:
               x <- x + eta_g sum p_k (y_k - x);  c <- c + (1/N) sum_{k in S} (c_k+ - c_k),  N = 3
     FedDyn:   local gradient - g_k + alpha (w - x);  g_k <- g_k - alpha (y_k - x);
               h <- h - alpha (1/N) sum_S (y_k - x);  x <- mean_S y_k - h / alpha
+    FedDC:    local gradient + alpha (w + h_k - x) + c - c_k;  h_k <- h_k + (y_k - x);
+              c_k+ = c_k - c + (x - y_k) / (tau_k eta);  c <- c + (1/N) sum_S (c_k+ - c_k);
+              paper: x <- mean_S (y_k + h_k);  code: x <- mean_S y_k + (1/N) sum_all h_k
     FedNova:  a_k = tau_k (no momentum);  x <- x - (sum p_k a_k) sum p_k (x - y_k) / a_k
     FedAvgM:  m <- beta m + Delta;  x <- x + eta_g m,  Delta = sum p_k y_k - x
     FedAdam:  m <- b1 m + (1-b1) Delta;  v <- b2 v + (1-b2) Delta^2 (v0 = tau^2);
@@ -56,7 +59,8 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
     init = {k: v.double().numpy() for k, v in exp.model.state_dict().items()}
     x = [init["classifier.weight"], init["classifier.bias"]]
     zeros = lambda: [np.zeros_like(x[0]), np.zeros_like(x[1])]
-    cs, ck = zeros(), {k: zeros() for k in range(3)}  # SCAFFOLD c, c_k; FedDyn h, g_k
+    cs, ck = zeros(), {k: zeros() for k in range(3)}  # SCAFFOLD/FedDC c, c_k; FedDyn h, g_k
+    hk = {k: zeros() for k in range(3)}  # FedDC drifts
     m, v = zeros(), [np.full_like(x[0], opts.get("tau", 1e-3) ** 2), np.full_like(x[1], opts.get("tau", 1e-3) ** 2)]
     eta = 0.1
     for t, selected in enumerate(schedule):
@@ -74,6 +78,8 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
                         g[j] = g[j] + cs[j] - ck[k][j]
                     if method == "feddyn":
                         g[j] = g[j] - ck[k][j] + opts["alpha"] * (w[j] - x[j])
+                    if method == "feddc":
+                        g[j] = g[j] + opts["alpha"] * (w[j] + hk[k][j] - x[j]) + cs[j] - ck[k][j]
                     w[j] = w[j] - eta * g[j]
             ys_out[k], taus[k] = w, len(batches)
         p = n[selected] / n[selected].sum()
@@ -95,6 +101,19 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
             mean = [sum(ys_out[k][j] for k in selected) / len(selected) for j in range(2)]
             cs = [cs[j] - a * sum(ys_out[k][j] - x[j] for k in selected) / 3 for j in range(2)]
             x = [mean[j] - cs[j] / a for j in range(2)]
+        elif method == "feddc":
+            dc = {}
+            for k in selected:
+                hk[k] = [hk[k][j] + ys_out[k][j] - x[j] for j in range(2)]
+                new = [ck[k][j] - cs[j] + (x[j] - ys_out[k][j]) / (taus[k] * eta) for j in range(2)]
+                dc[k] = [new[j] - ck[k][j] for j in range(2)]
+                ck[k] = new
+            cs = [cs[j] + sum(dc[k][j] for k in selected) / 3 for j in range(2)]
+            if opts.get("aggregation", "paper") == "paper":
+                x = [sum(ys_out[k][j] + hk[k][j] for k in selected) / len(selected) for j in range(2)]
+            else:
+                x = [sum(ys_out[k][j] for k in selected) / len(selected) + sum(hk[k][j] for k in range(3)) / 3
+                     for j in range(2)]
         elif method == "fednova":
             a_k = np.array([taus[k] for k in selected], dtype=float)
             tau_eff = (p * a_k).sum()
@@ -120,6 +139,8 @@ CASES = [
     ("fedprox", {"mu": 0.5}),
     ("scaffold", {"server_lr": 0.7}),
     ("feddyn", {"alpha": 0.1}),
+    ("feddc", {"alpha": 0.1}),
+    ("feddc", {"alpha": 0.1, "aggregation": "code"}),
     ("fednova", {}),
     ("fedavgm", {"server_lr": 1.0, "beta1": 0.8}),
     ("fedadam", {"server_lr": 0.05}),
@@ -145,9 +166,9 @@ def test_two_rounds_match_the_papers_rules(tmp_path, method, opts, executor):
 def test_methods_differ_from_fedavg_on_this_problem(tmp_path):
     """Guard against a reference that degenerates to FedAvg: every method moves the result."""
     base = run(load_config(None, SETUP), tmp_path / "avg").global_state["classifier.weight"]
-    for method, opts in CASES[1:]:
+    for i, (method, opts) in enumerate(CASES[1:]):
         cfg = load_config(None, SETUP + [f"method={method}"] + [f"method.{k}={v}" for k, v in opts.items()])
-        other = run(cfg, tmp_path / method).global_state["classifier.weight"]
+        other = run(cfg, tmp_path / f"{method}{i}").global_state["classifier.weight"]
         assert (other - base).abs().max() > 1e-4, method
 
 

@@ -178,3 +178,74 @@ class FedNova(Method):
             d = sum(float(p[i] / a[i]) * (x - models[i][k]) for i in range(len(models)))
             new[k] = x - tau_eff * d
         return new, server_state
+
+
+class FedDCOptions(FedAvgOptions):
+    alpha: float = Field(0.01, gt=0, description="weight of the drift-decoupled proximal term")
+    aggregation: str = Field("paper", pattern="^(paper|code)$",
+                             description="paper: mean_S(theta_i + h_i); code: mean_S theta_i + mean over all clients of h_i")
+
+
+class FedDC(Method):
+    """FedDC (Gao et al., CVPR 2022): local drift decoupling and correction.
+
+    Client i keeps its drift h_i and a SCAFFOLD-style control c_i; the server keeps c.
+    Local objective: CE(theta) + (alpha/2) ||theta - (w - h_i)||^2 + <theta, c - c_i>.
+    After training: h_i <- h_i + (theta_i - w); c_i+ = c_i - c + (w - theta_i) / (tau eta) (as in
+    the reference code); c <- c + (1/N) sum_S (c_i+ - c_i), N = all clients.
+    Server model: ``paper``: w <- mean over selected of (theta_i + h_i) (the client uploads the sum);
+    ``code``: w <- mean_S theta_i + (1/N) sum over all clients of h_i (the server tracks that mean,
+    updating it with theta_i - w, so nothing more is sent).
+
+    Down |theta| + |params| (model, c); up |theta| + |params| (model or model + drift, c_i+ - c_i).
+    Client keeps h_i and c_i (2 |params|); server keeps c (and the mean drift in ``code`` mode).
+    """
+
+    name = "feddc"
+    Options = FedDCOptions
+
+    def server_init(self, global_state, info):
+        state = {k: torch.zeros_like(v) for k, v in _params(info.param_names, global_state, "c.").items()}
+        if self.opt.aggregation == "code":
+            state.update({k: torch.zeros_like(v) for k, v in _params(info.param_names, global_state, "hbar.").items()})
+        return state
+
+    def client_init(self, client_id, global_state, info):
+        zeros = {k: torch.zeros_like(v) for k, v in _params(info.param_names, global_state).items()}
+        return {**{"h." + k: v for k, v in zeros.items()}, **{"ci." + k: v.clone() for k, v in zeros.items()}}
+
+    def broadcast(self, global_state, server_state):
+        return {**as_model_part(global_state), **{k: v for k, v in server_state.items() if k.startswith("c.")}}
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        loss, aux = super().local_loss(fwd, params, x, y, payload, client_state)
+        prox = sum((p + client_state["h." + k] - payload["model." + k]).pow(2).sum() for k, p in params.items())
+        correction = sum(((payload["c." + k] - client_state["ci." + k]) * p).sum() for k, p in params.items())
+        return loss + 0.5 * self.opt.alpha * prox + correction, aux
+
+    def after_training(self, trained, payload, client_state, report):
+        scale = 1.0 / (report.num_steps * report.lr)
+        state, upload = {}, as_model_part(trained)
+        for k in self.info.param_names:
+            w, theta = payload["model." + k], trained[k]
+            h = client_state["h." + k] + (theta - w)
+            ci = client_state["ci." + k]
+            new_ci = ci - payload["c." + k] + (w - theta) * scale
+            state["h." + k], state["ci." + k] = h, new_ci
+            upload["dc." + k] = new_ci - ci
+            if self.opt.aggregation == "paper":
+                upload["model." + k] = theta + h
+        return upload, state
+
+    def aggregate(self, server_state, global_state, uploads, reports):
+        n = self.info.num_clients
+        uniform = torch.full((len(uploads),), 1.0 / len(uploads), dtype=torch.float64)
+        mean = weighted_mean([model_part(u) for u in uploads], uniform)
+        state = {key: v + sum(u["d" + key] for u in uploads) / n
+                 for key, v in server_state.items() if key.startswith("c.")}
+        if self.opt.aggregation == "code":
+            for k in self.info.param_names:
+                hbar = server_state["hbar." + k] + sum(model_part(u)[k] - global_state[k] for u in uploads) / n
+                state["hbar." + k] = hbar
+                mean[k] = mean[k] + hbar
+        return mean, state
