@@ -251,3 +251,24 @@ def test_projection_head_model():
     model = build_model(ModelConfig(name="mlp", hidden=[32], projection_dim=16), (1, 8, 8), 10)
     z, logits = model(torch.randn(3, 1, 8, 8), return_features=True)
     assert z.shape == (3, 16) and logits.shape == (3, 10) and model.classifier.in_features == 16
+
+
+def test_fedproc_contrastive_by_hand_and_schedule(tmp_path):
+    from fedskew.methods.representation import proto_contrastive
+
+    protos = torch.tensor([[1.0, 0.0], [0.0, 1.0], [float("nan"), float("nan")]])
+    z = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
+    y = torch.tensor([0, 2])  # the second sample's class has no prototype
+    loss, usable = proto_contrastive(z, y, protos, 0.5)
+    # sample 0: cosines (1, 0) / 0.5 -> -log(e^2 / (e^2 + e^0))
+    assert loss[0].item() == pytest.approx(-np.log(np.exp(2) / (np.exp(2) + 1)), rel=1e-6)
+    assert usable.tolist() == [True, False] and loss[1].item() == 0.0
+
+    res = run(load_config(None, SETUP + ["method=fedproc", "rounds=3"]), tmp_path / "p")
+    avg = run(load_config(None, SETUP + ["rounds=1"]), tmp_path / "a")
+    # round 0: no prototypes, so the loss is plain CE, exactly as FedAvg's round 0
+    assert res.history[0]["train/loss"] == pytest.approx(avg.history[0]["train/loss"], rel=1e-6)
+    c, d = 3, 4
+    theta = c * d + c
+    assert res.history[0]["comm/down_floats"] == 2 * (theta + c * d + 1)  # model, prototypes, a_t
+    assert res.history[0]["comm/up_floats"] == 2 * (theta + c * d + c)

@@ -13,13 +13,13 @@ from fedskew.methods.base import ClientReport, FederationInfo, Forward, Method, 
 from fedskew.methods.compose import Composite
 from fedskew.methods.drift import FedDC, FedDyn, FedNova, FedProx, Scaffold
 from fedskew.methods.fedmr import COMPONENTS, FedMR
-from fedskew.methods.representation import FedMMD, Moon
+from fedskew.methods.representation import FedMMD, Moon, fedproc
 from fedskew.methods.server_opt import FedAdam, FedAvgM, FedAwS, FedYogi
 
 METHODS: dict[str, type[Method]] = {
     "fedavg": Method, "fedmr": FedMR, "fedprox": FedProx, "scaffold": Scaffold, "feddyn": FedDyn,
     "fednova": FedNova, "fedavgm": FedAvgM, "fedadam": FedAdam, "fedyogi": FedYogi, "fedaws": FedAwS,
-    "moon": Moon, "fedmmd": FedMMD, "feddc": FedDC,
+    "moon": Moon, "fedmmd": FedMMD, "feddc": FedDC, "fedproc": fedproc,
 }
 
 

@@ -84,3 +84,61 @@ class FedMMD(Method):
         z_glob, _ = fwd.frozen(model_part(payload), x)
         value = mmd2(z, z_glob)
         return F.cross_entropy(logits, y) + self.opt.lam * value, {"fedmmd/mmd": value.detach()}
+
+
+def proto_contrastive(z: torch.Tensor, y: torch.Tensor, prototypes: torch.Tensor, temperature: float):
+    """FedProc's prototype-contrastive loss per sample: -log softmax_c(cos(z, g_c) / tau)[y] over
+    the classes with a prototype (NaN rows: none yet). Returns (per-sample loss, usable mask): a
+    sample whose own class has no prototype is not usable."""
+    valid = ~torch.isnan(prototypes[:, 0])
+    protos = F.normalize(torch.nan_to_num(prototypes, nan=0.0), dim=1)
+    logits = F.normalize(z, dim=1) @ protos.T / temperature
+    logits = logits.masked_fill(~valid[None, :], float("-inf"))
+    usable = valid[y]
+    logp = torch.log_softmax(torch.where(valid.any(), logits, torch.zeros_like(logits)), dim=1)
+    per_sample = -logp.gather(1, y[:, None]).squeeze(1)
+    return torch.where(usable, per_sample, torch.zeros_like(per_sample)), usable
+
+
+class FedProcOptions(FedAvgOptions):
+    temperature: float = Field(0.5, gt=0)
+
+
+class FedProcBase(Method):
+    """The loss side of FedProc (Mu et al., 2021): a_t * L_pc + (1 - a_t) * CE per sample, with
+    a_t = 1 - t / T sent down each round (1 float). A sample whose class has no global prototype
+    yet (round 0, or a class no client has reported) uses CE alone, so the first round trains."""
+
+    name = "fedproc"
+    Options = FedProcOptions
+
+    def server_init(self, global_state, info):
+        return {"fedproc.t": torch.zeros((), device=next(iter(global_state.values())).device)}
+
+    def broadcast(self, global_state, server_state):
+        a = 1.0 - server_state["fedproc.t"] / self.info.rounds
+        return {**super().broadcast(global_state, server_state), "fedproc.a": a}
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        z, logits = fwd(x)
+        ce = F.cross_entropy(logits, y, reduction="none")
+        pc, usable = proto_contrastive(z, y, payload["proto.g"], self.opt.temperature)
+        a = payload["fedproc.a"] * usable.to(z.dtype)
+        return ((1 - a) * ce + a * pc).mean(), {"fedproc/contrastive": pc.mean().detach()}
+
+    def aggregate(self, server_state, global_state, uploads, reports):
+        new, _ = super().aggregate(server_state, global_state, uploads, reports)
+        return new, {"fedproc.t": server_state["fedproc.t"] + 1}
+
+
+def fedproc(options: FedProcOptions | None = None, info=None):
+    """FedProc = its loss + FedMR's prototype machinery (class means up, count-weighted global
+    prototypes down) with no margin term. Down |theta| + C*d + 1, up |theta| + C*d + C."""
+    from fedskew.methods.compose import Composite
+    from fedskew.methods.fedmr import PrototypeMargin, PrototypeOptions
+
+    base = FedProcBase(options, info)
+    return Composite(base, [PrototypeMargin(PrototypeOptions(mu2=0.0))], name="fedproc")
+
+
+fedproc.Options = FedProcOptions
