@@ -21,9 +21,11 @@ from pathlib import Path
 from fedskew.config import load_config
 from fedskew.engine.runner import run
 
-METHODS = ["fedavg", "fedprox", "scaffold", "feddyn", "feddc", "fednova", "fedavgm", "fedadam", "fedyogi",
+METHODS = ["fedavg", "fedprox", "scaffold", "scaffold-sgd", "feddyn", "feddc", "fednova", "fedavgm", "fedadam", "fedyogi",
            "fedaws", "moon", "fedmmd", "fedproc", "fedmr"]
+# A label is a method name or "<method>-<variant>"; its options follow the shared settings.
 METHOD_ARGS = {
+    "scaffold-sgd": ["momentum=0"],  # SCAFFOLD's paper uses plain SGD; its correction with momentum 0.9 can diverge
     "fedadam": ["method.server_lr=0.01"], "fedyogi": ["method.server_lr=0.01"],
     "moon": ["method.mu=1.0"], "fedmr": ["method.mu1=0.001", "method.mu2=0.0001"],
 }
@@ -36,7 +38,7 @@ def main():
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--subsample", type=float, default=0.05)
+    p.add_argument("--subsample", type=float, default=0.1)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="baselines_fmnist_"))
@@ -51,7 +53,13 @@ def main():
         for seed in args.seeds:
             extra = METHOD_ARGS.get(method, [])
             t0 = time.perf_counter()
-            res = run(load_config(None, common + [f"method={method}", *extra, f"seed={seed}"]), out / f"{method}-s{seed}")
+            cfg = load_config(None, common + [f"method={method.split('-')[0]}", *extra, f"seed={seed}"])
+            try:
+                res = run(cfg, out / f"{method}-s{seed}")
+            except FloatingPointError as err:  # reported as diverged, not dropped
+                rows.append({"method": method, "args": extra, "seed": seed, "diverged": str(err)})
+                print(f"{method} seed {seed}: diverged ({err})", flush=True)
+                continue
             accs = [h["global/test_acc"] for h in res.history if "global/test_acc" in h]
             rows.append({"method": method, "args": extra, "seed": seed, "last": accs[-1],
                          "last5": sum(accs[-5:]) / len(accs[-5:]), "extra_pct": res.summary["comm/extra_pct"]})
@@ -60,18 +68,21 @@ def main():
     (out / "results.json").write_text(json.dumps(rows, indent=2))
 
     def stats(method, key):
-        vals = [r[key] for r in rows if r["method"] == method]
+        vals = [r[key] for r in rows if r["method"] == method and "diverged" not in r]
+        if not vals:
+            return float("nan"), float("nan")
         return statistics.mean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
 
     base = stats("fedavg", "last5")[0] if any(r["method"] == "fedavg" for r in rows) else None
-    print("\n| method | options | last round (%) | mean of last 5 (%) | vs FedAvg (points) | extra comm (%) |")
-    print("|---|---|---|---|---|---|")
+    print("\n| method | options | last round (%) | mean of last 5 (%) | vs FedAvg (points) | extra comm (%) | diverged |")
+    print("|---|---|---|---|---|---|---|")
     for method in args.methods:
         (lm, ls), (fm, fs) = stats(method, "last"), stats(method, "last5")
         gain = f"{100 * (fm - base):+.2f}" if base is not None else "-"
-        extra = next(r["extra_pct"] for r in rows if r["method"] == method)
+        extra = next((f"{r['extra_pct']:.1f}" for r in rows if r["method"] == method and "diverged" not in r), "-")
+        diverged = sum("diverged" in r for r in rows if r["method"] == method)
         print(f"| {method} | {' '.join(METHOD_ARGS.get(method, [])) or 'defaults'} | {100 * lm:.2f} +- {100 * ls:.2f} "
-              f"| {100 * fm:.2f} +- {100 * fs:.2f} | {gain} | {extra:.1f} |")
+              f"| {100 * fm:.2f} +- {100 * fs:.2f} | {gain} | {extra} | {diverged}/{len(args.seeds)} |")
     print(f"\nrun directories and results.json in {out}")
 
 

@@ -57,6 +57,9 @@ def main():
     p.add_argument("--mu2", type=float, default=1e-4)
     p.add_argument("--grid", action="store_true", help="first search mu1 x mu2 on seed 0 (by last-10 mean)")
     p.add_argument("--out", default=None, help="folder for run directories and results.json")
+    p.add_argument("--no-fedavg", action="store_true", help="run only the FedMR variant(s)")
+    p.add_argument("--fedmr-args", nargs="*", default=[],
+                   help="extra FedMR options, e.g. method.intra_form=code (overrides mu1/mu2 if given)")
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="fedmr_fmnist_"))
     print(f"settings: {' '.join(settings(args.data, 'K', args.rounds, args.subsample, args.epochs))}", flush=True)
@@ -74,7 +77,9 @@ def main():
             print(f"chosen for P{clients}C2: mu1={best[clients][0]} mu2={best[clients][1]}", flush=True)
     for clients in args.clients:
         mu1, mu2 = best[clients]
-        for method in (["method=fedavg"], ["method=fedmr", f"method.mu1={mu1}", f"method.mu2={mu2}"]):
+        variants = [] if args.no_fedavg else [["method=fedavg"]]
+        variants.append(["method=fedmr", f"method.mu1={mu1}", f"method.mu2={mu2}", *args.fedmr_args])
+        for method in variants:
             for seed in args.seeds:
                 r = one(args, out, clients, method, seed)
                 rows.append(r)

@@ -67,7 +67,8 @@ def _results_table(summary: dict, run_dir: Path) -> Table:
     table.add_column("value", justify="right")
     keys = ["global/test_acc", "global/test_acc_best", "global/test_acc_mean_last10",
             "personal/acc_before", "personal/acc_after", "personal/final_acc_before",
-            "personal/final_acc_after", "comm/down_floats_total", "comm/up_floats_total", "time/round_s_mean"]
+            "personal/final_acc_after", "comm/down_floats_total", "comm/up_floats_total", "comm/extra_pct",
+            "time/round_s_mean"]
     for k in keys:
         if k in summary:
             table.add_row(k, _fmt(summary[k]))

@@ -22,9 +22,18 @@ def moon_contrastive(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch.Tens
 
 def mmd2(x: torch.Tensor, y: torch.Tensor, scales=(0.25, 0.5, 1.0, 2.0, 4.0)) -> torch.Tensor:
     """Squared MMD, biased estimator, with a sum of Gaussian kernels exp(-||a - b||^2 / (s * b0))
-    for s in ``scales``, b0 = mean pairwise squared distance of the pooled samples (detached)."""
+    for s in ``scales``, b0 = mean pairwise squared distance of the pooled samples (detached).
+
+    A batch of one sample gives zero: then b0 is the single distance ||x - y||^2 itself, the value is
+    a constant and its gradient, proportional to (x - y) / ||x - y||^2, is pure rounding noise that
+    grows as the local model approaches the global one (seen on clients whose last batch has one
+    sample)."""
+    if x.shape[0] < 2:
+        return x.sum() * 0.0
     pooled = torch.cat([x, y])
-    d2 = torch.cdist(pooled, pooled).pow(2)
+    # Exact squared differences, not cdist: cdist's sqrt has no gradient at the zero diagonal and
+    # its matmul path (chosen by batch size) cancels catastrophically, so it differs under vmap.
+    d2 = (pooled.unsqueeze(0) - pooled.unsqueeze(1)).pow(2).sum(-1)
     n = pooled.shape[0]
     b0 = (d2.sum() / (n * n - n)).detach().clamp(min=1e-12)
     k = sum(torch.exp(-d2 / (s * b0)) for s in scales)
