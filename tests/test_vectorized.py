@@ -69,6 +69,10 @@ def assert_same(a, b):
     ["method=moon", "model=cnnbn", "model.width=4", "rounds=3"],
     ["method=fedmmd", "model.projection_dim=16", "method.lam=0.01"],
     ["method=scaffold", "method.prototypes.mu2=0.01"],
+    # two local stages: RS upload then HPM personalisation (KD teacher = per-client HPM), BN recalibration
+    ["method=map", "model.classifier_bias=false", "method.kt_lambda=0.1"],
+    ["method=fedphp", "method.kt=mmd", "model=cnnbn", "model.width=4", "method.schedule=code"],
+    ["method=scaffold", "method.rs.alpha=0.5", "method.rs.form=soft", "method.hpm.kt_lambda=0.1"],
 ])
 def test_vectorized_matches_sequential(tmp_path, extra):
     assert_same(*both(tmp_path, extra))

@@ -58,14 +58,25 @@ def load_state(model: nn.Module, state: State) -> None:
             tensors[k].copy_(v)
 
 
-def batch_schedule(settings: LocalSettings, round_idx: int, client_id: int, n: int) -> list[np.ndarray]:
+def batch_schedule(settings: LocalSettings, round_idx: int, client_id: int, n: int,
+                   epochs: int | None = None) -> list[np.ndarray]:
     """The client's mini-batches for the round, as positions into its local index set: one fresh
     permutation per epoch (stream ``batch_order``), cut into batches of B; the last batch of an
     epoch may be smaller (no sample is dropped)."""
     batches = []
-    for perm in batch_order(settings.seed, round_idx, client_id, n, settings.epochs):
+    for perm in batch_order(settings.seed, round_idx, client_id, n, settings.epochs if epochs is None else epochs):
         batches += [perm[i:i + settings.batch_size] for i in range(0, n, settings.batch_size)]
     return batches
+
+
+def stage_schedules(settings: LocalSettings, method: Method, round_idx: int, client_id: int,
+                    n: int) -> tuple[list[np.ndarray], list[np.ndarray], float]:
+    """The batches of the uploaded model's training and of the personalisation stage (if the
+    method has one), consecutive on the client's batch stream, and the latter's lr factor."""
+    per_epoch = math.ceil(n / settings.batch_size)
+    steps_a, steps_b, lr_factor = method.split_steps(settings.epochs * per_epoch)
+    batches = batch_schedule(settings, round_idx, client_id, n, math.ceil((steps_a + steps_b) / max(per_epoch, 1)))
+    return batches[:steps_a], batches[steps_a:steps_a + steps_b], lr_factor
 
 
 def num_steps(n: int, settings: LocalSettings) -> int:
@@ -96,6 +107,37 @@ def feature_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 
         finally:
             model.train(was_training)
         return torch.cat(z), y
+    return run
+
+
+def bn_recalibration_fn(model: nn.Module, x: torch.Tensor, batch_size: int):
+    """``state -> state`` with every BatchNorm's running statistics recomputed as the plain average
+    over one pass of ``x`` in batches of ``batch_size`` (train-mode forward, no gradient); None
+    when the model has no BatchNorm (``ClientReport.recalibrate_bn``)."""
+    bns = {name: m for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    if not bns:
+        return None
+
+    def run(state: State) -> State:
+        new = {k: v.clone() for k, v in state.items()}
+        for name in bns:
+            new[f"{name}.running_mean"].zero_()
+            new[f"{name}.running_var"].fill_(1.0)
+        counters = {f"{name}.num_batches_tracked": torch.zeros((), dtype=torch.long, device=x.device) for name in bns}
+        momenta = {name: m.momentum for name, m in bns.items()}
+        was_training = model.training
+        try:
+            for m in bns.values():
+                m.momentum = None  # cumulative moving average = plain mean over the pass
+            model.train()
+            with torch.no_grad():
+                for i in range(0, len(x), batch_size):
+                    functional_call(model, {**new, **counters}, (x[i:i + batch_size],))
+        finally:
+            for name, m in bns.items():
+                m.momentum = momenta[name]
+            model.train(was_training)
+        return new
     return run
 
 
@@ -154,33 +196,46 @@ class SequentialExecutor:
                     client_states: dict[int, State], lr: float) -> list[ClientResult]:
         return [self.train_client(round_idx, k, payload, client_states[k], lr) for k in clients]
 
-    def train_client(self, round_idx: int, client_id: int, payload: State, client_state: State,
-                     lr: float) -> ClientResult:
-        s, model, method = self.settings, self.model, self.method
-        load_state(model, method.local_start(payload, client_state))
-        acc_before = self.local_accuracy(None, client_id)
+    def _sgd_stage(self, loss_fn, idx: torch.Tensor, batches: list[np.ndarray], lr: float,
+                   payload: State, client_state: State) -> dict:
+        """Train the loaded model on ``batches`` with a fresh torch.optim.SGD; mean tracked values."""
+        s, model = self.settings, self.model
         model.train()
         params = dict(model.named_parameters())
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=s.momentum, weight_decay=s.weight_decay)
         fwd = Forward(lambda x: model(x, return_features=True), frozen_forward(model))
-        idx = self.train_idx[client_id]
-        batches = batch_schedule(s, round_idx, client_id, len(idx))
         sums: dict = {}
         for positions in batches:
             rows = idx[torch.from_numpy(positions).to(self.device)]
-            loss, aux = method.local_loss(fwd, params, self.x[rows], self.y[rows], payload, client_state)
+            loss, aux = loss_fn(fwd, params, self.x[rows], self.y[rows], payload, client_state)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if s.grad_clip is not None:
                 nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
             opt.step()
             add_tracked(sums, {"loss": loss, **aux})
+        return {k: (v / max(len(batches), 1)).item() for k, v in sums.items()}
+
+    def train_client(self, round_idx: int, client_id: int, payload: State, client_state: State,
+                     lr: float) -> ClientResult:
+        s, model, method = self.settings, self.model, self.method
+        load_state(model, method.local_start(payload, client_state))
+        acc_before = self.local_accuracy(None, client_id)
+        idx = self.train_idx[client_id]
+        batches, personal_batches, lr_factor = stage_schedules(s, method, round_idx, client_id, len(idx))
+        means = self._sgd_stage(method.local_loss, idx, batches, lr, payload, client_state)
         trained = federated_state(model)
         report = ClientReport(client_id, len(idx), len(batches), lr, s.momentum,
-                              feature_fn(model, self.x[idx], self.y[idx]))
+                              feature_fn(model, self.x[idx], self.y[idx]),
+                              bn_recalibration_fn(model, self.x[idx], s.batch_size))
         upload, new_state = method.after_training(trained, payload, client_state, report)
+        if personal_batches:
+            load_state(model, method.personal_start(trained, payload, new_state))
+            stage = self._sgd_stage(method.personal_loss, idx, personal_batches, lr * lr_factor, payload, new_state)
+            means.update({f"personal_{k}": v for k, v in stage.items()})
+            new_state = method.after_personal(federated_state(model), payload, new_state, report)
         personal = method.personal_state(trained, new_state)
-        acc_after = self.local_accuracy(None if personal is trained else personal, client_id)
-        means = {k: (v / max(len(batches), 1)).item() for k, v in sums.items()}
+        loaded = personal is trained and not personal_batches  # the model as loaded is the personal one
+        acc_after = self.local_accuracy(None if loaded else personal, client_id)
         return ClientResult(client_id, upload, new_state, report, means.pop("loss", 0.0), acc_before, acc_after, means)
 

@@ -24,7 +24,7 @@ from fedskew.engine.local import LocalSettings, SequentialExecutor, federated_st
 from fedskew.engine.rng import sample_clients, seeded_torch
 from fedskew.methods import FederationInfo, build_method
 from fedskew.methods.base import model_part
-from fedskew.metrics import count_floats, feature_eig_var, global_metrics, mean_std
+from fedskew.metrics import classifier_proxy_stats, count_floats, feature_eig_var, global_metrics, mean_std
 from fedskew.models import build_model
 
 
@@ -148,10 +148,13 @@ class Experiment:
         payload = method.broadcast(global_state, server_state)
         lr = cfg.lr * cfg.lr_decay ** t
         t1 = time.perf_counter()
-        results = self.executor.train_round(t, selected, payload, client_states, lr)
+        # Persistent client states (HPMs, control variates, previous models) live in host memory
+        # between rounds; only the selected clients' states visit the device.
+        on_device = {k: _to(client_states[k], self.device) for k in selected}
+        results = self.executor.train_round(t, selected, payload, on_device, lr)
         train_s = time.perf_counter() - t1
         for r in results:
-            client_states[r.client_id] = r.client_state
+            client_states[r.client_id] = _to(r.client_state, torch.device("cpu"))
         uploads = [r.upload for r in results]
         reports = [r.report for r in results]
         new_global, new_server = method.aggregate(server_state, global_state, uploads, reports)
@@ -187,6 +190,10 @@ class Experiment:
             record.update(global_metrics(self.model, new_global, self.x_test, self.y_test, self.fed.num_classes))
             if cfg.feature_stats:
                 record["features/eig_var_top50"] = feature_eig_var(self.model, new_global, self.x_test)
+        record["memory/client_state_bytes"] = sum(v.numel() * v.element_size() for st in client_states.values()
+                                                  for v in st.values())
+        if cfg.classifier_stats:
+            record.update(self._proxy_stats(payload, results, lr))
         peak = getattr(self.executor, "peak_state_bytes", 0)
         if peak:
             record["memory/peak_state_bytes"] = peak
@@ -194,18 +201,34 @@ class Experiment:
         record["_global"], record["_server"] = new_global, new_server
         return record
 
+    def _proxy_stats(self, payload, results, lr) -> dict:
+        """``proxy/*``: MAP Figure 6 statistics of each uploaded classifier, mean over clients."""
+        key = "model.classifier.weight"
+        values: dict[str, list[float]] = {}
+        for r in results:
+            if key in payload and key in r.upload:
+                observed = self.info.class_counts[r.client_id] > 0
+                stats = classifier_proxy_stats(payload[key], r.upload[key], observed.to(payload[key].device), lr)
+                for k, v in stats.items():
+                    values.setdefault(k, []).append(v)
+        return {f"proxy/{k}": sum(v) / len(v) for k, v in sorted(values.items())}
+
     def _final_personalization(self, global_state, server_state, client_states) -> dict:
         """Every client receives the final global model and trains once (no aggregation, no state
         kept): ``personal/final_acc_before`` and ``personal/final_acc_after`` over all clients."""
         cfg = self.cfg
         clients = list(range(self.fed.num_clients))
-        states = {k: client_states.get(k) or self.method.client_init(k, global_state, self.info) for k in clients}
+        states = {k: _to(client_states[k], self.device) if k in client_states
+                  else self.method.client_init(k, global_state, self.info) for k in clients}
         payload = self.method.broadcast(global_state, server_state)
         results = self.executor.train_round(cfg.rounds, clients, payload, states, cfg.lr * cfg.lr_decay ** cfg.rounds)
         before, before_std = mean_std([r.acc_before for r in results])
         after, after_std = mean_std([r.acc_after for r in results])
         return {"personal/final_acc_before": before, "personal/final_acc_before_std": before_std,
-                "personal/final_acc_after": after, "personal/final_acc_after_std": after_std}
+                "personal/final_acc_after": after, "personal/final_acc_after_std": after_std,
+                # per client, in client order (the fairness histogram of MAP Figure 10)
+                "personal/final_acc_before_per_client": [r.acc_before for r in results],
+                "personal/final_acc_after_per_client": [r.acc_after for r in results]}
 
     def _summary(self, history, global_state, server_state, client_states, totals) -> dict:
         evals = [h for h in history if "global/test_acc" in h]
@@ -233,6 +256,10 @@ class Experiment:
         if self.cfg.final_personalization and self.cfg.partition.local_test_fraction > 0:
             summary.update(self._final_personalization(global_state, server_state, client_states))
         return summary
+
+
+def _to(state: dict, device: torch.device) -> dict:
+    return {k: v.to(device) for k, v in state.items()}
 
 
 def default_run_dir(cfg: RunConfig) -> Path:

@@ -35,8 +35,8 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from fedskew.data.federated import Federation
-from fedskew.engine.local import (ClientResult, LocalSettings, SequentialExecutor, batch_schedule,
-                                  feature_fn, frozen_forward)
+from fedskew.engine.local import (ClientResult, LocalSettings, SequentialExecutor, bn_recalibration_fn,
+                                  feature_fn, frozen_forward, stage_schedules)
 from fedskew.methods.base import ClientReport, Forward, Method, State
 
 
@@ -86,16 +86,19 @@ class VectorizedExecutor:
         self.peak_device_bytes = 0
         self._int_buffers = {k: v for k, v in model.named_buffers() if not v.is_floating_point()}
         self._frozen = frozen_forward(model)
-        self._losses = vmap(self._loss, in_dims=(0, 0, 0, 0, None, 0))
+        self._losses = vmap(self._loss(method.local_loss), in_dims=(0, 0, 0, 0, None, 0))
+        self._personal_losses = vmap(self._loss(method.personal_loss), in_dims=(0, 0, 0, 0, None, 0))
         self._eval = vmap(self._logits, in_dims=(0, 0))
 
     # -- pure pieces -------------------------------------------------------------------------------
-    def _loss(self, params, buffers, x, y, payload, client_state):
-        def train_fn(inp):
-            return functional_call(self.model, {**params, **buffers}, (inp,), {"return_features": True})
+    def _loss(self, loss_fn):
+        """One client's (loss, aux) for ``loss_fn`` (``local_loss`` or ``personal_loss``), to vmap."""
+        def loss(params, buffers, x, y, payload, client_state):
+            def train_fn(inp):
+                return functional_call(self.model, {**params, **buffers}, (inp,), {"return_features": True})
 
-        loss, aux = self.method.local_loss(Forward(train_fn, self._frozen), params, x, y, payload, client_state)
-        return loss, aux
+            return loss_fn(Forward(train_fn, self._frozen), params, x, y, payload, client_state)
+        return loss
 
     def _logits(self, state, x):
         return functional_call(self.model, state, (x,))
@@ -170,26 +173,62 @@ class VectorizedExecutor:
         # contiguous range of the stack, trained through views with no gather or scatter.
         given_order = {k: i for i, k in enumerate(clients)}
         clients = sorted(clients, key=lambda k: len(self.train_idx[k]))
-        G = len(clients)
         start = self._stack_starts([method.local_start(payload, client_states[k]) for k in clients])
+        acc_before = self.local_accuracies(start, clients)
+        plans = [stage_schedules(s, method, round_idx, k, len(self.train_idx[k])) for k in clients]
+        trained_all, sums, steps = self._run_stage(self._losses, start, stack_states([client_states[k] for k in clients]),
+                                                   [p[0] for p in plans], clients, payload, lr)
+        results, reports = [], []
+        for i, k in enumerate(clients):
+            trained = unstack(trained_all, i)  # views into the stack; methods never write in place
+            idx = self.train_idx[k]
+            report = ClientReport(k, len(idx), int(steps[i]), lr, s.momentum,
+                                  feature_fn(self.model, self.x[idx], self.y[idx]),
+                                  bn_recalibration_fn(self.model, self.x[idx], s.batch_size))
+            upload, new_state = method.after_training(trained, payload, client_states[k], report)
+            means = {key: (v[i] / max(int(steps[i]), 1)).item() for key, v in sums.items()}
+            results.append(ClientResult(k, upload, new_state, report, means.pop("loss"), acc_before[i], None, means))
+            reports.append(report)
+        if any(p[1] for p in plans):
+            if len({p[2] for p in plans}) > 1:
+                raise ValueError("clients of one round differ in their personalisation lr factor")
+            starts = [method.personal_start(unstack(trained_all, i), payload, r.client_state)
+                      for i, r in enumerate(results)]
+            new_states = stack_states([r.client_state for r in results])
+            personal_all, psums, psteps = self._run_stage(self._personal_losses, self._stack_starts(starts), new_states,
+                                                          [p[1] for p in plans], clients, payload, lr * plans[0][2])
+            for i, r in enumerate(results):
+                r.aux.update({f"personal_{key}": (v[i] / max(int(psteps[i]), 1)).item() for key, v in psums.items()})
+                if psteps[i]:
+                    r.client_state = method.after_personal(unstack(personal_all, i), payload, r.client_state, reports[i])
+        personal = [method.personal_state(unstack(trained_all, i), r.client_state) for i, r in enumerate(results)]
+        for r, acc in zip(results, self.local_accuracies(stack_states(personal), clients)):
+            r.acc_after = acc
+        return sorted(results, key=lambda r: given_order[r.client_id])
+
+    def _run_stage(self, losses_fn, start: State, cstates: State, schedules: list[list[np.ndarray]],
+                   clients: list[int], payload: State, lr: float):
+        """Local SGD of every client of the chunk from the stacked ``start`` on its own batch
+        schedule; returns the stacked trained state (parameters and float buffers), the summed
+        tracked values per client and each client's number of steps."""
+        s = self.settings
+        G = len(clients)
         param_names = [n for n, _ in self.model.named_parameters()]
         params = {n: start[n].clone() for n in param_names}
         buffers = {n: v.clone() for n, v in start.items() if n not in params}
         buffers.update({n: v.unsqueeze(0).repeat(G, *[1] * v.dim()) for n, v in self._int_buffers.items()})
-        cstates = stack_states([client_states[k] for k in clients])
         momentum = {n: torch.zeros_like(p) for n, p in params.items()} if s.momentum else None
         state_bytes = sum(t.numel() * t.element_size() for t in [*params.values(), *buffers.values()]) * 4
         self.peak_state_bytes = max(self.peak_state_bytes, state_bytes)
-        acc_before = self.local_accuracies(start, clients)
 
         # Batch schedules exactly as the sequential executor's; sizes[i, step] = 0 once finished.
-        schedules = [batch_schedule(s, round_idx, k, len(self.train_idx[k])) for k in clients]
         steps = np.array([len(sc) for sc in schedules])
-        sizes = np.zeros((G, steps.max()), dtype=np.int64)
+        sizes = np.zeros((G, max(int(steps.max()), 1)), dtype=np.int64)
         rows, offsets = [], []
         for i, (k, sched) in enumerate(zip(clients, schedules)):
             sizes[i, :len(sched)] = [len(b) for b in sched]
-            rows.append(self.train_idx[k][torch.from_numpy(np.concatenate(sched)).to(self.device)])
+            picked = np.concatenate(sched) if sched else np.zeros(0, dtype=np.int64)
+            rows.append(self.train_idx[k][torch.from_numpy(picked).to(self.device)])
             offsets.append(np.concatenate([[0], np.cumsum(sizes[i, :len(sched)])]))
 
         sums: dict[str, torch.Tensor] = {}
@@ -209,8 +248,7 @@ class VectorizedExecutor:
                     pick = (lambda d: {k: v.index_select(0, gi) for k, v in d.items()})
                 p, buf, mom = pick(params), pick(buffers), pick(momentum) if momentum else None
                 leaves = {k: v.detach().requires_grad_(True) for k, v in p.items()}
-                losses, aux = self._losses(leaves, buf, self.x[batch_rows], self.y[batch_rows], payload,
-                                           pick(cstates))
+                losses, aux = losses_fn(leaves, buf, self.x[batch_rows], self.y[batch_rows], payload, pick(cstates))
                 tracked = {"loss": losses, **aux}
                 for key, v in tracked.items():
                     sums.setdefault(key, torch.zeros(G, device=self.device))
@@ -230,21 +268,7 @@ class VectorizedExecutor:
                         sums[key].index_add_(0, gi, v.detach())
         if self.device.type == "cuda":
             self.peak_device_bytes = max(self.peak_device_bytes, torch.cuda.max_memory_allocated(self.device))
-
-        trained_all = {**params, **{k: v for k, v in buffers.items() if v.is_floating_point()}}
-        results, personal = [], []
-        for i, k in enumerate(clients):
-            trained = unstack(trained_all, i)  # views into the stack; methods never write in place
-            idx = self.train_idx[k]
-            report = ClientReport(k, len(idx), int(steps[i]), lr, s.momentum,
-                                  feature_fn(self.model, self.x[idx], self.y[idx]))
-            upload, new_state = method.after_training(trained, payload, client_states[k], report)
-            personal.append(method.personal_state(trained, new_state))
-            means = {key: (v[i] / max(int(steps[i]), 1)).item() for key, v in sums.items()}
-            results.append(ClientResult(k, upload, new_state, report, means.pop("loss"), acc_before[i], None, means))
-        for r, acc in zip(results, self.local_accuracies(stack_states(personal), clients)):
-            r.acc_after = acc
-        return sorted(results, key=lambda r: given_order[r.client_id])
+        return {**params, **{k: v for k, v in buffers.items() if v.is_floating_point()}}, sums, steps
 
     @torch.no_grad()
     def _sgd_(self, params: State, grads: State, momentum: State | None, lr: float) -> None:

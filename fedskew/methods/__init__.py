@@ -1,8 +1,8 @@
 """Method registry: one module per method family; every method is a :class:`Method`.
 
-Any method also takes the composable pieces of :data:`fedskew.methods.fedmr.COMPONENTS` as
-sub-options (``method.prototypes.mu2=1e-4``, ``method.decorrelation.mu1=0.01``): the method is then
-wrapped in a :class:`~fedskew.methods.compose.Composite`.
+Any method also takes the composable pieces of :data:`COMPONENTS` as sub-options
+(``method.prototypes.mu2=1e-4``, ``method.decorrelation.mu1=0.01``, ``method.rs.alpha=0.5``,
+``method.hpm.kt=kd``): the method is then wrapped in a :class:`~fedskew.methods.compose.Composite`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ from pydantic import BaseModel, ValidationError
 from fedskew.methods.base import ClientReport, FederationInfo, Forward, Method, State
 from fedskew.methods.compose import Composite
 from fedskew.methods.drift import FedDC, FedDyn, FedNova, FedProx, Scaffold
-from fedskew.methods.fedmr import COMPONENTS, FedMR
+from fedskew.methods.fedmr import COMPONENTS as FEDMR_COMPONENTS
+from fedskew.methods.fedmr import FedMR
+from fedskew.methods.map import COMPONENTS as MAP_COMPONENTS
+from fedskew.methods.map import MAP, FedPHP, FedRS
 from fedskew.methods.representation import FedMMD, Moon, fedproc
 from fedskew.methods.server_opt import FedAdam, FedAvgM, FedAwS, FedYogi
 
@@ -20,7 +23,9 @@ METHODS: dict[str, type[Method]] = {
     "fedavg": Method, "fedmr": FedMR, "fedprox": FedProx, "scaffold": Scaffold, "feddyn": FedDyn,
     "fednova": FedNova, "fedavgm": FedAvgM, "fedadam": FedAdam, "fedyogi": FedYogi, "fedaws": FedAwS,
     "moon": Moon, "fedmmd": FedMMD, "feddc": FedDC, "fedproc": fedproc,
+    "fedrs": FedRS, "fedphp": FedPHP, "map": MAP,
 }
+COMPONENTS = {**FEDMR_COMPONENTS, **MAP_COMPONENTS}
 
 
 def _validate(schema: type[BaseModel], data: dict, where: str, what: str) -> BaseModel:

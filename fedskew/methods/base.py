@@ -16,6 +16,12 @@ the same functions:
 ``aggregate``          (server state, global state, uploads, reports) -> (global, server state)
 =====================  =======================================================================
 
+A method may add a second local stage after the upload, whose result is the client's personalised
+model (MAP/FedPHP, Ditto, ...): ``split_steps`` divides the local step budget between the two
+stages, and ``personal_start``, ``personal_loss`` and ``after_personal`` play the roles of
+``local_start``, ``local_loss`` and ``after_training`` for the second stage. Executors run the
+stages one after another on the same batch stream, with fresh SGD momentum for the second.
+
 Payloads, uploads and states are flat ``dict[str, Tensor]``. Model tensors travel under the
 ``model.`` prefix. Communication is counted by summing the sizes of payloads and uploads, so no
 method can misreport it. Methods hold their options and the federation's static facts
@@ -61,6 +67,9 @@ class ClientReport:
     # gradient (e.g. for class prototypes computed after training).
     local_features: Callable[[dict], tuple[torch.Tensor, torch.Tensor]] | None = field(
         default=None, compare=False, repr=False)
+    # state -> the same state with BatchNorm running statistics recomputed over one pass of the
+    # client's local training data (None: the model has no BatchNorm).
+    recalibrate_bn: Callable[[dict], dict] | None = field(default=None, compare=False, repr=False)
 
 
 class Forward:
@@ -142,6 +151,27 @@ class Method:
         """The client's personalised model after this round (FedAvg: the locally trained model;
         FedPHP: its inherited private model). Scored as ``personal/acc_after``."""
         return trained
+
+    # -- optional second local stage (personalisation) -------------------------------------------
+    def split_steps(self, total_steps: int) -> tuple[int, int, float]:
+        """(steps of the uploaded model's training, steps of the personalisation stage, learning
+        rate factor of the personalisation stage) for a client whose E local epochs are
+        ``total_steps`` mini-batches. FedAvg: all steps, no second stage."""
+        return total_steps, 0, 1.0
+
+    def personal_start(self, trained: State, payload: State, client_state: State) -> State:
+        """The state the personalisation stage starts from (default: the uploaded model)."""
+        return trained
+
+    def personal_loss(self, fwd: Forward, params: State, x: torch.Tensor, y: torch.Tensor,
+                      payload: State, client_state: State) -> tuple[torch.Tensor, State]:
+        _, logits = fwd(x)
+        return F.cross_entropy(logits, y), {}
+
+    def after_personal(self, personal: State, payload: State, client_state: State,
+                       report: ClientReport) -> State:
+        """The client state after the personalisation stage produced ``personal``."""
+        return client_state
 
     # -- up ------------------------------------------------------------------------------------
     def client_weights(self, reports: list[ClientReport]) -> torch.Tensor:

@@ -24,19 +24,25 @@ class SharedForward(Forward):
 
     def __init__(self, fwd: Forward):
         super().__init__(fwd._train_fn, fwd._frozen_fn)
+        self._inner = fwd  # called as is, so wrappers (restricted logits) apply
         self._last: tuple[torch.Tensor, tuple] | None = None
 
     def __call__(self, x: torch.Tensor):
         if self._last is None or self._last[0] is not x:
-            self._last = (x, self._train_fn(x))
+            self._last = (x, self._inner(x))
         return self._last[1]
 
 
 class Component:
-    """One composable piece. Entries it sends and keeps are prefixed with ``prefix``."""
+    """One composable piece. Entries it sends and keeps are prefixed with ``prefix``.
+
+    A component that sets ``personalizes = True`` owns the method's personalisation stage
+    (``split_steps`` ... ``personal_state``, see :class:`~fedskew.methods.base.Method`); a
+    composite takes at most one such component."""
 
     prefix = ""
     Options: type[BaseModel]
+    personalizes = False
 
     def __init__(self, options: BaseModel):
         self.opt = options
@@ -49,6 +55,10 @@ class Component:
 
     def broadcast(self, server_state: State) -> State:
         return {}
+
+    def wrap_forward(self, fwd: Forward, client_state: State) -> Forward:
+        """The forward the uploaded model's training sees (e.g. restricted logits). Default: as is."""
+        return fwd
 
     def loss(self, fwd: Forward, params: State, x: torch.Tensor, y: torch.Tensor, payload: State,
              client_state: State) -> tuple[torch.Tensor | None, State]:
@@ -82,6 +92,16 @@ class Composite(Method):
         self.name = name or "+".join([base.name, *(c.prefix.rstrip(".") for c in components)])
         self.vectorizable = getattr(base, "vectorizable", True)
         self._prefixes = [c.prefix for c in components]
+        owners = [c for c in components if c.personalizes]
+        base_owns = (base._personal is not None if isinstance(base, Composite)
+                     else type(base).split_steps is not Method.split_steps)
+        if base_owns:
+            owners = [base, *owners]
+        if len(owners) > 1:
+            raise ValueError(f"method {self.name} combines {len(owners)} personalisation components "
+                             f"({', '.join(getattr(c, 'prefix', '').rstrip('.') or c.name for c in owners)}); "
+                             f"at most one is allowed.")
+        self._personal = next((c for c in components if c.personalizes), None)
 
     def server_init(self, global_state, info):
         state = self.base.server_init(global_state, info)
@@ -105,6 +125,8 @@ class Composite(Method):
         return self.base.local_start(payload, _others(client_state, self._prefixes))
 
     def local_loss(self, fwd, params, x, y, payload, client_state):
+        for c in self.components:
+            fwd = c.wrap_forward(fwd, _own(client_state, c.prefix))
         fwd = SharedForward(fwd)
         loss, aux = self.base.local_loss(fwd, params, x, y, payload, _others(client_state, self._prefixes))
         aux = dict(aux)
@@ -124,7 +146,31 @@ class Composite(Method):
             new_state.update(st)
         return upload, new_state
 
+    # The personalisation stage belongs to the one component that personalises, else to the base.
+    def split_steps(self, total_steps):
+        return (self._personal or self.base).split_steps(total_steps)
+
+    def personal_start(self, trained, payload, client_state):
+        if self._personal:
+            return self._personal.personal_start(trained, payload, _own(client_state, self._personal.prefix))
+        return self.base.personal_start(trained, payload, _others(client_state, self._prefixes))
+
+    def personal_loss(self, fwd, params, x, y, payload, client_state):
+        if self._personal:
+            return self._personal.personal_loss(fwd, params, x, y, payload,
+                                                _own(client_state, self._personal.prefix))
+        return self.base.personal_loss(fwd, params, x, y, payload, _others(client_state, self._prefixes))
+
+    def after_personal(self, personal, payload, client_state, report):
+        if self._personal:
+            own = self._personal.after_personal(personal, payload, _own(client_state, self._personal.prefix), report)
+            return {**client_state, **own}
+        base = self.base.after_personal(personal, payload, _others(client_state, self._prefixes), report)
+        return {**client_state, **base}
+
     def personal_state(self, trained, client_state):
+        if self._personal:
+            return self._personal.personal_state(trained, _own(client_state, self._personal.prefix))
         return self.base.personal_state(trained, _others(client_state, self._prefixes))
 
     def aggregate(self, server_state, global_state, uploads, reports):

@@ -9,6 +9,8 @@
   round, summed over the selected clients (``comm/*_total``: cumulative); ``comm/*_extra_floats``:
   the part that is not the model (prototypes, control variates, ...).
 - ``features/eig_var_top50``: with ``feature_stats=true``, FedMR's Table 7 statistic.
+- ``proxy/*``: with ``classifier_stats=true``, MAP's Figure 6 statistics of the uploaded
+  classifiers (:func:`classifier_proxy_stats`), averaged over the selected clients.
 """
 
 from __future__ import annotations
@@ -56,3 +58,32 @@ def mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
         return None, None
     mean = sum(vals) / len(vals)
     return mean, math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))
+
+
+def classifier_proxy_stats(w_start: torch.Tensor, w_trained: torch.Tensor, observed: torch.Tensor,
+                           lr: float) -> dict[str, float]:
+    """MAP paper Figure 6 for one client: classifier rows w_c [C, d] of observed classes (O, at
+    least one local training sample) and missing ones (M).
+
+    ``norm_O``/``norm_M``: mean ||w_c|| after local training; ``update_O``/``update_M``: mean
+    ||w_c(after) - w_c(before)|| / lr, the accumulated gradient of the round (exact for plain SGD,
+    momentum included in the sum otherwise); ``dist_OO``/``dist_OM``/``dist_MM``: mean pairwise
+    Euclidean distance between rows of the two groups (distinct pairs within a group). A value whose
+    group is empty (or has one row, for a within-group distance) is left out."""
+    o, m = observed.bool(), ~observed.bool()
+    w, delta = w_trained.float(), (w_trained - w_start).float() / lr
+    out: dict[str, float] = {}
+    for name, mask in (("O", o), ("M", m)):
+        if mask.any():
+            out[f"norm_{name}"] = w[mask].norm(dim=1).mean().item()
+            out[f"update_{name}"] = delta[mask].norm(dim=1).mean().item()
+    d = torch.cdist(w, w)
+    for name, a, b in (("OO", o, o), ("OM", o, m), ("MM", m, m)):
+        block = d[a][:, b]
+        if a is b:
+            n = int(a.sum())
+            if n > 1:
+                out[f"dist_{name}"] = (block.sum() / (n * n - n)).item()
+        elif block.numel():
+            out[f"dist_{name}"] = block.mean().item()
+    return out
