@@ -46,9 +46,10 @@ class DatasetConfig(_Strict):
 
 
 class PartitionConfig(_Strict):
-    name: Literal["iid", "pcdd", "label_k", "dirichlet", "random_classes"] = "pcdd"
+    name: Literal["iid", "pcdd", "label_k", "dirichlet", "random_classes", "label_count"] = "pcdd"
     num_clients: int = Field(20, ge=1)
-    classes_per_client: int = Field(3, ge=1, description="pcdd: y of PxCy; label_k: k of #C=k")
+    classes_per_client: int = Field(3, ge=1, description="pcdd: y of PxCy; label_k: k of #C=k; label_count: k")
+    samples_per_class: int = Field(100, ge=1, description="label_count: n samples of each held class per client")
     alpha: float = Field(0.5, gt=0, description="dirichlet concentration")
     min_size: int = Field(10, ge=1, description="dirichlet: minimum samples per client")
     size_sigma: float = Field(0.0, ge=0, description="random_classes: LogNormal size-factor sigma")
@@ -62,6 +63,9 @@ class ModelConfig(_Strict):
     hidden: list[int] = Field(default_factory=lambda: [200, 200], description="mlp hidden widths")
     width: int = Field(32, ge=1, description="cnnbn channel width")
     projection_dim: int | None = Field(None, ge=1, description="add MOON's projection head (d->d->n); features = its output")
+    classifier: Literal["linear", "etf"] = Field("linear", description="etf: fixed simplex-ETF head, never trained")
+    etf_scale: float = Field(1.0, gt=0, description="etf: beta, the head is beta * M^T")
+    etf_normalize: bool = Field(False, description="etf: L2-normalise the features before the head")
 
 
 class MethodConfig(BaseModel):

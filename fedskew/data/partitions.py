@@ -185,7 +185,28 @@ def local_test_split(indices: np.ndarray, fraction: float, rng: np.random.Genera
     return np.sort(perm[n_test:]), np.sort(perm[:n_test])
 
 
-PARTITIONS = ("iid", "pcdd", "label_k", "dirichlet", "random_classes")
+def label_count(labels: np.ndarray, num_clients: int, classes_per_client: int, samples_per_class: int,
+                num_classes: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """The neural-collapse paper's "C-K-n" split (e.g. Cifar10-100-5 with n samples per class):
+    K clients with k classes each, dealt as in pcdd (every class gets a holder first, then random
+    distinct classes), and exactly n samples of each held class per client, drawn without
+    replacement, so clients never share a sample. Samples no client draws are left out."""
+    _check_clients(num_clients, len(labels))
+    classes = pcdd_classes(num_clients, classes_per_client, num_classes, rng)
+    holders = _holders_from_classes(classes, num_classes, "label_count")
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for c, who in enumerate(holders):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        if len(idx) < len(who) * samples_per_class:
+            raise PartitionError(f"partition.samples_per_class = {samples_per_class} is not allowed here: class {c} "
+                                 f"has {len(idx)} samples for {len(who)} holders; at most "
+                                 f"{len(idx) // len(who)} fit.")
+        for j, k in enumerate(who):
+            parts[k].append(idx[j * samples_per_class:(j + 1) * samples_per_class])
+    return [np.sort(np.concatenate(p)) for p in parts]
+
+
+PARTITIONS = ("iid", "pcdd", "label_k", "dirichlet", "random_classes", "label_count")
 
 
 def partition_labels(cfg, labels: np.ndarray, num_classes: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -203,4 +224,6 @@ def partition_labels(cfg, labels: np.ndarray, num_classes: int, rng: np.random.G
         return dirichlet(labels, k, cfg.alpha, num_classes, rng, cfg.min_size)
     if cfg.name == "random_classes":
         return random_classes(labels, k, num_classes, rng, cfg.size_sigma, cfg.min_classes)
+    if cfg.name == "label_count":
+        return label_count(labels, k, cfg.classes_per_client, cfg.samples_per_class, num_classes, rng)
     raise PartitionError(f"partition.name '{cfg.name}' is not known; allowed: {list(PARTITIONS)}.")

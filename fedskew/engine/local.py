@@ -44,9 +44,11 @@ class ClientResult:
 def federated_state(model: nn.Module) -> State:
     """The tensors a federation exchanges: parameters and floating-point buffers (BatchNorm running
     statistics). Integer buffers (``num_batches_tracked``) stay local: nothing reads them when BN
-    momentum is set, and an average of counters means nothing."""
+    momentum is set, and an average of counters means nothing. Fixed architecture tensors
+    (``model.fixed_keys``: the ETF head) are left out: every party builds them from the seed."""
+    fixed = getattr(model, "fixed_keys", frozenset())
     out = {k: v.detach().clone() for k, v in model.named_parameters()}
-    out.update({k: v.detach().clone() for k, v in model.named_buffers() if v.is_floating_point()})
+    out.update({k: v.detach().clone() for k, v in model.named_buffers() if v.is_floating_point() and k not in fixed})
     return out
 
 
@@ -203,7 +205,7 @@ class SequentialExecutor:
         model.train()
         params = dict(model.named_parameters())
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=s.momentum, weight_decay=s.weight_decay)
-        fwd = Forward(lambda x: model(x, return_features=True), frozen_forward(model))
+        fwd = Forward(lambda x: model(x, return_features=True), frozen_forward(model), model.classifier)
         sums: dict = {}
         for positions in batches:
             rows = idx[torch.from_numpy(positions).to(self.device)]

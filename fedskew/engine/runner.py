@@ -74,13 +74,17 @@ class Experiment:
         self.device = resolve_device(cfg.device)
         self.fed = load_federation(cfg)
         with seeded_torch(cfg.seed, "model_init"):
-            self.model = build_model(cfg.model, self.fed.data.input_shape, self.fed.num_classes)
+            self.model = build_model(cfg.model, self.fed.data.input_shape, self.fed.num_classes, cfg.seed)
         self.model.to(self.device)
         self.info = FederationInfo(self.fed.num_clients, self.fed.num_classes,
                                    torch.from_numpy(self.fed.counts("train")), cfg.rounds,
                                    cfg.clients_per_round, cfg.seed,
-                                   tuple(n for n, _ in self.model.named_parameters()))
+                                   tuple(n for n, _ in self.model.named_parameters()), self.model.feature_dim)
         self.method = build_method(cfg.method, self.info)
+        need = self.method.requires_classifier
+        if need is not None and need != cfg.model.classifier:
+            raise ConfigError(f"method '{cfg.method.name}' needs model.classifier = '{need}', not "
+                              f"'{cfg.model.classifier}'.")
         self.executor = make_executor(cfg, self.model, self.fed, self.method, self.device)
         self.x_test = self.fed.data.x_test.to(self.device)
         self.y_test = self.fed.data.y_test.to(self.device)
@@ -162,8 +166,10 @@ class Experiment:
             raise FloatingPointError(f"round {t}: the aggregated model holds NaN or inf (training diverged); "
                                      f"lower lr or set grad_clip. The last good checkpoint is kept in {self.run_dir}.")
         down = count_floats(payload) * len(selected)
+        if t == 0:  # fixed architecture tensors (the ETF head): counted once, as if sent at setup
+            down += sum(v.numel() for k, v in self.model.state_dict().items() if k in self.model.fixed_keys)
         up = sum(count_floats(u) for u in uploads)
-        down_model = count_floats(model_part(payload)) * len(selected)
+        down_model = down - count_floats({k: v for k, v in payload.items() if not k.startswith("model.")}) * len(selected)
         up_model = sum(count_floats(model_part(u)) for u in uploads)
         totals["down"] += down
         totals["up"] += up

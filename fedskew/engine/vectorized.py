@@ -97,7 +97,11 @@ class VectorizedExecutor:
             def train_fn(inp):
                 return functional_call(self.model, {**params, **buffers}, (inp,), {"return_features": True})
 
-            return loss_fn(Forward(train_fn, self._frozen), params, x, y, payload, client_state)
+            def head_fn(h):
+                own = {k[len("classifier."):]: v for k, v in {**params, **buffers}.items() if k.startswith("classifier.")}
+                return functional_call(self.model.classifier, own, (h,))
+
+            return loss_fn(Forward(train_fn, self._frozen, head_fn), params, x, y, payload, client_state)
         return loss
 
     def _logits(self, state, x):

@@ -52,6 +52,7 @@ class FederationInfo:
     clients_per_round: int
     seed: int
     param_names: tuple[str, ...] = ()  # trainable tensors of the model state (the rest are buffers)
+    feature_dim: int = 0  # d, the dimension of the features z the classifier reads
 
 
 @dataclass(frozen=True)
@@ -75,17 +76,27 @@ class ClientReport:
 class Forward:
     """What ``local_loss`` may call: ``fwd(x) -> (z, logits)`` runs the model being trained
     (train mode); ``fwd.frozen(state, x)`` runs the same architecture with another state in eval
-    mode and without gradient (e.g. the received global model, a teacher)."""
+    mode and without gradient (e.g. the received global model, a teacher); ``fwd.head(h)`` runs the
+    trained model's classifier alone on features ``h`` (e.g. features plus memory vectors)."""
 
-    def __init__(self, train_fn: Callable, frozen_fn: Callable):
+    def __init__(self, train_fn: Callable, frozen_fn: Callable, head_fn: Callable | None = None):
         self._train_fn = train_fn
         self._frozen_fn = frozen_fn
+        self._head_fn = head_fn
 
     def __call__(self, x: torch.Tensor):
         return self._train_fn(x)
 
     def frozen(self, state: State, x: torch.Tensor):
         return self._frozen_fn(state, x)
+
+    def head(self, h: torch.Tensor):
+        return self._head_fn(h)
+
+
+def reference_tensor(state: State) -> torch.Tensor:
+    """A floating-point tensor of ``state``, for the device and dtype of new state entries."""
+    return next(v for v in state.values() if v.is_floating_point())
 
 
 def model_part(d: State) -> State:
@@ -117,6 +128,9 @@ class Method:
 
     name = "fedavg"
     Options: type[BaseModel] = FedAvgOptions
+    # "linear": the method trains or edits the classifier (refuses model.classifier=etf);
+    # "etf": the method needs the fixed ETF head; None: either.
+    requires_classifier: str | None = None
 
     def __init__(self, options: BaseModel | None = None, info: FederationInfo | None = None):
         self.opt = options if options is not None else self.Options()

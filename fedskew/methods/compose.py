@@ -23,7 +23,7 @@ class SharedForward(Forward):
     the first call's outputs."""
 
     def __init__(self, fwd: Forward):
-        super().__init__(fwd._train_fn, fwd._frozen_fn)
+        super().__init__(fwd._train_fn, fwd._frozen_fn, fwd._head_fn)
         self._inner = fwd  # called as is, so wrappers (restricted logits) apply
         self._last: tuple[torch.Tensor, tuple] | None = None
 
@@ -91,6 +91,7 @@ class Composite(Method):
         self.info = base.info
         self.name = name or "+".join([base.name, *(c.prefix.rstrip(".") for c in components)])
         self.vectorizable = getattr(base, "vectorizable", True)
+        self.requires_classifier = base.requires_classifier
         self._prefixes = [c.prefix for c in components]
         owners = [c for c in components if c.personalizes]
         base_owns = (base._personal is not None if isinstance(base, Composite)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedskew.engine.rng import numpy_rng
-from fedskew.methods.base import ClientReport, FedAvgOptions, Method
+from fedskew.methods.base import ClientReport, FedAvgOptions, Method, reference_tensor
 from fedskew.methods.compose import Component, Composite
 
 # ---------------------------------------------------------------------------------------------
@@ -175,14 +175,13 @@ class PrototypeMargin(Component):
     Options = PrototypeOptions
 
     def server_init(self, global_state, info):
-        d = global_state["classifier.weight"].shape[1]
-        return {"proto.g": torch.full((info.num_classes, d), float("nan"),
-                                      dtype=global_state["classifier.weight"].dtype,
-                                      device=global_state["classifier.weight"].device)}
+        ref = reference_tensor(global_state)
+        return {"proto.g": torch.full((info.num_classes, info.feature_dim), float("nan"),
+                                      dtype=ref.dtype, device=ref.device)}
 
     def client_init(self, client_id, global_state, info):
         share = client_id in sharing_clients(info.seed, info.num_clients, self.opt.share_fraction)
-        device = global_state["classifier.weight"].device
+        device = reference_tensor(global_state).device
         return {"proto.classes": info.class_counts[client_id].to(device=device, dtype=torch.float32),
                 "proto.share": torch.tensor(float(share), device=device)}
 

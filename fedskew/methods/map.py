@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedskew.methods.base import ClientReport, FedAvgOptions, Forward, Method, State
+from fedskew.methods.base import ClientReport, FedAvgOptions, Forward, Method, State, reference_tensor
 from fedskew.methods.compose import Component, Composite
 from fedskew.methods.representation import mmd2
 
@@ -50,7 +50,7 @@ class _RestrictedForward(Forward):
     """The training forward with logits s * (W z): the restriction acts on training only."""
 
     def __init__(self, fwd: Forward, scales: torch.Tensor):
-        super().__init__(fwd._train_fn, fwd._frozen_fn)
+        super().__init__(fwd._train_fn, fwd._frozen_fn, fwd._head_fn)
         self._scales = scales
 
     def __call__(self, x):
@@ -76,7 +76,7 @@ class RestrictedSoftmax(Component):
     Options = RSOptions
 
     def client_init(self, client_id, global_state, info):
-        device = global_state["classifier.weight"].device
+        device = reference_tensor(global_state).device
         return {"rs.scale": rs_scales(info.class_counts[client_id], self.opt.alpha, self.opt.form).to(device)}
 
     def wrap_forward(self, fwd, client_state):
@@ -134,7 +134,7 @@ class InheritedPrivateModel(Component):
     personalizes = True
 
     def client_init(self, client_id, global_state, info):
-        ref = global_state["classifier.weight"]
+        ref = reference_tensor(global_state)
         state = {"hpm.model." + k: v.clone() for k, v in global_state.items()}
         state["hpm.visits"] = torch.zeros((), dtype=ref.dtype, device=ref.device)
         state["hpm.expected"] = torch.tensor(info.clients_per_round / info.num_clients * info.rounds,

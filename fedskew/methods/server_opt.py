@@ -91,6 +91,7 @@ class FedAwS(Method):
 
     name = "fedaws"
     Options = FedAwSOptions
+    requires_classifier = "linear"  # it edits the classifier rows on the server
 
     def aggregate(self, server_state, global_state, uploads, reports):
         new, server_state = super().aggregate(server_state, global_state, uploads, reports)

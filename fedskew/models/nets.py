@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -19,16 +20,50 @@ class ModelError(ValueError):
 
 
 class SkewNet(nn.Module):
+    """``fixed_keys``: state entries that are part of the architecture, never trained and never
+    exchanged (the ETF head); the federated state leaves them out."""
+
     def __init__(self, backbone: nn.Module, feature_dim: int, num_classes: int, bias: bool = True):
         super().__init__()
         self.backbone = backbone
         self.feature_dim = feature_dim
-        self.classifier = nn.Linear(feature_dim, num_classes, bias=bias)
+        self.classifier: nn.Module = nn.Linear(feature_dim, num_classes, bias=bias)
+        self.fixed_keys: frozenset[str] = frozenset()
 
     def forward(self, x: torch.Tensor, return_features: bool = False):
         z = self.backbone(x)
         logits = self.classifier(z)
         return (z, logits) if return_features else logits
+
+
+def simplex_etf(feature_dim: int, num_classes: int, generator: torch.Generator) -> torch.Tensor:
+    """A d x C simplex equiangular tight frame M = sqrt(C/(C-1)) P (I - 11^T/C), P a random d x C
+    matrix with orthonormal columns (QR of a Gaussian matrix; neural-collapse paper, Eq. 1).
+    Every column has unit norm and every pair of columns has cosine -1/(C-1)."""
+    C = num_classes
+    if feature_dim < C:
+        raise ModelError(f"an ETF head needs feature dimension >= number of classes (d = {feature_dim} < C = {C})")
+    q, r = torch.linalg.qr(torch.randn(feature_dim, C, generator=generator, dtype=torch.float64))
+    p = q * torch.sign(torch.diagonal(r))  # a unique orthonormal basis for the drawn matrix
+    m = math.sqrt(C / (C - 1)) * p @ (torch.eye(C, dtype=torch.float64) - torch.ones(C, C, dtype=torch.float64) / C)
+    return m.to(torch.float32)
+
+
+class ETFClassifier(nn.Module):
+    """Fixed classifier logits = beta * M^T z (z L2-normalised first with ``normalize``). The
+    weight is a buffer: no optimiser sees it; it is derived from the experiment seed, so the
+    server and every client hold the same one without sending it."""
+
+    def __init__(self, feature_dim: int, num_classes: int, generator: torch.Generator, scale: float = 1.0,
+                 normalize: bool = False):
+        super().__init__()
+        self.register_buffer("weight", scale * simplex_etf(feature_dim, num_classes, generator).T.contiguous())
+        self.normalize = normalize
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        if self.normalize:
+            z = F.normalize(z, dim=-1)
+        return z @ self.weight.T
 
 
 def _conv_out(size: int, kernel: int, padding: int = 0, stride: int = 1) -> int:
@@ -101,8 +136,9 @@ def cnnbn(input_shape, num_classes, bias=True, width=32) -> SkewNet:
 MODELS = {"mlp": mlp, "lenet": lenet, "simplecnn": simplecnn, "tcnn": tcnn, "cnnbn": cnnbn}
 
 
-def build_model(cfg, input_shape: tuple[int, ...], num_classes: int) -> SkewNet:
-    """Build the model of a :class:`fedskew.config.ModelConfig` for the data set's input shape."""
+def build_model(cfg, input_shape: tuple[int, ...], num_classes: int, seed: int = 0) -> SkewNet:
+    """Build the model of a :class:`fedskew.config.ModelConfig` for the data set's input shape;
+    ``seed`` (the experiment's) fixes the ETF head when ``cfg.classifier == "etf"``."""
     if cfg.name not in MODELS:
         raise ModelError(f"model.name '{cfg.name}' is not known; allowed: {sorted(MODELS)}.")
     kwargs = {"bias": cfg.classifier_bias}
@@ -113,6 +149,17 @@ def build_model(cfg, input_shape: tuple[int, ...], num_classes: int) -> SkewNet:
     model = MODELS[cfg.name](tuple(input_shape), num_classes, **kwargs)
     if cfg.projection_dim:
         model = with_projection_head(model, cfg.projection_dim, num_classes, cfg.classifier_bias)
+    if getattr(cfg, "classifier", "linear") == "etf":
+        from fedskew.engine.rng import torch_seed
+
+        if model.feature_dim < num_classes:
+            fix = (f"raise model.hidden's last width" if cfg.name == "mlp" and not cfg.projection_dim else
+                   f"set model.projection_dim to {num_classes} or more")
+            raise ModelError(f"model.classifier = 'etf' needs a feature dimension of at least the {num_classes} "
+                             f"classes, but model '{cfg.name}' gives {model.feature_dim}; {fix}.")
+        gen = torch.Generator().manual_seed(torch_seed(seed, "etf"))
+        model.classifier = ETFClassifier(model.feature_dim, num_classes, gen, cfg.etf_scale, cfg.etf_normalize)
+        model.fixed_keys = frozenset({"classifier.weight"})
     return model
 
 
