@@ -103,6 +103,7 @@ class RunConfig(_Strict):
     final_personalization: bool = Field(True, description="train every client once from the final model")
     feature_stats: bool = Field(False, description="record features/eig_var_top50 at every evaluation")
     classifier_stats: bool = Field(False, description="record proxy/* (MAP Figure 6) every round")
+    forgetting_stats: bool = Field(False, description="record forgetting/* (FedKA Eq. 1) every round")
 
     _coerce = field_validator("method", "dataset", "partition", "model", mode="before")(
         lambda cls, v: _name_or_mapping(v))

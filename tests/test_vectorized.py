@@ -73,6 +73,9 @@ def assert_same(a, b):
     ["method=map", "model.classifier_bias=false", "method.kt_lambda=0.1"],
     ["method=fedphp", "method.kt=mmd", "model=cnnbn", "model.width=4", "method.schedule=code"],
     ["method=scaffold", "method.rs.alpha=0.5", "method.rs.form=soft", "method.hpm.kt_lambda=0.1"],
+    # per-round client preparation (anchor sets) and frozen global logits
+    ["method=fedka", "method.anchor_strategy=hard", "method.anchor_cap=3"],
+    ["method=fedntd", "method.ntd_tau=2.0"],
 ])
 def test_vectorized_matches_sequential(tmp_path, extra):
     assert_same(*both(tmp_path, extra))

@@ -13,7 +13,7 @@ from torch.func import functional_call
 
 from fedskew.data.federated import Federation
 from fedskew.engine.rng import batch_order
-from fedskew.methods.base import ClientReport, Forward, Method, State
+from fedskew.methods.base import ClientData, ClientReport, Forward, Method, State
 
 
 @dataclass(frozen=True)
@@ -194,6 +194,12 @@ class SequentialExecutor:
             preds = predict(self.model, state, self.x[idx])
         return (preds == self.y[idx]).sum().item() / len(idx)
 
+    def prepare(self, round_idx: int, client_id: int, payload: State, client_state: State) -> State:
+        """``Method.prepare`` with the client's local training data."""
+        idx = self.train_idx[client_id]
+        return self.method.prepare(payload, client_state, ClientData(client_id, round_idx, self.x[idx], self.y[idx],
+                                                                     frozen_forward(self.model)))
+
     def train_round(self, round_idx: int, clients: list[int], payload: State,
                     client_states: dict[int, State], lr: float) -> list[ClientResult]:
         return [self.train_client(round_idx, k, payload, client_states[k], lr) for k in clients]
@@ -221,6 +227,7 @@ class SequentialExecutor:
     def train_client(self, round_idx: int, client_id: int, payload: State, client_state: State,
                      lr: float) -> ClientResult:
         s, model, method = self.settings, self.model, self.method
+        client_state = self.prepare(round_idx, client_id, payload, client_state)
         load_state(model, method.local_start(payload, client_state))
         acc_before = self.local_accuracy(None, client_id)
         idx = self.train_idx[client_id]

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 import yaml
 
 from fedskew.config import ConfigError, RunConfig, load_config
 from fedskew.data.federated import Federation, load_federation
-from fedskew.engine.local import LocalSettings, SequentialExecutor, federated_state
-from fedskew.engine.rng import sample_clients, seeded_torch
+from fedskew.engine.local import LocalSettings, SequentialExecutor, federated_state, predict
+from fedskew.engine.rng import numpy_rng, sample_clients, seeded_torch
 from fedskew.methods import FederationInfo, build_method
 from fedskew.methods.base import model_part
 from fedskew.metrics import classifier_proxy_stats, count_floats, feature_eig_var, global_metrics, mean_std
@@ -79,7 +80,8 @@ class Experiment:
         self.info = FederationInfo(self.fed.num_clients, self.fed.num_classes,
                                    torch.from_numpy(self.fed.counts("train")), cfg.rounds,
                                    cfg.clients_per_round, cfg.seed,
-                                   tuple(n for n, _ in self.model.named_parameters()), self.model.feature_dim)
+                                   tuple(n for n, _ in self.model.named_parameters()), self.model.feature_dim,
+                                   public_samples(self.fed, cfg.seed, self.device))
         self.method = build_method(cfg.method, self.info)
         need = self.method.requires_classifier
         if need is not None and need != cfg.model.classifier:
@@ -200,6 +202,8 @@ class Experiment:
                                                   for v in st.values())
         if cfg.classifier_stats:
             record.update(self._proxy_stats(payload, results, lr))
+        if cfg.forgetting_stats:
+            record.update(self._forgetting(payload, results))
         peak = getattr(self.executor, "peak_state_bytes", 0)
         if peak:
             record["memory/peak_state_bytes"] = peak
@@ -218,6 +222,39 @@ class Experiment:
                 for k, v in stats.items():
                     values.setdefault(k, []).append(v)
         return {f"proxy/{k}": sum(v) / len(v) for k, v in sorted(values.items())}
+
+    def _forgetting(self, payload, results) -> dict:
+        """``forgetting/*``: FedKA's forgetting degree (Eq. 1) of each selected client's uploaded
+        model vs the global model it received, per class on the global test set; the mean over
+        (client, class) pairs of each class role (roles with the method's gamma, else 1/C), and the
+        per-class values per client."""
+        from fedskew.methods.fedka import ROLE_NAMES, class_roles, forgetting_degree
+
+        C = self.fed.num_classes
+        gamma = getattr(self.method.opt, "gamma", None) or 1.0 / C
+        present = torch.bincount(self.y_test, minlength=C) > 0
+
+        def class_acc(state):
+            preds = predict(self.model, state, self.x_test)
+            correct = torch.bincount(self.y_test[preds == self.y_test], minlength=C).double()
+            return correct / torch.bincount(self.y_test, minlength=C).clamp(min=1).double()
+
+        global_acc = class_acc(model_part(payload))
+        by_role: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        per_client = {}
+        for r in results:
+            tau = forgetting_degree(global_acc, class_acc(model_part(r.upload)))
+            roles = class_roles(self.info.class_counts[r.client_id], gamma)
+            for c in range(C):
+                # Where the global model has 0 accuracy there is nothing to forget and Eq. 1 gives
+                # -acc_local / xi (about -1e8): such pairs stay in per_client, not in the means.
+                if present[c] and global_acc[c] > 0:
+                    by_role[int(roles[c])].append(float(tau[c]))
+            per_client[str(r.client_id)] = [float(t) if present[c] else None for c, t in enumerate(tau)]
+        out = {f"forgetting/{ROLE_NAMES[role]}": (sum(v) / len(v) if v else None) for role, v in by_role.items()}
+        out["forgetting/per_client"] = per_client
+        out["forgetting/global_class_acc"] = global_acc.tolist()  # the reference of Eq. 1
+        return out
 
     def _final_personalization(self, global_state, server_state, client_states) -> dict:
         """Every client receives the final global model and trains once (no aggregation, no state
@@ -262,6 +299,19 @@ class Experiment:
         if self.cfg.final_personalization and self.cfg.partition.local_test_fraction > 0:
             summary.update(self._final_personalization(global_state, server_state, client_states))
         return summary
+
+
+def public_samples(fed: Federation, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One training sample per class drawn once from the seed (stream ``public_samples``): the
+    minimal shared set FedKA assumes every client knows (``FederationInfo.public_samples``)."""
+    rng = numpy_rng(seed, "public_samples")
+    y = fed.data.y_train.numpy()
+    picks = [int(rng.choice(np.flatnonzero(y == c))) if (y == c).any() else -1 for c in range(fed.num_classes)]
+    if min(picks) < 0:
+        missing = [c for c, i in enumerate(picks) if i < 0]
+        raise ConfigError(f"the training split has no sample of classes {missing}; every class needs one.")
+    idx = torch.tensor(picks)
+    return fed.data.x_train[idx].to(device), fed.data.y_train[idx].to(device)
 
 
 def _to(state: dict, device: torch.device) -> dict:

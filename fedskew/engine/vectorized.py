@@ -177,6 +177,7 @@ class VectorizedExecutor:
         # contiguous range of the stack, trained through views with no gather or scatter.
         given_order = {k: i for i, k in enumerate(clients)}
         clients = sorted(clients, key=lambda k: len(self.train_idx[k]))
+        client_states = {k: self.sequential.prepare(round_idx, k, payload, client_states[k]) for k in clients}
         start = self._stack_starts([method.local_start(payload, client_states[k]) for k in clients])
         acc_before = self.local_accuracies(start, clients)
         plans = [stage_schedules(s, method, round_idx, k, len(self.train_idx[k])) for k in clients]

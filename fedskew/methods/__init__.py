@@ -16,6 +16,7 @@ from fedskew.methods.fedmr import COMPONENTS as FEDMR_COMPONENTS
 from fedskew.methods.fedmr import FedMR
 from fedskew.methods.map import COMPONENTS as MAP_COMPONENTS
 from fedskew.methods.map import MAP, FedPHP, FedRS
+from fedskew.methods.fedka import FedKA, FedNTD
 from fedskew.methods.neural_collapse import EtfGmv
 from fedskew.methods.representation import FedMMD, Moon, fedproc
 from fedskew.methods.server_opt import FedAdam, FedAvgM, FedAwS, FedYogi
@@ -25,6 +26,7 @@ METHODS: dict[str, type[Method]] = {
     "fednova": FedNova, "fedavgm": FedAvgM, "fedadam": FedAdam, "fedyogi": FedYogi, "fedaws": FedAwS,
     "moon": Moon, "fedmmd": FedMMD, "feddc": FedDC, "fedproc": fedproc,
     "fedrs": FedRS, "fedphp": FedPHP, "map": MAP, "etf_gmv": EtfGmv,
+    "fedntd": FedNTD, "fedka": FedKA,
 }
 COMPONENTS = {**FEDMR_COMPONENTS, **MAP_COMPONENTS}
 

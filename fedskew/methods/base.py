@@ -8,6 +8,8 @@ the same functions:
 ``server_init``        global model state -> server state (control variates, prototypes, ...)
 ``client_init``        client id -> that client's persistent state (created on first selection)
 ``broadcast``          (global state, server state) -> payload, the flat dict sent to a client
+``prepare``            (payload, client state, client data) -> client state, before training
+                       (e.g. FedKA's anchor set; default: unchanged)
 ``local_start``        (payload, client state) -> the model state local training starts from
 ``local_loss``         (forward, params, x, y, payload, client state) -> (loss, aux); pure, so it
                        can run under ``vmap(grad(...))``
@@ -53,6 +55,20 @@ class FederationInfo:
     seed: int
     param_names: tuple[str, ...] = ()  # trainable tensors of the model state (the rest are buffers)
     feature_dim: int = 0  # d, the dimension of the features z the classifier reads
+    # A public set of one training sample per class, drawn once from the seed (stream
+    # ``public_samples``) and visible to every client (FedKA's shared anchors): (x [C, ...], y [C]).
+    public_samples: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """What ``Method.prepare`` may read about a selected client before its local training."""
+
+    client_id: int
+    round_idx: int
+    x: torch.Tensor  # the client's local training inputs
+    y: torch.Tensor
+    frozen: Callable[[dict, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (state, x) -> (z, logits), eval mode
 
 
 @dataclass(frozen=True)
@@ -146,6 +162,11 @@ class Method:
     # -- down ----------------------------------------------------------------------------------
     def broadcast(self, global_state: State, server_state: State) -> State:
         return as_model_part(global_state)
+
+    def prepare(self, payload: State, client_state: State, data: ClientData) -> State:
+        """The client state local training uses, built from the client's data before training
+        (outside ``vmap``; the result must have the same keys and shapes for every client)."""
+        return client_state
 
     def local_start(self, payload: State, client_state: State) -> State:
         return model_part(payload)

@@ -56,6 +56,9 @@ class Component:
     def broadcast(self, server_state: State) -> State:
         return {}
 
+    def prepare(self, payload: State, client_state: State, data) -> State:
+        return client_state
+
     def wrap_forward(self, fwd: Forward, client_state: State) -> Forward:
         """The forward the uploaded model's training sees (e.g. restricted logits). Default: as is."""
         return fwd
@@ -121,6 +124,12 @@ class Composite(Method):
         for c in self.components:
             payload.update(c.broadcast(_own(server_state, c.prefix)))
         return payload
+
+    def prepare(self, payload, client_state, data):
+        state = dict(self.base.prepare(payload, _others(client_state, self._prefixes), data))
+        for c in self.components:
+            state.update(c.prepare(payload, _own(client_state, c.prefix), data))
+        return state
 
     def local_start(self, payload, client_state):
         return self.base.local_start(payload, _others(client_state, self._prefixes))

@@ -1,0 +1,182 @@
+"""FedNTD (Lee et al., NeurIPS 2022) and FedKA (knowledge anchor, 2023), methods.md section 4.
+
+Both keep the received global model's knowledge of the classes a client lacks: FedNTD distils the
+global model's *not-true* class distribution on every batch; FedKA distils the global model's
+logits of missing and non-dominant classes on a small anchor set (one sample per such class).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from fedskew.engine.rng import numpy_rng
+from fedskew.methods.base import ClientData, FedAvgOptions, Method, model_part, reference_tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# FedNTD
+
+
+def not_true_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[B, C] -> [B, C - 1]: each row without its true-class entry (order of the rest kept)."""
+    C = logits.shape[-1]
+    keep = torch.ones_like(logits, dtype=torch.bool).scatter(-1, y[:, None], False)
+    return logits[keep].reshape(*logits.shape[:-1], C - 1)
+
+
+def ntd_loss(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor, tau: float = 1.0) -> torch.Tensor:
+    """T^2 * KL(softmax(gz~ / T) || softmax(z~ / T)), batch mean, ~ = true class removed."""
+    z, g = not_true_logits(logits, y) / tau, not_true_logits(global_logits, y) / tau
+    p_g = F.softmax(g, dim=-1)
+    kl = (p_g * (F.log_softmax(g, dim=-1) - F.log_softmax(z, dim=-1))).sum(-1)
+    return kl.mean() * tau ** 2
+
+
+class FedNTDOptions(FedAvgOptions):
+    ntd_beta: float = Field(1.0, ge=0, description="weight of the not-true distillation term")
+    ntd_tau: float = Field(1.0, gt=0, description="distillation temperature T")
+
+
+class FedNTD(Method):
+    """L = CE(z, y) + beta * NTD(z, frozen received global model's logits). Communication as FedAvg."""
+
+    name = "fedntd"
+    Options = FedNTDOptions
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        _, logits = fwd(x)
+        _, global_logits = fwd.frozen(model_part(payload), x)
+        ntd = ntd_loss(logits, global_logits, y, self.opt.ntd_tau)
+        return F.cross_entropy(logits, y) + self.opt.ntd_beta * ntd, {"fedntd/ntd": ntd.detach()}
+
+
+# ---------------------------------------------------------------------------------------------
+# FedKA
+
+
+def class_roles(counts: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Per class of one client: 0 missing (n_c = 0), 1 non-dominant (0 < n_c / n < gamma),
+    2 dominant (the rest)."""
+    counts = counts.to(torch.float64)
+    share = counts / counts.sum().clamp(min=1)
+    return torch.where(counts == 0, 0, torch.where(share < gamma, 1, 2)).to(torch.long)
+
+
+ROLE_NAMES = ("missing", "non_dominant", "dominant")
+
+
+def anchor_indices(roles: torch.Tensor, y_local: np.ndarray, losses: np.ndarray | None, cap: int,
+                   strategy: str, rng: np.random.Generator) -> list[tuple[str, int]]:
+    """The anchor set of one client for one round: ("public", c) for each missing class c (the
+    shared sample), ("local", i) for one local sample of each non-dominant class (random, or the
+    largest / smallest loss under the received global model for ``hard`` / ``proficient``); a
+    random subset of ``cap`` when more."""
+    anchors: list[tuple[str, int]] = []
+    for c in range(len(roles)):
+        if roles[c] == 0:
+            anchors.append(("public", c))
+        elif roles[c] == 1:
+            pool = np.flatnonzero(y_local == c)
+            if strategy == "random":
+                anchors.append(("local", int(rng.choice(pool))))
+            else:
+                order = np.argsort(losses[pool], kind="stable")
+                anchors.append(("local", int(pool[order[-1] if strategy == "hard" else order[0]])))
+    if len(anchors) > cap:
+        keep = np.sort(rng.choice(len(anchors), size=cap, replace=False))
+        anchors = [anchors[i] for i in keep]
+    return anchors
+
+
+def knowledge_anchor_loss(local_logits: torch.Tensor, global_logits: torch.Tensor, keep_classes: torch.Tensor,
+                          valid: torch.Tensor) -> torch.Tensor:
+    """(1/|T|) sum_{t in T} || Phi(f_global(t)) - Phi(f_local(t)) ||_2^2, Phi keeping the logits of
+    missing and non-dominant classes (``keep_classes``); ``valid`` masks padding rows of T. Zero
+    when T is empty."""
+    diff = (global_logits - local_logits) * keep_classes.to(local_logits.dtype)
+    per_anchor = diff.pow(2).sum(-1) * valid.to(local_logits.dtype)
+    return per_anchor.sum() / valid.to(local_logits.dtype).sum().clamp(min=1)
+
+
+class FedKAOptions(FedAvgOptions):
+    ka_beta: float = Field(0.1, ge=0, description="weight of the knowledge-anchor term (paper grid 0.5..0.001)")
+    gamma: float | None = Field(None, gt=0, le=1, description="non-dominant threshold on the class share "
+                                                              "(default 1/C)")
+    anchor_cap: int = Field(10, ge=1, description="most anchors per client")
+    anchor_strategy: Literal["random", "hard", "proficient"] = "random"
+
+
+class FedKA(Method):
+    """L = CE(batch) + beta * knowledge-anchor loss on every mini-batch (methods.md section 4).
+
+    Before each round's local training the client rebuilds its anchor set (``prepare``): the
+    public sample of each missing class (``FederationInfo.public_samples``: one training sample per
+    class drawn once from the seed and, as the paper assumes, visible to every client) and one of
+    its own samples of each non-dominant class, redrawn every round (stream ``fedka_anchors``),
+    capped. The received global model's logits on the anchors are computed once then.
+
+    Keeps per client (rebuilt each round, padded to ``anchor_cap``): anchors, their global logits,
+    a validity mask and the kept-class mask. Communication as FedAvg. The anchors pass through the
+    model in training mode on every step (a BatchNorm model's running statistics see them)."""
+
+    name = "fedka"
+    Options = FedKAOptions
+
+    def _gamma(self) -> float:
+        return self.opt.gamma if self.opt.gamma is not None else 1.0 / self.info.num_classes
+
+    def client_init(self, client_id, global_state, info):
+        ref = reference_tensor(global_state)
+        x_pub, _ = info.public_samples
+        cap, C = self.opt.anchor_cap, info.num_classes
+        roles = class_roles(info.class_counts[client_id], self._gamma())
+        return {"ka.x": torch.zeros(cap, *x_pub.shape[1:], dtype=x_pub.dtype, device=ref.device),
+                "ka.global_logits": torch.zeros(cap, C, dtype=ref.dtype, device=ref.device),
+                "ka.valid": torch.zeros(cap, dtype=ref.dtype, device=ref.device),
+                "ka.keep": (roles < 2).to(device=ref.device, dtype=ref.dtype)}
+
+    def prepare(self, payload, client_state, data: ClientData):
+        x_pub, _ = self.info.public_samples
+        roles = class_roles(self.info.class_counts[data.client_id], self._gamma())
+        global_state = model_part(payload)
+        losses = None
+        if self.opt.anchor_strategy != "random":
+            _, logits = data.frozen(global_state, data.x)
+            losses = F.cross_entropy(logits, data.y, reduction="none").cpu().numpy()
+        rng = numpy_rng(self.info.seed, "fedka_anchors", data.round_idx, data.client_id)
+        anchors = anchor_indices(roles, data.y.cpu().numpy(), losses, self.opt.anchor_cap,
+                                 self.opt.anchor_strategy, rng)
+        x = torch.zeros_like(client_state["ka.x"])
+        valid = torch.zeros_like(client_state["ka.valid"])
+        for i, (source, j) in enumerate(anchors):
+            x[i] = x_pub[j] if source == "public" else data.x[j]
+            valid[i] = 1.0
+        _, global_logits = data.frozen(global_state, x)
+        return {**client_state, "ka.x": x, "ka.valid": valid, "ka.global_logits": global_logits}
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        _, logits = fwd(x)
+        ce = F.cross_entropy(logits, y)
+        _, anchor_logits = fwd(client_state["ka.x"])
+        ka = knowledge_anchor_loss(anchor_logits, client_state["ka.global_logits"], client_state["ka.keep"],
+                                   client_state["ka.valid"])
+        return ce + self.opt.ka_beta * ka, {"fedka/anchor": ka.detach()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Forgetting degree (FedKA paper, Eq. 1): a metric for every method
+
+
+def forgetting_degree(global_class_acc: torch.Tensor, local_class_acc: torch.Tensor, xi: float = 1e-8) -> torch.Tensor:
+    """tau^c = (acc_c(global) - acc_c(local)) / (acc_c(global) + xi), per class; in (-inf, 1],
+    positive = forgetting."""
+    return (global_class_acc - local_class_acc) / (global_class_acc + xi)
+
+
+__all__ = ["FedKA", "FedNTD", "ROLE_NAMES", "anchor_indices", "class_roles", "forgetting_degree",
+           "knowledge_anchor_loss", "not_true_logits", "ntd_loss"]
