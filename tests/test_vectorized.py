@@ -36,9 +36,12 @@ BASE = ["rounds=2", "partition=dirichlet", "partition.alpha=0.3", "partition.min
 TOL = 1e-5
 
 
-def both(tmp_path, extra):
+def both(tmp_path, extra, expect_fallback=False):
     a = run(load_config(None, BASE + extra + ["executor=sequential"]), tmp_path / "seq")
-    b = run(load_config(None, BASE + extra + ["executor=vectorized"]), tmp_path / "vec")
+    vec = Experiment(load_config(None, BASE + extra + ["executor=vectorized"]), tmp_path / "vec")
+    b = vec.run()
+    if not expect_fallback:  # really vectorised, not the sequential fallback compared with itself
+        assert vec.executor.fallback_reason is None, vec.executor.fallback_reason
     return a, b
 
 
@@ -104,7 +107,7 @@ class DataDependent(Method):
 @pytest.mark.parametrize("cls", [NotVectorizable, DataDependent])
 def test_fallback_to_sequential_with_a_notice(tmp_path, capsys, monkeypatch, cls):
     monkeypatch.setitem(METHODS, cls.name, cls)
-    a, b = both(tmp_path, [f"method={cls.name}"])
+    a, b = both(tmp_path, [f"method={cls.name}"], expect_fallback=True)
     assert "falls back to sequential" in capsys.readouterr().out
     for k in a.global_state:
         assert torch.equal(a.global_state[k], b.global_state[k])

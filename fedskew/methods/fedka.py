@@ -25,8 +25,9 @@ from fedskew.methods.base import ClientData, FedAvgOptions, Method, model_part, 
 def not_true_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """[B, C] -> [B, C - 1]: each row without its true-class entry (order of the rest kept)."""
     C = logits.shape[-1]
-    keep = torch.ones_like(logits, dtype=torch.bool).scatter(-1, y[:, None], False)
-    return logits[keep].reshape(*logits.shape[:-1], C - 1)
+    others = torch.arange(C - 1, device=logits.device)
+    idx = others + (others[None, :] >= y[:, None]).long()  # skip the true class; no boolean mask (vmap)
+    return logits.gather(-1, idx)
 
 
 def ntd_loss(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor, tau: float = 1.0) -> torch.Tensor:
