@@ -104,6 +104,8 @@ class RunConfig(_Strict):
     feature_stats: bool = Field(False, description="record features/eig_var_top50 at every evaluation")
     classifier_stats: bool = Field(False, description="record proxy/* (MAP Figure 6) every round")
     forgetting_stats: bool = Field(False, description="record forgetting/* (FedKA Eq. 1) every round")
+    forgetting_test_samples: int | None = Field(None, ge=1, description="forgetting/* on the first n global "
+                                                                       "test samples (default: all)")
 
     _coerce = field_validator("method", "dataset", "partition", "model", mode="before")(
         lambda cls, v: _name_or_mapping(v))

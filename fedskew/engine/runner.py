@@ -232,12 +232,14 @@ class Experiment:
 
         C = self.fed.num_classes
         gamma = getattr(self.method.opt, "gamma", None) or 1.0 / C
-        present = torch.bincount(self.y_test, minlength=C) > 0
+        n = self.cfg.forgetting_test_samples
+        x_test, y_test = self.x_test[:n], self.y_test[:n]
+        present = torch.bincount(y_test, minlength=C) > 0
 
         def class_acc(state):
-            preds = predict(self.model, state, self.x_test)
-            correct = torch.bincount(self.y_test[preds == self.y_test], minlength=C).double()
-            return correct / torch.bincount(self.y_test, minlength=C).clamp(min=1).double()
+            preds = predict(self.model, state, x_test)
+            correct = torch.bincount(y_test[preds == y_test], minlength=C).double()
+            return correct / torch.bincount(y_test, minlength=C).clamp(min=1).double()
 
         global_acc = class_acc(model_part(payload))
         by_role: dict[int, list[float]] = {0: [], 1: [], 2: []}
