@@ -77,9 +77,15 @@ def _results_table(summary: dict, run_dir: Path) -> Table:
 
 
 def cmd_run(args, console: Console) -> int:
-    from fedskew.config import load_config
+    from fedskew.config import ConfigError, load_config
     from fedskew.engine.runner import Experiment
 
+    if args.resume:
+        if args.items:
+            raise ConfigError(f"fedskew run --resume takes no config or overrides (got {' '.join(args.items)}); "
+                              f"the run directory's config.yaml is used.")
+        args.run_dir = args.resume
+        return cmd_resume(args, console)
     config, overrides = _split_args(args.items)
     cfg = load_config(config, overrides)
     exp = Experiment(cfg)
@@ -137,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     p_run = sub.add_parser("run", help="run one experiment", epilog=EPILOG)
     p_run.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value]")
+    p_run.add_argument("--resume", metavar="RUN_DIR", help="continue the interrupted run in RUN_DIR")
     p_res = sub.add_parser("resume", help="continue an interrupted run from its directory")
     p_res.add_argument("run_dir")
     p_part = sub.add_parser("partition", help="print and draw a partition", epilog=EPILOG)
@@ -151,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     from fedskew.config import ConfigError
     from fedskew.data import DatasetError, PartitionError
+    from fedskew.engine.runner import ClientFailure
     from fedskew.models import ModelError
 
     commands = {"run": cmd_run, "resume": cmd_resume, "partition": cmd_partition}
@@ -159,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return commands[args.command](args, console)
-    except (ConfigError, DatasetError, PartitionError, ModelError, FloatingPointError) as exc:
+    except (ConfigError, DatasetError, PartitionError, ModelError, FloatingPointError, ClientFailure) as exc:
         print(f"fedskew: error: {exc}", file=sys.stderr)
         return 2
 

@@ -98,6 +98,9 @@ class RunConfig(_Strict):
     out_dir: str = "runs"
     run_name: str | None = None
     eval_every: int = Field(1, ge=1)
+    checkpoint_every: int = Field(1, ge=1, description="write checkpoint.pt every n rounds (and after the last)")
+    fail_fast: bool = Field(False, description="stop the run when a client's training raises (default: "
+                                               "report it and aggregate the others)")
     executor: Literal["sequential", "vectorized"] = "sequential"
     max_parallel_clients: int | None = Field(None, ge=1, description="vectorized: clients per chunk")
     final_personalization: bool = Field(True, description="train every client once from the final model")

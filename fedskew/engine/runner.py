@@ -2,13 +2,22 @@
 
 A run directory holds ``config.yaml`` (resolved, with seed and library version), ``partition.png``
 and ``partition.json``, ``metrics.jsonl`` (one JSON object per round), ``summary.json`` (final
-values) and ``checkpoint.pt`` (written atomically after every round; ``resume`` continues from it
-exactly, because every random draw is a function of (seed, stream, round, client)).
+values) and ``checkpoint.pt`` (every ``checkpoint_every`` rounds, written atomically; the one
+before is kept as ``checkpoint.prev.pt``). A checkpoint holds the global model, all server state
+and every client's state (HPMs, control variates, FedDyn duals, ...); local optimisers start fresh
+each round, and every random draw is a function of (seed, stream, round, client), so no generator
+state is needed: ``resume`` continues exactly. Checkpoints are plain tensors and containers, loaded
+with ``torch.load(weights_only=True)`` (nothing is unpickled).
+
+Failures. A client whose training raises is reported in the round's ``clients_failed`` and left out
+of the aggregation (``fail_fast=true`` stops instead); a NaN/inf local loss or aggregated model
+stops the run with a message naming the round (and client), keeping the last good checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -105,11 +114,30 @@ class Experiment:
                          f"{self.fed.num_clients} clients")
 
     def _checkpoint(self, state: dict) -> None:
-        atomic_save(state, self.run_dir / "checkpoint.pt")
+        path = self.run_dir / "checkpoint.pt"
+        if path.exists():
+            os.replace(path, self.run_dir / "checkpoint.prev.pt")
+        atomic_save(state, path)
 
     def _load_checkpoint(self) -> dict | None:
-        path = self.run_dir / "checkpoint.pt"
-        return torch.load(path, map_location=self.device, weights_only=False) if path.exists() else None
+        """The newest readable checkpoint: ``checkpoint.pt``, else (truncated or corrupt, with a
+        notice) ``checkpoint.prev.pt``; None when the run never wrote one."""
+        paths = [p for p in (self.run_dir / "checkpoint.pt", self.run_dir / "checkpoint.prev.pt") if p.exists()]
+        errors = []
+        for path in paths:
+            try:
+                ckpt = torch.load(path, map_location=self.device, weights_only=True)
+                if not isinstance(ckpt, dict) or "next_round" not in ckpt:
+                    raise ValueError("it is not a fedskew checkpoint")
+            except Exception as exc:  # truncated, corrupt or foreign file: try the previous one
+                errors.append(f"{path.name}: {str(exc).splitlines()[0][:120]}")
+                print(f"fedskew: cannot read {path}; trying the previous checkpoint.", flush=True)
+                continue
+            return ckpt
+        if errors:
+            raise ConfigError(f"no readable checkpoint in '{self.run_dir}' ({'; '.join(errors)}); "
+                              f"start the run again without resume.")
+        return None
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self, on_round: Callable[[dict], None] | None = None) -> RunResult:
@@ -135,8 +163,9 @@ class Experiment:
             history.append(record)
             with open(self.run_dir / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(record) + "\n")
-            self._checkpoint({"next_round": t + 1, "global_state": global_state, "server_state": server_state,
-                              "client_states": client_states, "totals": totals})
+            if (t + 1) % cfg.checkpoint_every == 0 or t == cfg.rounds - 1:
+                self._checkpoint({"next_round": t + 1, "global_state": global_state, "server_state": server_state,
+                                  "client_states": client_states, "totals": totals})
             if on_round:
                 on_round(record)
 
@@ -157,9 +186,13 @@ class Experiment:
         # Persistent client states (HPMs, control variates, previous models) live in host memory
         # between rounds; only the selected clients' states visit the device.
         on_device = {k: _to(client_states[k], self.device) for k in selected}
-        results = self.executor.train_round(t, selected, payload, on_device, lr)
+        results, failed = self._train(t, selected, payload, on_device, lr)
         train_s = time.perf_counter() - t1
         for r in results:
+            if not math.isfinite(r.train_loss):
+                raise FloatingPointError(f"round {t}: client {r.client_id}'s local loss is {r.train_loss} (training "
+                                         f"diverged); lower lr or set grad_clip. The last good checkpoint is kept "
+                                         f"in {self.run_dir}.")
             client_states[r.client_id] = _to(r.client_state, torch.device("cpu"))
         uploads = [r.upload for r in results]
         reports = [r.report for r in results]
@@ -182,7 +215,7 @@ class Experiment:
         before, before_std = mean_std([r.acc_before for r in results])
         after, after_std = mean_std([r.acc_after for r in results])
         record = {
-            "round": t, "clients": selected, "lr": lr,
+            "round": t, "clients": selected, "clients_failed": failed, "lr": lr,
             "train/loss": sum(r.train_loss * r.report.num_samples for r in results) / n,
             "personal/acc_before": before, "personal/acc_before_std": before_std,
             "personal/acc_after": after, "personal/acc_after_std": after_std,
@@ -210,6 +243,30 @@ class Experiment:
         record["time/round_s"] = time.perf_counter() - t0
         record["_global"], record["_server"] = new_global, new_server
         return record
+
+    def _train(self, t, selected, payload, states, lr):
+        """Train the selected clients; a client whose training raises is reported (``clients_failed``)
+        and left out, unless ``fail_fast``. On a failure the round is retried client by client on
+        the sequential executor, so the others' results are exactly what they would have been."""
+        try:
+            return self.executor.train_round(t, selected, payload, states, lr), []
+        except Exception:
+            if self.cfg.fail_fast:
+                raise
+        sequential = getattr(self.executor, "sequential", self.executor)
+        results, failed = [], []
+        for k in selected:
+            try:
+                results.append(sequential.train_client(t, k, payload, states[k], lr))
+            except Exception as exc:
+                message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                failed.append({"client": k, "error": message})
+                print(f"fedskew: round {t}: client {k} failed and is left out of the aggregation ({message})",
+                      flush=True)
+        if not results:
+            raise ClientFailure(f"round {t}: every selected client failed; the first error was "
+                                f"{failed[0]['error']}")
+        return results, failed
 
     def _proxy_stats(self, payload, results, lr) -> dict:
         """``proxy/*``: MAP Figure 6 statistics of each uploaded classifier, mean over clients."""
@@ -301,6 +358,10 @@ class Experiment:
         if self.cfg.final_personalization and self.cfg.partition.local_test_fraction > 0:
             summary.update(self._final_personalization(global_state, server_state, client_states))
         return summary
+
+
+class ClientFailure(RuntimeError):
+    """Every selected client of a round failed."""
 
 
 def public_samples(fed: Federation, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -145,10 +145,13 @@ class VectorizedExecutor:
             try:
                 out = self._train_all(round_idx, clients, payload, client_states, lr)
             except (RuntimeError, ValueError, NotImplementedError) as exc:
+                # If the sequential executor fails the same way, the error is not vmap's (a failing
+                # client, bad data): it propagates and the executor stays vectorised.
+                out = self.sequential.train_round(round_idx, clients, payload, client_states, lr)
                 self.fallback_reason = str(exc).splitlines()[0][:200]
                 print(f"fedskew: vectorized executor falls back to sequential for method {self.method.name}: "
                       f"{self.fallback_reason}", flush=True)
-                return self.sequential.train_round(round_idx, clients, payload, client_states, lr)
+                return out
             self._checked = True
             return out
         return self._train_all(round_idx, clients, payload, client_states, lr)
