@@ -11,12 +11,13 @@ of the last-5 mean over FedAvg in points.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from common import parser
 
 from fedskew.config import load_config
 from fedskew.engine.runner import run
@@ -32,17 +33,14 @@ METHOD_ARGS = {
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="../shared/data")
+    p = parser(__doc__)
     p.add_argument("--methods", nargs="+", default=METHODS)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--subsample", type=float, default=0.1)
-    p.add_argument("--out", default=None)
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="baselines_fmnist_"))
-    common = [f"dataset=fmnist", f"dataset.root={args.data}", f"dataset.train_subsample={args.subsample}",
+    common = ["dataset=fmnist", f"dataset.root={args.data}", f"dataset.train_subsample={args.subsample}",
               "model=simplecnn", "partition=pcdd", "partition.num_clients=10", "partition.classes_per_client=2",
               "partition.local_test_fraction=0", "clients_per_round=10", f"rounds={args.rounds}",
               f"local_epochs={args.epochs}", "batch_size=64", "lr=0.01", "momentum=0.9", "weight_decay=1e-5",

@@ -14,12 +14,12 @@ global test accuracy (last round, mean of the last 10 rounds); a diverged run is
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from common import mean_std, parser
 
 from fedskew.config import load_config
 from fedskew.engine.runner import run
@@ -32,21 +32,14 @@ VARIANTS = {
 }
 
 
-def fmt(vals):
-    if not vals:
-        return "-"
-    return f"{100 * statistics.mean(vals):.2f} +- {100 * (statistics.stdev(vals) if len(vals) > 1 else 0):.2f}"
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="../shared/data")
+    p = parser(__doc__)
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--samples-per-class", type=int, default=50)
     p.add_argument("--classes", type=int, nargs="+", default=[2, 5])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS))
-    p.add_argument("--out", default=None)
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="etf_fmnist_"))
     common = ["dataset=fmnist", f"dataset.root={args.data}", "model=mlp", "partition=label_count",
@@ -79,8 +72,8 @@ def main():
         for name in args.variants:
             rs = [r for r in rows if r["k"] == k and r["variant"] == name]
             ok = [r for r in rs if "diverged" not in r]
-            print(f"| FMNIST-100-{k} (n={args.samples_per_class}) | {name} | {fmt([r['last'] for r in ok])} "
-                  f"| {fmt([r['last10'] for r in ok])} | {len(rs) - len(ok)}/{len(rs)} |")
+            print(f"| FMNIST-100-{k} (n={args.samples_per_class}) | {name} | {mean_std([r['last'] for r in ok])} "
+                  f"| {mean_std([r['last10'] for r in ok])} | {len(rs) - len(ok)}/{len(rs)} |")
     print(f"\nrun directories and results.json in {out}")
 
 

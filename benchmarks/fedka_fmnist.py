@@ -18,12 +18,12 @@ FedAvg's final accuracy of the same seed (paper Table 2: rounds to target); the 
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from common import mean_std, parser
 
 from fedskew.config import load_config
 from fedskew.engine.runner import run
@@ -32,25 +32,16 @@ METHODS = {"fedavg": [], "fedntd": ["method.ntd_beta=1.0", "method.ntd_tau=1.0"]
 ROLES = ("missing", "non_dominant", "dominant")
 
 
-def fmt(vals, scale=100.0):
-    vals = [v for v in vals if v is not None]
-    if not vals:
-        return "-"
-    sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-    return f"{scale * statistics.mean(vals):.2f} +- {scale * sd:.2f}"
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="../shared/data")
+    p = parser(__doc__)
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--subsample", type=float, default=0.1)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--methods", nargs="+", default=list(METHODS))
     p.add_argument("--forgetting-samples", type=int, default=2000,
                    help="forgetting degree on the first n global test samples (accuracy uses all)")
-    p.add_argument("--out", default=None)
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="fedka_fmnist_"))
     common = ["dataset=fmnist", f"dataset.root={args.data}", f"dataset.train_subsample={args.subsample}",
@@ -89,9 +80,9 @@ def main():
     for method in args.methods:
         rs = [r for r in rows if r["method"] == method]
         reach = [to_target(r) for r in rs]
-        print(f"| {method} | {fmt([r['accs'][-1] for r in rs])} | {fmt([max(r['accs']) for r in rs])} "
-              f"| {fmt(reach, 1.0)} | {sum(x is not None for x in reach)}/{len(rs)} | "
-              + " | ".join(fmt([r["forgetting"][role] for r in rs], 1.0) for role in ROLES) + " |")
+        print(f"| {method} | {mean_std([r['accs'][-1] for r in rs])} | {mean_std([max(r['accs']) for r in rs])} "
+              f"| {mean_std(reach, 1.0)} | {sum(x is not None for x in reach)}/{len(rs)} | "
+              + " | ".join(mean_std([r["forgetting"][role] for r in rs], 1.0) for role in ROLES) + " |")
     print(f"\nrun directories and results.json in {out}")
 
 

@@ -11,19 +11,19 @@ methods (same partition, client schedule and batch order per seed). Reported: th
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from common import mean_std, parser
 
 from fedskew.config import load_config
 from fedskew.engine.runner import run
 
 
 def settings(data: str, clients: int, rounds: int, subsample: float, epochs: int) -> list[str]:
-    return [f"dataset=fmnist", f"dataset.root={data}", f"dataset.train_subsample={subsample}",
+    return ["dataset=fmnist", f"dataset.root={data}", f"dataset.train_subsample={subsample}",
             "model=simplecnn", "partition=pcdd", f"partition.num_clients={clients}",
             "partition.classes_per_client=2", f"clients_per_round={clients}", f"rounds={rounds}",
             f"local_epochs={epochs}", "batch_size=64", "lr=0.01", "momentum=0.9", "weight_decay=1e-5",
@@ -41,22 +41,17 @@ def one(args, out: Path, clients: int, method: list[str], seed: int) -> dict:
             "extra_pct": s["comm/extra_pct"], "seconds": time.perf_counter() - t0}
 
 
-def fmt(vals: list[float]) -> str:
-    return f"{100 * statistics.mean(vals):.2f} +- {100 * (statistics.stdev(vals) if len(vals) > 1 else 0):.2f}"
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="../shared/data")
+    p = parser(__doc__)
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--subsample", type=float, default=0.1, help="share of the 60,000 training images kept")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--clients", type=int, nargs="+", default=[5, 10])
     p.add_argument("--mu1", type=float, default=0.01)
     p.add_argument("--mu2", type=float, default=1e-4)
     p.add_argument("--grid", action="store_true", help="first search mu1 x mu2 on seed 0 (by last-10 mean)")
-    p.add_argument("--out", default=None, help="folder for run directories and results.json")
     p.add_argument("--no-fedavg", action="store_true", help="run only the FedMR variant(s)")
     p.add_argument("--fedmr-args", nargs="*", default=[],
                    help="extra FedMR options, e.g. method.intra_form=code (overrides mu1/mu2 if given)")
@@ -86,12 +81,12 @@ def main():
                 print(f"P{clients}C2 {r['method']} seed {seed}: last {100 * r['last']:.2f} "
                       f"last10 {100 * r['last10']:.2f} ({r['seconds']:.0f}s)", flush=True)
     (out / "results.json").write_text(json.dumps(rows, indent=2))
-    print(f"\n| partition | method | last-round acc (%) | mean of last 10 (%) | extra comm (%) |")
+    print("\n| partition | method | last-round acc (%) | mean of last 10 (%) | extra comm (%) |")
     print("|---|---|---|---|---|")
     for clients in args.clients:
         for method in sorted({r["method"] for r in rows if r["clients"] == clients}):
             sel = [r for r in rows if r["clients"] == clients and r["method"] == method]
-            print(f"| P{clients}C2 | {method} | {fmt([r['last'] for r in sel])} | {fmt([r['last10'] for r in sel])} "
+            print(f"| P{clients}C2 | {method} | {mean_std([r['last'] for r in sel])} | {mean_std([r['last10'] for r in sel])} "
                   f"| {sel[0]['extra_pct']:.2f} |")
     print(f"\nrun directories and results.json in {out}")
 

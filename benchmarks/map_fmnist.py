@@ -20,12 +20,12 @@ accuracy vs FedAvg as a histogram (paper Figure 10).
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from common import mean_std, parser
 
 from fedskew.config import load_config
 from fedskew.engine.runner import run
@@ -39,22 +39,17 @@ def mean_last(history, key, n=10):
     return sum(vals) / len(vals)
 
 
-def fmt(vals):
-    return f"{100 * statistics.mean(vals):.2f} +- {100 * (statistics.stdev(vals) if len(vals) > 1 else 0):.2f}"
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="../shared/data")
+    p = parser(__doc__)
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--subsample", type=float, default=0.2)
     p.add_argument("--model", default="mlp")
     p.add_argument("--hidden", type=int, nargs="+", default=[200, 200])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--methods", nargs="+", default=list(METHODS))
     p.add_argument("--hist", default=None, help="PNG path for the per-client change vs FedAvg (Figure 10)")
-    p.add_argument("--out", default=None)
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="map_fmnist_"))
     common = ["dataset=fmnist", f"dataset.root={args.data}", f"dataset.train_subsample={args.subsample}",
@@ -90,9 +85,9 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for method in args.methods:
         rs = [r for r in rows if r["method"] == method]
-        print(f"| {method} | {' '.join(METHODS[method]) or 'defaults'} | {fmt([r['agg_last'] for r in rs])} "
-              f"| {fmt([r['agg_last10'] for r in rs])} | {fmt([r['pers_before'] for r in rs])} "
-              f"| {fmt([r['pers_after'] for r in rs])} | {fmt([r['all_after'] for r in rs])} |")
+        print(f"| {method} | {' '.join(METHODS[method]) or 'defaults'} | {mean_std([r['agg_last'] for r in rs])} "
+              f"| {mean_std([r['agg_last10'] for r in rs])} | {mean_std([r['pers_before'] for r in rs])} "
+              f"| {mean_std([r['pers_after'] for r in rs])} | {mean_std([r['all_after'] for r in rs])} |")
 
     if args.hist and "fedavg" in args.methods:
         import matplotlib

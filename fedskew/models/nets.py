@@ -153,7 +153,7 @@ def build_model(cfg, input_shape: tuple[int, ...], num_classes: int, seed: int =
         from fedskew.engine.rng import torch_seed
 
         if model.feature_dim < num_classes:
-            fix = (f"raise model.hidden's last width" if cfg.name == "mlp" and not cfg.projection_dim else
+            fix = ("raise model.hidden's last width" if cfg.name == "mlp" and not cfg.projection_dim else
                    f"set model.projection_dim to {num_classes} or more")
             raise ModelError(f"model.classifier = 'etf' needs a feature dimension of at least the {num_classes} "
                              f"classes, but model '{cfg.name}' gives {model.feature_dim}; {fix}.")
