@@ -22,11 +22,13 @@ from common import parser
 from fedskew.config import load_config
 from fedskew.engine.runner import run
 
-METHODS = ["fedavg", "fedprox", "scaffold", "scaffold-sgd", "feddyn", "feddc", "fednova", "fedavgm", "fedadam", "fedyogi",
+METHODS = ["fedavg", "fedprox", "scaffold", "scaffold-sgd", "scaffold-mom", "feddyn", "feddc", "feddc-mom", "fednova", "fedavgm", "fedadam", "fedyogi",
            "fedaws", "moon", "fedmmd", "fedproc", "fedmr"]
 # A label is a method name or "<method>-<variant>"; its options follow the shared settings.
 METHOD_ARGS = {
     "scaffold-sgd": ["momentum=0"],  # SCAFFOLD's paper uses plain SGD; its correction with momentum 0.9 can diverge
+    "scaffold-mom": ["method.control_steps=momentum"],  # controls divided by FedNova's momentum-aware a_i
+    "feddc-mom": ["method.control_steps=momentum"],
     "fedadam": ["method.server_lr=0.01"], "fedyogi": ["method.server_lr=0.01"],
     "moon": ["method.mu=1.0"], "fedmr": ["method.mu1=0.001", "method.mu2=0.0001"],
 }

@@ -272,3 +272,18 @@ def test_fedproc_contrastive_by_hand_and_schedule(tmp_path):
     theta = c * d + c
     assert res.history[0]["comm/down_floats"] == 2 * (theta + c * d + 1)  # model, prototypes, a_t
     assert res.history[0]["comm/up_floats"] == 2 * (theta + c * d + c)
+
+
+def test_momentum_aware_control_update_by_hand():
+    """control_steps=momentum divides option II's update by FedNova's a_i instead of tau: with
+    tau = 3, rho = 0.5: a = [3 - 0.5 (1 - 0.125) / 0.5] / 0.5 = 4.25; with rho = 0 both are tau."""
+    from fedskew.methods.base import ClientReport
+    from fedskew.methods.drift import control_scale, effective_steps
+
+    assert effective_steps(3, 0.5) == pytest.approx(4.25)
+    assert effective_steps(3, 0.0) == 3.0
+    r = ClientReport(0, 10, 3, lr=0.1, momentum=0.5)
+    assert control_scale(r, "steps") == pytest.approx(1 / 0.3)
+    assert control_scale(r, "momentum") == pytest.approx(1 / 0.425)
+    plain = ClientReport(0, 10, 3, lr=0.1, momentum=0.0)
+    assert control_scale(plain, "momentum") == control_scale(plain, "steps")

@@ -8,6 +8,8 @@ trainable parameters (``info.param_names``); BatchNorm statistics are averaged a
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from pydantic import Field
 
@@ -35,8 +37,27 @@ class FedProx(Method):
         return loss + 0.5 * self.opt.mu * prox, {**aux, "fedprox/prox": prox.detach()}
 
 
+def effective_steps(tau: int, rho: float) -> float:
+    """FedNova's a_i: how many plain-SGD steps tau steps with momentum rho amount to,
+    [tau - rho (1 - rho^tau) / (1 - rho)] / (1 - rho) (= tau when rho = 0)."""
+    if rho == 0:
+        return float(tau)
+    return (tau - rho * (1 - rho ** tau) / (1 - rho)) / (1 - rho)
+
+
+def control_scale(report, mode: str) -> float:
+    """1 / (steps * eta) in option II's control update c_i+ = c_i - c + (x - y) * scale. ``steps``
+    (paper): tau local steps; ``momentum``: FedNova's effective steps a_i(tau, rho), so that with
+    local momentum the control estimates the mean gradient instead of 1/(1 - rho) times it (with
+    rho = 0.9 the paper form overestimates tenfold and SCAFFOLD/FedDC diverge: docs/benchmarks.md)."""
+    steps = report.num_steps if mode == "steps" else effective_steps(report.num_steps, report.momentum)
+    return 1.0 / (steps * report.lr)
+
+
 class ScaffoldOptions(FedAvgOptions):
     server_lr: float = Field(1.0, gt=0, description="eta_g")
+    control_steps: Literal["steps", "momentum"] = Field("steps", description="divide the control update by tau "
+                                                                            "(paper) or by momentum-aware a_i")
 
 
 class Scaffold(Method):
@@ -70,7 +91,7 @@ class Scaffold(Method):
         return loss + correction, aux
 
     def after_training(self, trained, payload, client_state, report):
-        scale = 1.0 / (report.num_steps * report.lr)
+        scale = control_scale(report, self.opt.control_steps)
         new_ci, delta = {}, {}
         for k in self.info.param_names:
             ci = client_state["ci." + k]
@@ -156,11 +177,7 @@ class FedNova(Method):
     name = "fednova"
     Options = FedAvgOptions
 
-    @staticmethod
-    def a_i(tau: int, rho: float) -> float:
-        if rho == 0:
-            return float(tau)
-        return (tau - rho * (1 - rho ** tau) / (1 - rho)) / (1 - rho)
+    a_i = staticmethod(effective_steps)
 
     def aggregate(self, server_state, global_state, uploads, reports):
         n = torch.tensor([r.num_samples for r in reports], dtype=torch.float64)
@@ -184,6 +201,7 @@ class FedDCOptions(FedAvgOptions):
     alpha: float = Field(0.01, gt=0, description="weight of the drift-decoupled proximal term")
     aggregation: str = Field("paper", pattern="^(paper|code)$",
                              description="paper: mean_S(theta_i + h_i); code: mean_S theta_i + mean over all clients of h_i")
+    control_steps: Literal["steps", "momentum"] = Field("steps", description="as SCAFFOLD's option")
 
 
 class FedDC(Method):
@@ -224,7 +242,7 @@ class FedDC(Method):
         return loss + 0.5 * self.opt.alpha * prox + correction, aux
 
     def after_training(self, trained, payload, client_state, report):
-        scale = 1.0 / (report.num_steps * report.lr)
+        scale = control_scale(report, self.opt.control_steps)
         state, upload = {}, as_model_part(trained)
         for k in self.info.param_names:
             w, theta = payload["model." + k], trained[k]
