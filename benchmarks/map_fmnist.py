@@ -30,8 +30,10 @@ from common import mean_std, parser
 from fedskew.config import load_config
 from fedskew.engine.runner import run
 
+# label -> options; a label is a method name or "<method>-<variant>".
 METHODS = {"fedavg": [], "fedrs": ["method.alpha=0.5"], "fedphp": ["method.kt_lambda=0.01"],
-           "map": ["method.alpha=0.5", "method.kt_lambda=0.01"]}
+           "map": ["method.alpha=0.5", "method.kt_lambda=0.01"],
+           "map-code": ["method.alpha=0.5", "method.kt_lambda=0.01", "method.schedule=code"]}
 
 
 def mean_last(history, key, n=10):
@@ -48,7 +50,8 @@ def main():
     p.add_argument("--subsample", type=float, default=0.2)
     p.add_argument("--model", default="mlp")
     p.add_argument("--hidden", type=int, nargs="+", default=[200, 200])
-    p.add_argument("--methods", nargs="+", default=list(METHODS))
+    p.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "map-code"],
+                   help=f"labels among {list(METHODS)}")
     p.add_argument("--hist", default=None, help="PNG path for the per-client change vs FedAvg (Figure 10)")
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="map_fmnist_"))
@@ -64,7 +67,7 @@ def main():
     for method in args.methods:
         for seed in args.seeds:
             t0 = time.perf_counter()
-            res = run(load_config(None, common + [f"method={method}", *METHODS[method], f"seed={seed}"]),
+            res = run(load_config(None, common + [f"method={method.split('-')[0]}", *METHODS[method], f"seed={seed}"]),
                       out / f"{method}-s{seed}")
             s, h = res.summary, res.history
             rows.append({"method": method, "seed": seed, "agg_last": s["global/test_acc"],
