@@ -40,11 +40,13 @@ def main():
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--subsample", type=float, default=0.1)
     p.add_argument("--methods", nargs="+", default=list(METHODS))
+    p.add_argument("--test-subsample", type=float, default=1.0, help="stratified share of the global test set kept")
     p.add_argument("--forgetting-samples", type=int, default=2000,
-                   help="forgetting degree on the first n global test samples (accuracy uses all)")
+                   help="forgetting degree on the first n (kept) global test samples")
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="fedka_fmnist_"))
     common = ["dataset=fmnist", f"dataset.root={args.data}", f"dataset.train_subsample={args.subsample}",
+              f"dataset.test_subsample={args.test_subsample}",
               "model=tcnn", "partition=dirichlet", "partition.alpha=0.1", "partition.num_clients=10",
               "partition.local_test_fraction=0", "clients_per_round=10", f"rounds={args.rounds}",
               f"local_epochs={args.epochs}", "batch_size=128", "lr=0.01", "momentum=0.9", "weight_decay=1e-5",

@@ -38,6 +38,7 @@ class DatasetConfig(_Strict):
     download: bool = Field(True, description="try the usual mirrors when no local files are found")
     test_fraction: float = Field(0.2, gt=0, lt=1, description="digits: stratified global test share")
     train_subsample: float = Field(1.0, gt=0, le=1, description="keep this stratified share of the training set")
+    test_subsample: float = Field(1.0, gt=0, le=1, description="keep this stratified share of the global test set")
     num_classes: int = Field(10, ge=2, description="synthetic only")
     dim: int = Field(60, ge=1, description="synthetic only")
     train_per_class: int = Field(200, ge=1, description="synthetic only")

@@ -69,12 +69,16 @@ def test_digits_split_is_stratified_and_seeded():
     assert 0.0 <= a.x_train.min() and a.x_train.max() <= 1.0
 
 
-def test_train_subsample_is_stratified_and_seeded():
-    from fedskew.data.datasets import subsample_train
+def test_train_and_test_subsample_are_stratified_and_seeded():
+    from fedskew.data.datasets import subsample
 
     full = load_digits(0)
-    a, b = subsample_train(full, 0.25, 0), subsample_train(full, 0.25, 0)
+    a, b = subsample(full, 0.25, 1.0, 0), subsample(full, 0.25, 1.0, 0)
     assert torch.equal(a.x_train, b.x_train) and torch.equal(a.x_test, full.x_test)
     per_class = torch.bincount(a.y_train, minlength=10)
     expected = torch.round(0.25 * torch.bincount(full.y_train, minlength=10).double()).long()
     assert torch.equal(per_class, expected)
+    t = subsample(full, 1.0, 0.5, 0)
+    assert torch.equal(t.x_train, full.x_train)
+    expected = torch.round(0.5 * torch.bincount(full.y_test, minlength=10).double()).long()
+    assert torch.equal(torch.bincount(t.y_test, minlength=10), expected)

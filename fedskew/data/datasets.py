@@ -229,19 +229,25 @@ def load_idx_dataset(name: str, root: str | None = None, download: bool = True,
 DATASETS = ("digits", "synthetic", "mnist", "fmnist")
 
 
-def subsample_train(data: Dataset, fraction: float, seed: int) -> Dataset:
-    """Keep a stratified ``fraction`` of every class of the training set (stream ``subsample``);
-    the test set is untouched. For CPU-scale experiments on the large data sets."""
-    if fraction >= 1.0:
-        return data
+def subsample(data: Dataset, train_fraction: float, test_fraction: float, seed: int) -> Dataset:
+    """Keep a stratified share of every class of the training set (stream ``subsample``) and of
+    the global test set (stream ``subsample_test``). For CPU-scale experiments on the large data
+    sets; 1.0 keeps a split untouched."""
     from fedskew.engine.rng import numpy_rng
 
-    y = data.y_train.numpy()
-    rng = numpy_rng(seed, "subsample")
-    keep = np.sort(np.concatenate([rng.permutation(np.flatnonzero(y == c))[:max(1, int(round(fraction * (y == c).sum())))]
-                                   for c in np.unique(y)]))
-    idx = torch.from_numpy(keep)
-    return Dataset(data.name, data.x_train[idx], data.y_train[idx], data.x_test, data.y_test, data.num_classes)
+    def keep(y: torch.Tensor, fraction: float, stream: str) -> torch.Tensor | None:
+        if fraction >= 1.0:
+            return None
+        y = y.numpy()
+        rng = numpy_rng(seed, stream)
+        return torch.from_numpy(np.sort(np.concatenate([
+            rng.permutation(np.flatnonzero(y == c))[:max(1, int(round(fraction * (y == c).sum())))]
+            for c in np.unique(y)])))
+
+    tr, te = keep(data.y_train, train_fraction, "subsample"), keep(data.y_test, test_fraction, "subsample_test")
+    x_train, y_train = (data.x_train, data.y_train) if tr is None else (data.x_train[tr], data.y_train[tr])
+    x_test, y_test = (data.x_test, data.y_test) if te is None else (data.x_test[te], data.y_test[te])
+    return Dataset(data.name, x_train, y_train, x_test, y_test, data.num_classes)
 
 
 def load_dataset(cfg, seed: int) -> Dataset:
@@ -254,4 +260,4 @@ def load_dataset(cfg, seed: int) -> Dataset:
         data = load_idx_dataset(cfg.name, cfg.root, cfg.download)
     else:
         raise DatasetError(f"dataset.name '{cfg.name}' is not known; allowed: {list(DATASETS)}.")
-    return subsample_train(data, cfg.train_subsample, seed)
+    return subsample(data, cfg.train_subsample, cfg.test_subsample, seed)
