@@ -191,3 +191,18 @@ class Composite(Method):
         for c in self.components:
             new_state.update(c.aggregate(_own(server_state, c.prefix), [_own(u, c.prefix) for u in uploads], reports))
         return new_global, new_state
+
+
+class FedAvgWith(Composite):
+    """A named method that is FedAvg plus components built from its own options: subclasses set
+    ``name``, ``Options`` (a FedAvgOptions subclass) and ``parts(opt)``."""
+
+    def __init__(self, options: BaseModel | None = None, info: FederationInfo | None = None):
+        from fedskew.methods.base import FedAvgOptions
+
+        opt = options if options is not None else self.Options()
+        super().__init__(Method(FedAvgOptions(weighting=opt.weighting), info), self.parts(opt), name=self.name)
+        self.opt = opt
+
+    def parts(self, opt) -> list[Component]:
+        raise NotImplementedError

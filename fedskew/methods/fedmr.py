@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedskew.engine.rng import numpy_rng
-from fedskew.methods.base import ClientReport, FedAvgOptions, Method, reference_tensor
-from fedskew.methods.compose import Component, Composite
+from fedskew.methods.base import ClientReport, FedAvgOptions, reference_tensor
+from fedskew.methods.compose import Component, FedAvgWith
 
 # ---------------------------------------------------------------------------------------------
 # Pure functions
@@ -230,20 +230,16 @@ class FedMROptions(FedAvgOptions):
     proto_share_fraction: float = Field(1.0, gt=0, le=1)
 
 
-class FedMR(Composite):
+class FedMR(FedAvgWith):
     """FedAvg + IntraDecorrelation(mu1) + PrototypeMargin(mu2)."""
 
+    name = "fedmr"
     Options = FedMROptions
 
-    def __init__(self, options: FedMROptions | None = None, info=None):
-        opt = options if options is not None else FedMROptions()
-        base = Method(FedAvgOptions(weighting=opt.weighting), info)
-        components: list[Component] = [
-            IntraDecorrelation(DecorrelationOptions(mu1=opt.mu1, intra_form=opt.intra_form)),
-            PrototypeMargin(PrototypeOptions(mu2=opt.mu2, inter_classes=opt.inter_classes, lite_n=opt.lite_n,
-                                             share_fraction=opt.proto_share_fraction))]
-        super().__init__(base, components, name="fedmr")
-        self.opt = opt
+    def parts(self, opt):
+        return [IntraDecorrelation(DecorrelationOptions(mu1=opt.mu1, intra_form=opt.intra_form)),
+                PrototypeMargin(PrototypeOptions(mu2=opt.mu2, inter_classes=opt.inter_classes, lite_n=opt.lite_n,
+                                                 share_fraction=opt.proto_share_fraction))]
 
 __all__ = ["COMPONENTS", "FedMR", "IntraDecorrelation", "PrototypeMargin", "aggregate_prototypes",
            "class_feature_means", "eig_var_top50", "inter_class_margin", "intra_class_loss"]

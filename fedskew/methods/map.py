@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedskew.methods.base import ClientReport, FedAvgOptions, Forward, Method, State, reference_tensor
-from fedskew.methods.compose import Component, Composite
+from fedskew.methods.base import ClientReport, FedAvgOptions, Forward, State, reference_tensor
+from fedskew.methods.compose import Component, FedAvgWith
 from fedskew.methods.representation import mmd2
 
 
@@ -204,41 +204,35 @@ def _hpm_options(opt) -> HPMOptions:
     return HPMOptions(**{k: getattr(opt, k) for k in HPMOptions.model_fields})
 
 
-class FedRS(Composite):
+class FedRS(FedAvgWith):
     """FedAvg + restricted softmax."""
 
+    name = "fedrs"
     Options = FedRSOptions
 
-    def __init__(self, options: FedRSOptions | None = None, info=None):
-        opt = options if options is not None else FedRSOptions()
-        super().__init__(Method(FedAvgOptions(weighting=opt.weighting), info),
-                         [RestrictedSoftmax(RSOptions(alpha=opt.alpha, form=opt.rs_form))], name="fedrs")
-        self.opt = opt
+    def parts(self, opt):
+        return [RestrictedSoftmax(RSOptions(alpha=opt.alpha, form=opt.rs_form))]
 
 
-class FedPHP(Composite):
+class FedPHP(FedAvgWith):
     """FedAvg with plain local training + the HPM personalisation stage."""
 
+    name = "fedphp"
     Options = FedPHPOptions
 
-    def __init__(self, options: FedPHPOptions | None = None, info=None):
-        opt = options if options is not None else FedPHPOptions()
-        super().__init__(Method(FedAvgOptions(weighting=opt.weighting), info),
-                         [InheritedPrivateModel(_hpm_options(opt))], name="fedphp")
-        self.opt = opt
+    def parts(self, opt):
+        return [InheritedPrivateModel(_hpm_options(opt))]
 
 
-class MAP(Composite):
+class MAP(FedAvgWith):
     """FedAvg + restricted softmax on the uploaded model + the HPM personalisation stage."""
 
+    name = "map"
     Options = MAPOptions
 
-    def __init__(self, options: MAPOptions | None = None, info=None):
-        opt = options if options is not None else MAPOptions()
-        super().__init__(Method(FedAvgOptions(weighting=opt.weighting), info),
-                         [RestrictedSoftmax(RSOptions(alpha=opt.alpha, form=opt.rs_form)),
-                          InheritedPrivateModel(_hpm_options(opt))], name="map")
-        self.opt = opt
+    def parts(self, opt):
+        return [RestrictedSoftmax(RSOptions(alpha=opt.alpha, form=opt.rs_form)),
+                InheritedPrivateModel(_hpm_options(opt))]
 
 
 COMPONENTS: dict[str, type[Component]] = {"rs": RestrictedSoftmax, "hpm": InheritedPrivateModel}
