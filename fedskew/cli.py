@@ -31,7 +31,7 @@ def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
 
 def _fmt(v) -> str:
     if v is None:
-        return "-"
+        return "none"
     if isinstance(v, float):
         return f"{v:.4f}"
     return str(v)

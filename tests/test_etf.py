@@ -102,10 +102,9 @@ def test_gmv_applied_from_the_warmup_round_only(tmp_path):
 
     # the loss with vectors, by hand: CE(ETF(z + alpha * mu_y))
     x, y = exp.fed.data.x_train[:8], exp.fed.data.y_train[:8]
-    from fedskew.engine.local import frozen_forward, load_state
-    from fedskew.methods.base import Forward
+    from fedskew.engine.local import load_state, module_forward
     load_state(exp.model, res.global_state)
-    fwd = Forward(lambda inp: exp.model(inp, return_features=True), frozen_forward(exp.model), exp.model.classifier)
+    fwd = module_forward(exp.model)
     loss, _ = method.local_loss(fwd, None, x, y, payload, {})
     z = exp.model(x, return_features=True)[0]
     hand = F.cross_entropy((z + 0.5 * server["gmv.mu"][y]) @ exp.model.classifier.weight.T, y)

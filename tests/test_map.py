@@ -143,9 +143,9 @@ def test_code_schedule_steps_and_lr():
     from fedskew.methods.map import HPMOptions, InheritedPrivateModel
     paper = InheritedPrivateModel(HPMOptions())
     code = InheritedPrivateModel(HPMOptions(schedule="code"))
-    assert paper.split_steps(25) == (13, 12, 1.0)
-    assert code.split_steps(25) == (25, 5, 0.2)     # max(ceil(2.5), 5)
-    assert code.split_steps(100) == (100, 10, 0.2)
+    assert paper.split_steps(25, 0.1) == (13, 12, 0.1)
+    assert code.split_steps(25, 0.5) == (25, 5, 0.1)     # max(ceil(2.5), 5)
+    assert code.split_steps(100, 0.5) == (100, 10, 0.1)
 
 
 def test_hpm_bn_recalibration_matches_a_plain_pass(tmp_path):

@@ -79,6 +79,17 @@ def assert_same(a, b):
     # per-round client preparation (anchor sets) and frozen global logits
     ["method=fedka", "method.anchor_strategy=hard", "method.anchor_cap=3"],
     ["method=fedntd", "method.ntd_tau=2.0"],
+    # personalised baselines: per-stage frozen parameters, personalisation stage first (FedRep),
+    # per-client models (Ditto, FedProto), inner torch.func.grad steps with BatchNorm (pFedMe, Per-FedAvg)
+    ["method=ditto", "method.lam=0.5"],
+    ["method=dittors", "model.classifier_bias=false"],
+    ["method=fedrep", "model=cnnbn", "model.width=4"],
+    ["method=fedbabu", "method.finetune_fraction=0.5"],
+    ["method=fedrod"],
+    ["method=fedproto", "rounds=3"],
+    ["method=fedlc"],
+    ["method=pfedme", "model=cnnbn", "model.width=4", "method.inner_steps=2"],
+    ["method=perfedavg", "model=cnnbn", "model.width=4"],
 ])
 def test_vectorized_matches_sequential(tmp_path, extra):
     assert_same(*both(tmp_path, extra))

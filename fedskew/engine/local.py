@@ -72,13 +72,16 @@ def batch_schedule(settings: LocalSettings, round_idx: int, client_id: int, n: i
 
 
 def stage_schedules(settings: LocalSettings, method: Method, round_idx: int, client_id: int,
-                    n: int) -> tuple[list[np.ndarray], list[np.ndarray], float]:
+                    n: int, lr: float) -> tuple[list[np.ndarray], list[np.ndarray], float]:
     """The batches of the uploaded model's training and of the personalisation stage (if the
-    method has one), consecutive on the client's batch stream, and the latter's lr factor."""
+    method has one), consecutive on the client's batch stream in the order the stages run, and
+    the latter's learning rate."""
     per_epoch = math.ceil(n / settings.batch_size)
-    steps_a, steps_b, lr_factor = method.split_steps(settings.epochs * per_epoch)
+    steps_a, steps_b, lr_b = method.split_steps(settings.epochs * per_epoch, lr)
     batches = batch_schedule(settings, round_idx, client_id, n, math.ceil((steps_a + steps_b) / max(per_epoch, 1)))
-    return batches[:steps_a], batches[steps_a:steps_a + steps_b], lr_factor
+    if method.personal_first:
+        return batches[steps_b:steps_a + steps_b], batches[:steps_b], lr_b
+    return batches[:steps_a], batches[steps_a:steps_a + steps_b], lr_b
 
 
 def num_steps(n: int, settings: LocalSettings) -> int:
@@ -163,6 +166,13 @@ def frozen_forward(model: nn.Module):
     return run
 
 
+def module_forward(model: nn.Module) -> Forward:
+    """The :class:`Forward` of an ``nn.Module`` trained in place (the sequential executor's)."""
+    return Forward(lambda x: model(x, return_features=True), frozen_forward(model), model.classifier,
+                   lambda state, x: functional_call(model, state, (x,), {"return_features": True}),
+                   dict(model.named_buffers()))
+
+
 class SequentialExecutor:
     """Trains the selected clients one after another with ordinary autograd and torch.optim.SGD."""
 
@@ -205,46 +215,67 @@ class SequentialExecutor:
         return [self.train_client(round_idx, k, payload, client_states[k], lr) for k in clients]
 
     def _sgd_stage(self, loss_fn, idx: torch.Tensor, batches: list[np.ndarray], lr: float,
-                   payload: State, client_state: State) -> dict:
-        """Train the loaded model on ``batches`` with a fresh torch.optim.SGD; mean tracked values."""
+                   payload: State, client_state: State, trainable: frozenset[str] | None = None) -> dict:
+        """Train the loaded model on ``batches`` with a fresh torch.optim.SGD over the ``trainable``
+        parameters (None: all; the others are frozen); mean tracked values."""
         s, model = self.settings, self.model
         model.train()
         params = dict(model.named_parameters())
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=s.momentum, weight_decay=s.weight_decay)
-        fwd = Forward(lambda x: model(x, return_features=True), frozen_forward(model), model.classifier)
+        updated = [p for k, p in params.items() if trainable is None or k in trainable]
+        frozen = [p for k, p in params.items() if trainable is not None and k not in trainable]
+        opt = torch.optim.SGD(updated, lr=lr, momentum=s.momentum, weight_decay=s.weight_decay)
+        fwd = module_forward(model)
         sums: dict = {}
-        for positions in batches:
-            rows = idx[torch.from_numpy(positions).to(self.device)]
-            loss, aux = loss_fn(fwd, params, self.x[rows], self.y[rows], payload, client_state)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if s.grad_clip is not None:
-                nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
-            opt.step()
-            add_tracked(sums, {"loss": loss, **aux})
+        for p in frozen:
+            p.requires_grad_(False)
+        try:
+            for positions in batches:
+                rows = idx[torch.from_numpy(positions).to(self.device)]
+                loss, aux = loss_fn(fwd, params, self.x[rows], self.y[rows], payload, client_state)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if s.grad_clip is not None:
+                    nn.utils.clip_grad_norm_(updated, s.grad_clip)
+                opt.step()
+                add_tracked(sums, {"loss": loss, **aux})
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
         return {k: (v / max(len(batches), 1)).item() for k, v in sums.items()}
 
     def train_client(self, round_idx: int, client_id: int, payload: State, client_state: State,
                      lr: float) -> ClientResult:
         s, model, method = self.settings, self.model, self.method
         client_state = self.prepare(round_idx, client_id, payload, client_state)
-        load_state(model, method.local_start(payload, client_state))
+        start = method.local_start(payload, client_state)
+        load_state(model, start)
         acc_before = self.local_accuracy(None, client_id)
         idx = self.train_idx[client_id]
-        batches, personal_batches, lr_factor = stage_schedules(s, method, round_idx, client_id, len(idx))
-        means = self._sgd_stage(method.local_loss, idx, batches, lr, payload, client_state)
-        trained = federated_state(model)
+        batches, personal_batches, lr_b = stage_schedules(s, method, round_idx, client_id, len(idx), lr)
         report = ClientReport(client_id, len(idx), len(batches), lr, s.momentum,
                               feature_fn(model, self.x[idx], self.y[idx]),
                               bn_recalibration_fn(model, self.x[idx], s.batch_size))
-        upload, new_state = method.after_training(trained, payload, client_state, report)
-        if personal_batches:
-            load_state(model, method.personal_start(trained, payload, new_state))
-            stage = self._sgd_stage(method.personal_loss, idx, personal_batches, lr * lr_factor, payload, new_state)
+        means: dict = {}
+
+        def personal_stage(trained, state):
+            load_state(model, method.personal_start(trained, payload, state))
+            stage = self._sgd_stage(method.personal_loss, idx, personal_batches, lr_b, payload, state,
+                                    method.trained_params("personal"))
             means.update({f"personal_{k}": v for k, v in stage.items()})
-            new_state = method.after_personal(federated_state(model), payload, new_state, report)
+            return method.after_personal(federated_state(model), payload, state, report)
+
+        if personal_batches and method.personal_first:
+            client_state = personal_stage(start, client_state)
+            load_state(model, method.local_start(payload, client_state))
+        means.update(self._sgd_stage(method.local_loss, idx, batches, lr, payload, client_state,
+                                     method.trained_params("upload")))
+        trained = federated_state(model)
+        upload, new_state = method.after_training(trained, payload, client_state, report)
+        if personal_batches and not method.personal_first:
+            new_state = personal_stage(trained, new_state)
         personal = method.personal_state(trained, new_state)
-        loaded = personal is trained and not personal_batches  # the model as loaded is the personal one
+        # the model as loaded is the personal one
+        loaded = personal is trained and (not personal_batches or method.personal_first)
         acc_after = self.local_accuracy(None if loaded else personal, client_id)
         return ClientResult(client_id, upload, new_state, report, means.pop("loss", 0.0), acc_before, acc_after, means)
 

@@ -227,7 +227,9 @@ class Experiment:
             "comm/down_floats_total": totals["down"], "comm/up_floats_total": totals["up"],
             "time/client_train_s": train_s, "time/samples_per_s": samples_seen / max(train_s, 1e-9),
         }
-        if (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
+        if ((t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1) and not method.has_global_model:
+            record["global/test_acc"] = None  # no model serves the global test set (FedProto, FedRep)
+        elif (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
             record.update(global_metrics(self.model, new_global, self.x_test, self.y_test, self.fed.num_classes))
             if cfg.feature_stats:
                 record["features/eig_var_top50"] = feature_eig_var(self.model, new_global, self.x_test)
@@ -333,25 +335,32 @@ class Experiment:
                 "personal/final_acc_after_per_client": [r.acc_after for r in results]}
 
     def _summary(self, history, global_state, server_state, client_states, totals) -> dict:
-        evals = [h for h in history if "global/test_acc" in h]
-        last = evals[-1]
-        accs = [h["global/test_acc"] for h in evals]
-        best = max(range(len(accs)), key=accs.__getitem__)
+        evals = [h for h in history if h.get("global/test_acc") is not None]
+        if evals:
+            last = evals[-1]
+            accs = [h["global/test_acc"] for h in evals]
+            best = max(range(len(accs)), key=accs.__getitem__)
+            global_summary = {
+                "global/test_acc": last["global/test_acc"],
+                "global/test_acc_best": accs[best], "global/test_acc_best_round": evals[best]["round"],
+                "global/test_acc_mean_last10": sum(accs[-10:]) / len(accs[-10:]),
+                **{k: v for k, v in last.items() if k.startswith("global/class_acc/")}}
+        else:  # the method has no global model
+            global_summary = {k: None for k in ("global/test_acc", "global/test_acc_best",
+                                                "global/test_acc_best_round", "global/test_acc_mean_last10")}
+        model_total = totals["up_model"] + totals["down_model"]
         summary = {
             "method": self.cfg.method.name, "dataset": self.cfg.dataset.name,
             "partition": self.cfg.partition.name, "model": self.cfg.model.name, "seed": self.cfg.seed,
             "rounds": self.cfg.rounds,
-            "global/test_acc": last["global/test_acc"],
-            "global/test_acc_best": accs[best], "global/test_acc_best_round": evals[best]["round"],
-            "global/test_acc_mean_last10": sum(accs[-10:]) / len(accs[-10:]),
-            **{k: v for k, v in last.items() if k.startswith("global/class_acc/")},
+            **global_summary,
             "personal/acc_before": history[-1]["personal/acc_before"],
             "personal/acc_after": history[-1]["personal/acc_after"],
             "comm/down_floats_total": history[-1]["comm/down_floats_total"],
             "comm/up_floats_total": history[-1]["comm/up_floats_total"],
             # Extra communication beyond the model, in % of the model's (FedMR Table 3).
-            "comm/extra_pct": 100.0 * ((totals["up"] + totals["down"]) - (totals["up_model"] + totals["down_model"]))
-            / max(totals["up_model"] + totals["down_model"], 1),
+            # (None when no model is exchanged at all: FedProto)
+            "comm/extra_pct": 100.0 * (totals["up"] + totals["down"] - model_total) / model_total if model_total else None,
             "time/round_s_mean": sum(h["time/round_s"] for h in history) / len(history),
             "train/loss": history[-1]["train/loss"],
         }

@@ -101,7 +101,11 @@ class VectorizedExecutor:
                 own = {k[len("classifier."):]: v for k, v in {**params, **buffers}.items() if k.startswith("classifier.")}
                 return functional_call(self.model.classifier, own, (h,))
 
-            return loss_fn(Forward(train_fn, self._frozen, head_fn), params, x, y, payload, client_state)
+            def call_fn(state, inp):
+                return functional_call(self.model, {**buffers, **state}, (inp,), {"return_features": True})
+
+            fwd = Forward(train_fn, self._frozen, head_fn, call_fn, buffers)
+            return loss_fn(fwd, params, x, y, payload, client_state)
         return loss
 
     def _logits(self, state, x):
@@ -181,51 +185,71 @@ class VectorizedExecutor:
         given_order = {k: i for i, k in enumerate(clients)}
         clients = sorted(clients, key=lambda k: len(self.train_idx[k]))
         client_states = {k: self.sequential.prepare(round_idx, k, payload, client_states[k]) for k in clients}
-        start = self._stack_starts([method.local_start(payload, client_states[k]) for k in clients])
-        acc_before = self.local_accuracies(start, clients)
-        plans = [stage_schedules(s, method, round_idx, k, len(self.train_idx[k])) for k in clients]
-        trained_all, sums, steps = self._run_stage(self._losses, start, stack_states([client_states[k] for k in clients]),
-                                                   [p[0] for p in plans], clients, payload, lr)
-        results, reports = [], []
-        for i, k in enumerate(clients):
-            trained = unstack(trained_all, i)  # views into the stack; methods never write in place
+        starts = [method.local_start(payload, client_states[k]) for k in clients]
+        acc_before = self.local_accuracies(self._stack_starts(starts), clients)
+        plans = [stage_schedules(s, method, round_idx, k, len(self.train_idx[k]), lr) for k in clients]
+        reports = []
+        for k, plan in zip(clients, plans):
             idx = self.train_idx[k]
-            report = ClientReport(k, len(idx), int(steps[i]), lr, s.momentum,
-                                  feature_fn(self.model, self.x[idx], self.y[idx]),
-                                  bn_recalibration_fn(self.model, self.x[idx], s.batch_size))
-            upload, new_state = method.after_training(trained, payload, client_states[k], report)
-            means = {key: (v[i] / max(int(steps[i]), 1)).item() for key, v in sums.items()}
-            results.append(ClientResult(k, upload, new_state, report, means.pop("loss"), acc_before[i], None, means))
-            reports.append(report)
-        if any(p[1] for p in plans):
+            reports.append(ClientReport(k, len(idx), len(plan[0]), lr, s.momentum,
+                                        feature_fn(self.model, self.x[idx], self.y[idx]),
+                                        bn_recalibration_fn(self.model, self.x[idx], s.batch_size)))
+        aux: list[dict] = [{} for _ in clients]
+
+        def personal_stage(trained: list[State], states: list[State]) -> list[State]:
+            """The personalisation stage of every client from ``trained``; their new states."""
             if len({p[2] for p in plans}) > 1:
-                raise ValueError("clients of one round differ in their personalisation lr factor")
-            starts = [method.personal_start(unstack(trained_all, i), payload, r.client_state)
-                      for i, r in enumerate(results)]
-            new_states = stack_states([r.client_state for r in results])
-            personal_all, psums, psteps = self._run_stage(self._personal_losses, self._stack_starts(starts), new_states,
-                                                          [p[1] for p in plans], clients, payload, lr * plans[0][2])
+                raise ValueError("clients of one round differ in their personalisation learning rate")
+            begin = [method.personal_start(t, payload, st) for t, st in zip(trained, states)]
+            personal_all, psums, psteps = self._run_stage(
+                self._personal_losses, self._stack_starts(begin), stack_states(states), [p[1] for p in plans],
+                clients, payload, plans[0][2], method.trained_params("personal"))
+            out = []
+            for i, st in enumerate(states):
+                aux[i].update({f"personal_{key}": (v[i] / max(int(psteps[i]), 1)).item() for key, v in psums.items()})
+                out.append(method.after_personal(unstack(personal_all, i), payload, st, reports[i])
+                           if psteps[i] else st)
+            return out
+
+        has_personal = any(p[1] for p in plans)
+        states = [client_states[k] for k in clients]
+        if has_personal and method.personal_first:
+            states = personal_stage(starts, states)
+            starts = [method.local_start(payload, st) for st in states]
+        trained_all, sums, steps = self._run_stage(self._losses, self._stack_starts(starts), stack_states(states),
+                                                   [p[0] for p in plans], clients, payload, lr,
+                                                   method.trained_params("upload"))
+        trained = [unstack(trained_all, i) for i in range(len(clients))]  # views; methods never write in place
+        results = []
+        for i, k in enumerate(clients):
+            upload, new_state = method.after_training(trained[i], payload, states[i], reports[i])
+            means = {key: (v[i] / max(int(steps[i]), 1)).item() for key, v in sums.items()}
+            results.append(ClientResult(k, upload, new_state, reports[i], means.pop("loss"), acc_before[i], None,
+                                        {**aux[i], **means}))
+        if has_personal and not method.personal_first:
+            new_states = personal_stage(trained, [r.client_state for r in results])
             for i, r in enumerate(results):
-                r.aux.update({f"personal_{key}": (v[i] / max(int(psteps[i]), 1)).item() for key, v in psums.items()})
-                if psteps[i]:
-                    r.client_state = method.after_personal(unstack(personal_all, i), payload, r.client_state, reports[i])
-        personal = [method.personal_state(unstack(trained_all, i), r.client_state) for i, r in enumerate(results)]
+                r.client_state = new_states[i]
+                r.aux.update(aux[i])
+        personal = [method.personal_state(trained[i], r.client_state) for i, r in enumerate(results)]
         for r, acc in zip(results, self.local_accuracies(stack_states(personal), clients)):
             r.acc_after = acc
         return sorted(results, key=lambda r: given_order[r.client_id])
 
     def _run_stage(self, losses_fn, start: State, cstates: State, schedules: list[list[np.ndarray]],
-                   clients: list[int], payload: State, lr: float):
+                   clients: list[int], payload: State, lr: float, trainable: frozenset[str] | None = None):
         """Local SGD of every client of the chunk from the stacked ``start`` on its own batch
-        schedule; returns the stacked trained state (parameters and float buffers), the summed
-        tracked values per client and each client's number of steps."""
+        schedule, updating the ``trainable`` parameters (None: all); returns the stacked trained
+        state (parameters and float buffers), the summed tracked values per client and each
+        client's number of steps."""
         s = self.settings
         G = len(clients)
         param_names = [n for n, _ in self.model.named_parameters()]
         params = {n: start[n].clone() for n in param_names}
         buffers = {n: v.clone() for n, v in start.items() if n not in params}
         buffers.update({n: v.unsqueeze(0).repeat(G, *[1] * v.dim()) for n, v in self._int_buffers.items()})
-        momentum = {n: torch.zeros_like(p) for n, p in params.items()} if s.momentum else None
+        updated = [n for n in param_names if trainable is None or n in trainable]
+        momentum = {n: torch.zeros_like(params[n]) for n in updated} if s.momentum else None
         state_bytes = sum(t.numel() * t.element_size() for t in [*params.values(), *buffers.values()]) * 4
         self.peak_state_bytes = max(self.peak_state_bytes, state_bytes)
 
@@ -255,15 +279,16 @@ class VectorizedExecutor:
                     gi = torch.from_numpy(members).to(self.device)
                     pick = (lambda d: {k: v.index_select(0, gi) for k, v in d.items()})
                 p, buf, mom = pick(params), pick(buffers), pick(momentum) if momentum else None
-                leaves = {k: v.detach().requires_grad_(True) for k, v in p.items()}
+                leaves = {k: v.detach().requires_grad_(k in updated) for k, v in p.items()}
                 losses, aux = losses_fn(leaves, buf, self.x[batch_rows], self.y[batch_rows], payload, pick(cstates))
                 tracked = {"loss": losses, **aux}
                 for key, v in tracked.items():
                     sums.setdefault(key, torch.zeros(G, device=self.device))
-                grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
+                grads = torch.autograd.grad(losses.sum(), [leaves[k] for k in updated], allow_unused=True,
+                                            materialize_grads=True)
                 # Each client's loss depends only on its own row of the stack, so the gradient of
                 # the sum is every client's own gradient.
-                self._sgd_(p, dict(zip(p, grads)), mom, lr)
+                self._sgd_({k: p[k] for k in updated}, dict(zip(updated, grads)), mom, lr)
                 if gi is None:
                     for key, v in tracked.items():
                         sums[key][a:b] += v.detach()

@@ -17,7 +17,9 @@ from fedskew.methods.fedmr import FedMR
 from fedskew.methods.map import COMPONENTS as MAP_COMPONENTS
 from fedskew.methods.map import MAP, FedPHP, FedRS
 from fedskew.methods.fedka import FedKA, FedNTD
+from fedskew.methods.meta import PerFedAvg, PFedMe
 from fedskew.methods.neural_collapse import EtfGmv
+from fedskew.methods.personalized import Ditto, DittoRS, FedBABU, FedLC, FedProto, FedRep, FedROD
 from fedskew.methods.representation import FedMMD, Moon, fedproc
 from fedskew.methods.server_opt import FedAdam, FedAvgM, FedAwS, FedYogi
 
@@ -27,6 +29,8 @@ METHODS: dict[str, type[Method]] = {
     "moon": Moon, "fedmmd": FedMMD, "feddc": FedDC, "fedproc": fedproc,
     "fedrs": FedRS, "fedphp": FedPHP, "map": MAP, "etf_gmv": EtfGmv,
     "fedntd": FedNTD, "fedka": FedKA,
+    "ditto": Ditto, "dittors": DittoRS, "fedrep": FedRep, "fedbabu": FedBABU, "fedrod": FedROD,
+    "fedproto": FedProto, "fedlc": FedLC, "pfedme": PFedMe, "perfedavg": PerFedAvg,
 }
 COMPONENTS = {**FEDMR_COMPONENTS, **MAP_COMPONENTS}
 

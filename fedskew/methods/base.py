@@ -18,11 +18,17 @@ the same functions:
 ``aggregate``          (server state, global state, uploads, reports) -> (global, server state)
 =====================  =======================================================================
 
-A method may add a second local stage after the upload, whose result is the client's personalised
-model (MAP/FedPHP, Ditto, ...): ``split_steps`` divides the local step budget between the two
-stages, and ``personal_start``, ``personal_loss`` and ``after_personal`` play the roles of
-``local_start``, ``local_loss`` and ``after_training`` for the second stage. Executors run the
-stages one after another on the same batch stream, with fresh SGD momentum for the second.
+A method may add a second local stage, whose result is the client's personalised model
+(MAP/FedPHP, Ditto, FedRep's head epochs, ...): ``split_steps`` divides the local step budget
+between the two stages, and ``personal_start``, ``personal_loss`` and ``after_personal`` play the
+roles of ``local_start``, ``local_loss`` and ``after_training`` for the second stage. Executors run
+the stages one after another on the same batch stream, with fresh SGD momentum for each; the
+personalisation stage runs after the uploaded model's training, or before it when
+``personal_first`` (FedRep: head epochs, then body epochs). ``trained_params(stage)`` names the
+parameters a stage updates (FedRep, FedBABU, FedROD freeze parts of the model); the others keep
+their values (BatchNorm statistics still update in train mode). A method without a global model
+(FedProto, FedRep) sets ``has_global_model = False``: its ``global/*`` metrics are reported as
+none, never as the accuracy of a model nobody uses.
 
 Payloads, uploads and states are flat ``dict[str, Tensor]``. Model tensors travel under the
 ``model.`` prefix. Communication is counted by summing the sizes of payloads and uploads, so no
@@ -93,12 +99,23 @@ class Forward:
     """What ``local_loss`` may call: ``fwd(x) -> (z, logits)`` runs the model being trained
     (train mode); ``fwd.frozen(state, x)`` runs the same architecture with another state in eval
     mode and without gradient (e.g. the received global model, a teacher); ``fwd.head(h)`` runs the
-    trained model's classifier alone on features ``h`` (e.g. features plus memory vectors)."""
+    trained model's classifier alone on features ``h`` (e.g. features plus memory vectors);
+    ``fwd.call(state, x)`` runs the model being trained with other parameter (and optionally
+    buffer) values in train mode, differentiable in them, its own ``fwd.buffers`` filling in what
+    ``state`` lacks (inner steps of pFedMe and Per-FedAvg; pass the buffers through
+    ``torch.func.grad`` as an argument so BatchNorm may update them)."""
 
-    def __init__(self, train_fn: Callable, frozen_fn: Callable, head_fn: Callable | None = None):
+    def __init__(self, train_fn: Callable, frozen_fn: Callable, head_fn: Callable | None = None,
+                 call_fn: Callable | None = None, buffers: State | None = None):
         self._train_fn = train_fn
         self._frozen_fn = frozen_fn
         self._head_fn = head_fn
+        self._call_fn = call_fn
+        self.buffers = buffers if buffers is not None else {}
+
+    def wrapping(self, fwd: "Forward") -> None:
+        """Take every function of ``fwd`` (for subclasses that wrap a Forward)."""
+        Forward.__init__(self, fwd._train_fn, fwd._frozen_fn, fwd._head_fn, fwd._call_fn, fwd.buffers)
 
     def __call__(self, x: torch.Tensor):
         return self._train_fn(x)
@@ -108,6 +125,9 @@ class Forward:
 
     def head(self, h: torch.Tensor):
         return self._head_fn(h)
+
+    def call(self, state: State, x: torch.Tensor):
+        return self._call_fn(state, x)
 
 
 def reference_tensor(state: State) -> torch.Tensor:
@@ -147,6 +167,8 @@ class Method:
     # "linear": the method trains or edits the classifier (refuses model.classifier=etf);
     # "etf": the method needs the fixed ETF head; None: either.
     requires_classifier: str | None = None
+    has_global_model = True  # False: no model serves the global test set (FedProto, FedRep)
+    personal_first = False  # True: the personalisation stage runs before the uploaded model's training
 
     def __init__(self, options: BaseModel | None = None, info: FederationInfo | None = None):
         self.opt = options if options is not None else self.Options()
@@ -188,14 +210,19 @@ class Method:
         return trained
 
     # -- optional second local stage (personalisation) -------------------------------------------
-    def split_steps(self, total_steps: int) -> tuple[int, int, float]:
+    def split_steps(self, total_steps: int, lr: float) -> tuple[int, int, float]:
         """(steps of the uploaded model's training, steps of the personalisation stage, learning
-        rate factor of the personalisation stage) for a client whose E local epochs are
-        ``total_steps`` mini-batches. FedAvg: all steps, no second stage."""
-        return total_steps, 0, 1.0
+        rate of the personalisation stage) for a client whose E local epochs are ``total_steps``
+        mini-batches at learning rate ``lr``. FedAvg: all steps, no second stage."""
+        return total_steps, 0, lr
+
+    def trained_params(self, stage: Literal["upload", "personal"]) -> frozenset[str] | None:
+        """The parameter names a local stage updates; None: all of them."""
+        return None
 
     def personal_start(self, trained: State, payload: State, client_state: State) -> State:
-        """The state the personalisation stage starts from (default: the uploaded model)."""
+        """The state the personalisation stage starts from (default: ``trained``, the uploaded
+        model; with ``personal_first``, ``trained`` is the round's ``local_start`` state)."""
         return trained
 
     def personal_loss(self, fwd: Forward, params: State, x: torch.Tensor, y: torch.Tensor,

@@ -23,7 +23,7 @@ class SharedForward(Forward):
     the first call's outputs."""
 
     def __init__(self, fwd: Forward):
-        super().__init__(fwd._train_fn, fwd._frozen_fn, fwd._head_fn)
+        self.wrapping(fwd)
         self._inner = fwd  # called as is, so wrappers (restricted logits) apply
         self._last: tuple[torch.Tensor, tuple] | None = None
 
@@ -43,6 +43,7 @@ class Component:
     prefix = ""
     Options: type[BaseModel]
     personalizes = False
+    personal_first = False
 
     def __init__(self, options: BaseModel):
         self.opt = options
@@ -58,6 +59,9 @@ class Component:
 
     def prepare(self, payload: State, client_state: State, data) -> State:
         return client_state
+
+    def trained_params(self, stage: str) -> frozenset[str] | None:
+        return None
 
     def wrap_forward(self, fwd: Forward, client_state: State) -> Forward:
         """The forward the uploaded model's training sees (e.g. restricted logits). Default: as is."""
@@ -95,6 +99,7 @@ class Composite(Method):
         self.name = name or "+".join([base.name, *(c.prefix.rstrip(".") for c in components)])
         self.vectorizable = getattr(base, "vectorizable", True)
         self.requires_classifier = base.requires_classifier
+        self.has_global_model = base.has_global_model
         self._prefixes = [c.prefix for c in components]
         owners = [c for c in components if c.personalizes]
         base_owns = (base._personal is not None if isinstance(base, Composite)
@@ -106,6 +111,7 @@ class Composite(Method):
                              f"({', '.join(getattr(c, 'prefix', '').rstrip('.') or c.name for c in owners)}); "
                              f"at most one is allowed.")
         self._personal = next((c for c in components if c.personalizes), None)
+        self.personal_first = (self._personal or base).personal_first
 
     def server_init(self, global_state, info):
         state = self.base.server_init(global_state, info)
@@ -157,8 +163,12 @@ class Composite(Method):
         return upload, new_state
 
     # The personalisation stage belongs to the one component that personalises, else to the base.
-    def split_steps(self, total_steps):
-        return (self._personal or self.base).split_steps(total_steps)
+    def split_steps(self, total_steps, lr):
+        return (self._personal or self.base).split_steps(total_steps, lr)
+
+    def trained_params(self, stage):
+        owner = self._personal if stage == "personal" and self._personal else self.base
+        return owner.trained_params(stage)
 
     def personal_start(self, trained, payload, client_state):
         if self._personal:

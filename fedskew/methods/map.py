@@ -50,7 +50,7 @@ class _RestrictedForward(Forward):
     """The training forward with logits s * (W z): the restriction acts on training only."""
 
     def __init__(self, fwd: Forward, scales: torch.Tensor):
-        super().__init__(fwd._train_fn, fwd._frozen_fn, fwd._head_fn)
+        self.wrapping(fwd)
         self._scales = scales
 
     def __call__(self, x):
@@ -141,11 +141,11 @@ class InheritedPrivateModel(Component):
                                              dtype=ref.dtype, device=ref.device)
         return state
 
-    def split_steps(self, total_steps):
+    def split_steps(self, total_steps, lr):
         if self.opt.schedule == "paper":
             first = math.ceil(total_steps / 2)
-            return first, total_steps - first, 1.0
-        return total_steps, max(math.ceil(0.1 * total_steps), 5), 0.2
+            return first, total_steps - first, lr
+        return total_steps, max(math.ceil(0.1 * total_steps), 5), 0.2 * lr
 
     def personal_start(self, trained, payload, client_state):
         return trained

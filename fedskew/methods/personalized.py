@@ -1,0 +1,407 @@
+"""Personalised-FL baselines of the MAP paper's Table II (methods.md section 5): Ditto, FedRep,
+FedBABU, FedROD, FedProto, and FedLC's calibrated loss.
+
+Each method states its personalised model (scored as ``personal/acc_after``) and whether a global
+model exists (``has_global_model``; FedRep and FedProto have none, so ``global/*`` is none):
+
+=========  ======================================================  ==========================
+method     personalised model                                      global model
+=========  ======================================================  ==========================
+ditto      personal model v, proximal to the received global one   FedAvg's
+dittors    the same, the global update with restricted softmax     FedRS's
+fedrep     the round's body + the client's own head                none (no shared head)
+fedbabu    the received global model fine-tuned on local data      body + fixed random head
+fedrod     body + generic head + personal head (logits add)        body + generic head
+fedproto   the client's own model, nearest global prototype        none (no model is shared)
+fedlc      the locally trained model                               FedAvg-style, calibrated
+=========  ======================================================  ==========================
+
+The head is ``classifier.*`` (the final linear layer), the body every other parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from fedskew.methods.base import (ClientReport, FedAvgOptions, Method, State, as_model_part, model_part,
+                                  reference_tensor, weighted_mean)
+from fedskew.methods.compose import Composite
+from fedskew.methods.fedmr import aggregate_prototypes, class_feature_means
+from fedskew.methods.map import RestrictedSoftmax, RSOptions
+
+HEAD = "classifier."
+
+
+def head_names(info) -> frozenset[str]:
+    return frozenset(k for k in info.param_names if k.startswith(HEAD))
+
+
+def body_names(info) -> frozenset[str]:
+    return frozenset(k for k in info.param_names if not k.startswith(HEAD))
+
+
+def _prefixed(state: State, prefix: str) -> State:
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _fraction_steps(total_steps: int, fraction: float) -> int:
+    """round(fraction * total), at least 1 step when fraction > 0."""
+    return max(1, round(fraction * total_steps)) if fraction > 0 else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Ditto
+
+
+class DittoOptions(FedAvgOptions):
+    lam: float = Field(0.1, ge=0, description="lambda of the proximal term (lambda/2) ||v - w||^2")
+    personal_fraction: float = Field(1.0, gt=0, le=10, description="personal steps, as a multiple of the "
+                                                                   "E-epoch step budget")
+
+
+class Ditto(Method):
+    """Ditto (Li et al., ICML 2021, Algorithm 1). The global update is FedAvg's local training of
+    the received model w (uploaded). Then the client's personal model v, kept across rounds
+    (initialised as the first received model), trains on h(v) = CE(v) + (lambda/2) ||v - w||^2
+    with w the global model it received this round, for ``personal_fraction`` x the E-epoch
+    step budget (reference code: as many steps as the global update). The personalised model is v.
+
+    Sends and receives what FedAvg does; keeps v (a full model) per client."""
+
+    name = "ditto"
+    Options = DittoOptions
+
+    def client_init(self, client_id, global_state, info):
+        return {"ditto." + k: v.clone() for k, v in global_state.items()}
+
+    def split_steps(self, total_steps, lr):
+        return total_steps, _fraction_steps(total_steps, self.opt.personal_fraction), lr
+
+    def personal_start(self, trained, payload, client_state):
+        return _prefixed(client_state, "ditto.")
+
+    def personal_loss(self, fwd, params, x, y, payload, client_state):
+        _, logits = fwd(x)
+        ce = F.cross_entropy(logits, y)
+        prox = sum((p - payload["model." + k]).pow(2).sum() for k, p in params.items())
+        return ce + 0.5 * self.opt.lam * prox, {"ditto/prox": prox.detach()}
+
+    def after_personal(self, personal, payload, client_state, report):
+        return {"ditto." + k: v for k, v in personal.items()}
+
+    def personal_state(self, trained, client_state):
+        return _prefixed(client_state, "ditto.")
+
+
+class DittoRSOptions(DittoOptions):
+    alpha: float = Field(0.5, ge=0, le=1, description="scale of missing classes' logits")
+    rs_form: Literal["hard", "soft"] = "hard"
+
+
+class DittoRS(Composite):
+    """DittoRS (MAP paper, Table II): Ditto whose global update trains with restricted softmax."""
+
+    name = "dittors"
+    Options = DittoRSOptions
+
+    def __init__(self, options=None, info=None):
+        opt = options if options is not None else self.Options()
+        ditto = Ditto(DittoOptions(**{k: getattr(opt, k) for k in DittoOptions.model_fields}), info)
+        super().__init__(ditto, [RestrictedSoftmax(RSOptions(alpha=opt.alpha, form=opt.rs_form))], name=self.name)
+        self.opt = opt
+
+
+# ---------------------------------------------------------------------------------------------
+# FedRep
+
+
+class FedRepOptions(FedAvgOptions):
+    head_fraction: float = Field(0.5, gt=0, lt=1, description="share of the E-epoch step budget spent on the "
+                                                              "head (reference code: 9 of 10 epochs)")
+
+
+class FedRep(Method):
+    """FedRep (Collins et al., ICML 2021, Algorithm 1). Each round the client takes the received
+    body and its own head; first trains the head with the body frozen (``head_fraction`` of the
+    local steps), then the body with the head frozen (the rest). Only the body is uploaded and
+    averaged; the head never leaves the client. Personalised model: the new body + own head.
+    No global model: the server has no head (``global/*`` is none).
+
+    Down and up: the body (BatchNorm statistics included). Keeps the head per client."""
+
+    name = "fedrep"
+    Options = FedRepOptions
+    requires_classifier = "linear"
+    has_global_model = False
+    personal_first = True
+
+    def client_init(self, client_id, global_state, info):
+        return {"rep." + k: v.clone() for k, v in global_state.items() if k.startswith(HEAD)}
+
+    def broadcast(self, global_state, server_state):
+        return as_model_part({k: v for k, v in global_state.items() if not k.startswith(HEAD)})
+
+    def local_start(self, payload, client_state):
+        return {**model_part(payload), **_prefixed(client_state, "rep.")}
+
+    def split_steps(self, total_steps, lr):
+        head = min(_fraction_steps(total_steps, self.opt.head_fraction), max(total_steps - 1, 0))
+        return total_steps - head, head, lr
+
+    def trained_params(self, stage):
+        return head_names(self.info) if stage == "personal" else body_names(self.info)
+
+    def after_personal(self, personal, payload, client_state, report):
+        return {"rep." + k: v for k, v in personal.items() if k.startswith(HEAD)}
+
+    def after_training(self, trained, payload, client_state, report):
+        return as_model_part({k: v for k, v in trained.items() if not k.startswith(HEAD)}), client_state
+
+    def aggregate(self, server_state, global_state, uploads, reports):
+        body = weighted_mean([model_part(u) for u in uploads], self.client_weights(reports))
+        return {**global_state, **body}, server_state
+
+
+# ---------------------------------------------------------------------------------------------
+# FedBABU
+
+
+class FedBABUOptions(FedAvgOptions):
+    finetune_fraction: float = Field(1.0, gt=0, le=10, description="fine-tuning steps, as a multiple of the "
+                                                                   "E-epoch step budget")
+
+
+class FedBABU(Method):
+    """FedBABU (Oh et al., ICLR 2022). During federated training the head stays at its random
+    initialisation (never trained, never sent up); clients train and upload the body only. The
+    personalised model is the received global model fine-tuned on local data, body and head,
+    for ``finetune_fraction`` x the E-epoch step budget at the same learning rate (paper Section
+    4: fine-tuning the whole model). The global model is the body with the fixed head.
+
+    Down: the full model; up: the body. Keeps the latest fine-tuned model per client."""
+
+    name = "fedbabu"
+    Options = FedBABUOptions
+    requires_classifier = "linear"
+
+    def client_init(self, client_id, global_state, info):
+        # the latest personalised model (same keys for every client, so clients stack)
+        return {"babu." + k: v.clone() for k, v in global_state.items()}
+
+    def split_steps(self, total_steps, lr):
+        return total_steps, _fraction_steps(total_steps, self.opt.finetune_fraction), lr
+
+    def trained_params(self, stage):
+        return None if stage == "personal" else body_names(self.info)
+
+    def after_training(self, trained, payload, client_state, report):
+        return as_model_part({k: v for k, v in trained.items() if not k.startswith(HEAD)}), client_state
+
+    def personal_start(self, trained, payload, client_state):
+        return model_part(payload)
+
+    def after_personal(self, personal, payload, client_state, report):
+        return {"babu." + k: v for k, v in personal.items()}
+
+    def personal_state(self, trained, client_state):
+        return _prefixed(client_state, "babu.")
+
+    def aggregate(self, server_state, global_state, uploads, reports):
+        body = weighted_mean([model_part(u) for u in uploads], self.client_weights(reports))
+        return {**global_state, **body}, server_state
+
+
+# ---------------------------------------------------------------------------------------------
+# FedROD
+
+
+def balanced_softmax_loss(logits: torch.Tensor, y: torch.Tensor, class_counts: torch.Tensor) -> torch.Tensor:
+    """Balanced softmax (FedROD Eq. 5, after Ren et al. 2020): CE(logits + log n_c, y) with the
+    client's class counts n_c; a class it lacks gets log(1e-12), numerically removed."""
+    return F.cross_entropy(logits + torch.log(class_counts.clamp(min=1e-12)), y)
+
+
+class FedROD(Method):
+    """FedROD (Chen & Chao, ICLR 2022). Shared body + generic head trained with the balanced
+    softmax on the client's label counts (uploaded, FedAvg-aggregated: the global model); a
+    personal head W_p on the client, its prediction the sum of both heads' logits:
+    (W_g + W_p) z (+ b_g + b_p).
+
+    The personal head trains on the generic model's features with plain CE of the summed logits,
+    body and generic head frozen. Because the summed logits are linear in W_g + W_p, this is SGD
+    on the combined head started from W_g + W_p with only the classifier trainable, and
+    W_p = combined - W_g after it. Schedule: it runs after the body's update for the same number of
+    steps (the reference interleaves one personal-head step per body step on the current
+    features; here every step sees the round's final body). Weight decay, if set, applies to the
+    combined head rather than W_p alone. W_p starts at 0 (the personalised model starts as the
+    generic one).
+
+    Down/up: the full model (FedAvg); keeps W_p and the round's W_g per client."""
+
+    name = "fedrod"
+    Options = FedAvgOptions
+    requires_classifier = "linear"
+
+    def client_init(self, client_id, global_state, info):
+        state = {"rod.p." + k: torch.zeros_like(v) for k, v in global_state.items() if k.startswith(HEAD)}
+        state.update({"rod.g." + k: v.clone() for k, v in global_state.items() if k.startswith(HEAD)})
+        state["rod.counts"] = info.class_counts[client_id].to(reference_tensor(global_state))
+        return state
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        _, logits = fwd(x)
+        return balanced_softmax_loss(logits, y, client_state["rod.counts"]), {}
+
+    def after_training(self, trained, payload, client_state, report):
+        state = {**client_state, **{"rod.g." + k: v for k, v in trained.items() if k.startswith(HEAD)}}
+        return as_model_part(trained), state
+
+    def split_steps(self, total_steps, lr):
+        return total_steps, total_steps, lr
+
+    def trained_params(self, stage):
+        return head_names(self.info) if stage == "personal" else None
+
+    def personal_start(self, trained, payload, client_state):
+        return self.personal_state(trained, client_state)
+
+    def after_personal(self, personal, payload, client_state, report):
+        new = {"rod.p." + k: v - client_state["rod.g." + k] for k, v in personal.items() if k.startswith(HEAD)}
+        return {**client_state, **new}
+
+    def personal_state(self, trained, client_state):
+        return {k: v + client_state["rod.p." + k] if k.startswith(HEAD) else v for k, v in trained.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# FedProto
+
+
+class FedProtoOptions(FedAvgOptions):
+    lam: float = Field(1.0, ge=0, description="weight of the prototype regulariser")
+
+
+def prototype_regularizer(z: torch.Tensor, y: torch.Tensor, prototypes: torch.Tensor) -> torch.Tensor:
+    """FedProto's R = mean squared distance between each feature z and the global prototype of
+    its class (reference code: MSE over samples and dimensions); samples of a class without a
+    global prototype (NaN row) contribute 0, as in the reference, which keeps them in the mean."""
+    target = prototypes[y]
+    known = ~torch.isnan(target[:, :1])
+    diff = torch.where(known, z - torch.nan_to_num(target), torch.zeros_like(z))
+    return diff.pow(2).mean()
+
+
+def nearest_prototype_head(prototypes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear head (W, b) whose argmax is the nearest prototype: logit_c = 2 g_c.z - ||g_c||^2
+    = ||z||^2 - ||z - g_c||^2. Classes without a prototype (NaN) get a -1e30 bias."""
+    known = ~torch.isnan(prototypes[:, 0])
+    g = torch.nan_to_num(prototypes)
+    bias = torch.where(known, -g.pow(2).sum(1), torch.full_like(g[:, 0], -1e30))
+    return 2 * g, bias
+
+
+class FedProto(Method):
+    """FedProto (Tan et al., AAAI 2022). No model is shared: every client trains its own model
+    (kept across rounds, all starting from the same initialisation) on CE + lam * R(z, g_y), R the
+    squared distance to the global prototype of the label (Eq. 7). After training it uploads the
+    mean eval-mode feature of each class it holds and the counts; the server's prototype of a class
+    is the count-weighted mean over the uploading clients (Eq. 8), kept when none holds it.
+
+    Prediction by nearest prototype (paper Section 4): the personalised model is the client's
+    model with its linear head replaced by the nearest-prototype head over the global prototypes
+    it received (a class still without one: the client's own new prototype). ``acc_before``
+    scores the client's model with its own linear head. No global model: ``global/*`` is none.
+
+    Down: C*d floats; up: C*d + C. Keeps a full model and C*d prediction prototypes per client.
+    Needs ``model.classifier_bias=true`` (the nearest-prototype head needs its bias)."""
+
+    name = "fedproto"
+    Options = FedProtoOptions
+    requires_classifier = "linear"
+    has_global_model = False
+
+    def __init__(self, options=None, info=None):
+        super().__init__(options, info)
+        if info is not None and info.param_names and HEAD + "bias" not in info.param_names:
+            raise ValueError("method fedproto needs model.classifier_bias = true: prediction by nearest "
+                             "prototype is a linear head with a bias.")
+
+    def server_init(self, global_state, info):
+        ref = reference_tensor(global_state)
+        return {"fedproto.g": torch.full((info.num_classes, info.feature_dim), float("nan"), dtype=ref.dtype,
+                                         device=ref.device)}
+
+    def client_init(self, client_id, global_state, info):
+        ref = reference_tensor(global_state)
+        state = {"fedproto.model." + k: v.clone() for k, v in global_state.items()}
+        state["fedproto.predict"] = torch.full((info.num_classes, info.feature_dim), float("nan"),
+                                               dtype=ref.dtype, device=ref.device)
+        return state
+
+    def broadcast(self, global_state, server_state):
+        return {"fedproto.g": server_state["fedproto.g"]}
+
+    def local_start(self, payload, client_state):
+        return _prefixed(client_state, "fedproto.model.")
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        z, logits = fwd(x)
+        reg = prototype_regularizer(z, y, payload["fedproto.g"])
+        return F.cross_entropy(logits, y) + self.opt.lam * reg, {"fedproto/reg": reg.detach()}
+
+    def after_training(self, trained, payload, client_state, report: ClientReport):
+        z, y = report.local_features(trained)
+        means, counts = class_feature_means(z, y, self.info.num_classes)
+        own = torch.where((counts > 0)[:, None], means, torch.full_like(means, float("nan")))
+        g = payload["fedproto.g"]
+        state = {**{"fedproto.model." + k: v for k, v in trained.items()},
+                 "fedproto.predict": torch.where(torch.isnan(g[:, :1]), own, g)}
+        return {"fedproto.mean": means, "fedproto.count": counts}, state
+
+    def personal_state(self, trained, client_state):
+        w, b = nearest_prototype_head(client_state["fedproto.predict"])
+        return {**trained, HEAD + "weight": w.to(trained[HEAD + "weight"].dtype), HEAD + "bias": b}
+
+    def aggregate(self, server_state, global_state, uploads, reports):
+        g = aggregate_prototypes(server_state["fedproto.g"], [u["fedproto.mean"] for u in uploads],
+                                 [u["fedproto.count"] for u in uploads])
+        return global_state, {"fedproto.g": g}
+
+
+# ---------------------------------------------------------------------------------------------
+# FedLC
+
+
+class FedLCOptions(FedAvgOptions):
+    tau: float = Field(1.0, ge=0, description="calibration strength")
+
+
+def calibrated_loss(logits: torch.Tensor, y: torch.Tensor, class_counts: torch.Tensor, tau: float) -> torch.Tensor:
+    """FedLC (Zhang et al., ICML 2022, Eq. 10): CE of the calibrated logits f_c - tau n_c^(-1/4),
+    n_c the client's count of class c; a class it lacks (n_c = 0, an infinite shift in the paper)
+    is shifted by tau * 1e3, numerically removed."""
+    shift = tau * class_counts.clamp(min=1e-12).pow(-0.25)
+    return F.cross_entropy(logits - shift, y)
+
+
+class FedLC(Method):
+    """FedLC: FedAvg whose local loss calibrates each logit by the client's label counts before
+    the softmax (training only; evaluation uses plain logits). Sends and keeps what FedAvg does."""
+
+    name = "fedlc"
+    Options = FedLCOptions
+
+    def client_init(self, client_id, global_state, info):
+        return {"lc.counts": info.class_counts[client_id].to(reference_tensor(global_state))}
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        _, logits = fwd(x)
+        return calibrated_loss(logits, y, client_state["lc.counts"], self.opt.tau), {}
+
+
+__all__ = ["Ditto", "DittoRS", "FedBABU", "FedLC", "FedProto", "FedROD", "FedRep", "balanced_softmax_loss",
+           "calibrated_loss", "nearest_prototype_head", "prototype_regularizer"]
