@@ -33,8 +33,9 @@ def _name_or_mapping(value: Any) -> Any:
 
 
 class DatasetConfig(_Strict):
-    name: Literal["digits", "synthetic", "mnist", "fmnist"] = "digits"
-    root: str | None = Field(None, description="folder holding the files (mnist, fmnist)")
+    name: Literal["digits", "synthetic", "mnist", "fmnist", "cifar10", "cifar100", "svhn", "femnist",
+                  "shakespeare", "cinic10", "tinyimagenet"] = "digits"
+    root: str | None = Field(None, description="folder holding the files (every dataset but digits and synthetic)")
     download: bool = Field(True, description="try the usual mirrors when no local files are found")
     test_fraction: float = Field(0.2, gt=0, lt=1, description="digits: stratified global test share")
     train_subsample: float = Field(1.0, gt=0, le=1, description="keep this stratified share of the training set")
@@ -44,10 +45,14 @@ class DatasetConfig(_Strict):
     train_per_class: int = Field(200, ge=1, description="synthetic only")
     test_per_class: int = Field(50, ge=1, description="synthetic only")
     separation: float = Field(3.0, gt=0, description="synthetic only: class-mean spread")
+    validation_fraction: float = Field(0.0, ge=0, lt=1, description="hold out this stratified share of the "
+                                                                    "training set as a global validation set")
+    augment: bool = Field(False, description="random crop (padding 4) + horizontal flip of training batches")
 
 
 class PartitionConfig(_Strict):
-    name: Literal["iid", "pcdd", "label_k", "dirichlet", "random_classes", "label_count"] = "pcdd"
+    name: Literal["iid", "pcdd", "label_k", "dirichlet", "random_classes", "label_count", "shards",
+                  "natural"] = "pcdd"
     num_clients: int = Field(20, ge=1)
     classes_per_client: int = Field(3, ge=1, description="pcdd: y of PxCy; label_k: k of #C=k; label_count: k")
     samples_per_class: int = Field(100, ge=1, description="label_count: n samples of each held class per client")
@@ -55,13 +60,17 @@ class PartitionConfig(_Strict):
     min_size: int = Field(10, ge=1, description="dirichlet: minimum samples per client")
     size_sigma: float = Field(0.0, ge=0, description="random_classes: LogNormal size-factor sigma")
     min_classes: int = Field(2, ge=1, description="random_classes: fewest classes per client")
+    shards_per_client: int = Field(2, ge=1, description="shards: s shards of sorted labels per client")
     local_test_fraction: float = Field(0.2, ge=0, lt=1, description="per-client local test hold-out")
 
 
 class ModelConfig(_Strict):
-    name: Literal["mlp", "lenet", "simplecnn", "tcnn", "cnnbn"] = "mlp"
+    name: Literal["mlp", "lenet", "simplecnn", "tcnn", "cnnbn", "mlpnet", "tfcnn", "vgg8", "vgg8bn", "vgg11",
+                  "vgg16bn", "resnet18", "resnet20", "resnet56", "wrn28_10", "resnet50", "efficientnet_b0",
+                  "lstm"] = "mlp"
     classifier_bias: bool = True
-    hidden: list[int] = Field(default_factory=lambda: [200, 200], description="mlp hidden widths")
+    hidden: list[int] | None = Field(None, description="hidden widths of mlp (default [200, 200]) and mlpnet "
+                                                       "(default [1024, 1024, 128])")
     width: int = Field(32, ge=1, description="cnnbn channel width")
     projection_dim: int | None = Field(None, ge=1, description="add MOON's projection head (d->d->n); features = its output")
     classifier: Literal["linear", "etf"] = Field("linear", description="etf: fixed simplex-ETF head, never trained")

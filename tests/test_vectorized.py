@@ -90,6 +90,8 @@ def assert_same(a, b):
     ["method=fedlc"],
     ["method=pfedme", "model=cnnbn", "model.width=4", "method.inner_steps=2"],
     ["method=perfedavg", "model=cnnbn", "model.width=4"],
+    # crop/flip augmentation drawn per (round, client, stage, position): identical in both executors
+    ["method=fedphp", "model=cnnbn", "model.width=4", "dataset.augment=true"],
 ])
 def test_vectorized_matches_sequential(tmp_path, extra):
     assert_same(*both(tmp_path, extra))

@@ -34,6 +34,12 @@ class Dataset:
     x_test: torch.Tensor
     y_test: torch.Tensor
     num_classes: int
+    # The natural client (LEAF writer or role) of each training sample, for partition=natural.
+    train_groups: torch.Tensor | None = None
+    group_names: tuple[str, ...] | None = None
+    # A global validation set held out of the training split (dataset.validation_fraction).
+    x_val: torch.Tensor | None = None
+    y_val: torch.Tensor | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -226,7 +232,8 @@ def load_idx_dataset(name: str, root: str | None = None, download: bool = True,
     return Dataset(name, *arrays["train"], *arrays["test"], 10)
 
 
-DATASETS = ("digits", "synthetic", "mnist", "fmnist")
+DATASETS = ("digits", "synthetic", "mnist", "fmnist", "cifar10", "cifar100", "svhn", "femnist", "shakespeare",
+            "cinic10", "tinyimagenet")
 
 
 def subsample(data: Dataset, train_fraction: float, test_fraction: float, seed: int) -> Dataset:
@@ -247,7 +254,8 @@ def subsample(data: Dataset, train_fraction: float, test_fraction: float, seed: 
     tr, te = keep(data.y_train, train_fraction, "subsample"), keep(data.y_test, test_fraction, "subsample_test")
     x_train, y_train = (data.x_train, data.y_train) if tr is None else (data.x_train[tr], data.y_train[tr])
     x_test, y_test = (data.x_test, data.y_test) if te is None else (data.x_test[te], data.y_test[te])
-    return Dataset(data.name, x_train, y_train, x_test, y_test, data.num_classes)
+    groups = data.train_groups if tr is None or data.train_groups is None else data.train_groups[tr]
+    return Dataset(data.name, x_train, y_train, x_test, y_test, data.num_classes, groups, data.group_names)
 
 
 def load_dataset(cfg, seed: int) -> Dataset:
@@ -258,6 +266,39 @@ def load_dataset(cfg, seed: int) -> Dataset:
         data = make_synthetic(seed, cfg.num_classes, cfg.dim, cfg.train_per_class, cfg.test_per_class, cfg.separation)
     elif cfg.name in ("mnist", "fmnist"):
         data = load_idx_dataset(cfg.name, cfg.root, cfg.download)
+    elif cfg.name in ("cifar10", "cifar100"):
+        from fedskew.data.vision import load_cifar
+
+        data = load_cifar(cfg.name, cfg.root, cfg.download)
+    elif cfg.name == "svhn":
+        from fedskew.data.vision import load_svhn
+
+        data = load_svhn(cfg.root, cfg.download)
+    elif cfg.name == "cinic10":
+        from fedskew.data.vision import load_cinic10
+
+        data = load_cinic10(cfg.root, cfg.download)
+    elif cfg.name == "tinyimagenet":
+        from fedskew.data.vision import load_tinyimagenet
+
+        data = load_tinyimagenet(cfg.root, cfg.download)
+    elif cfg.name in ("femnist", "shakespeare"):
+        from fedskew.data.leaf import load_leaf
+
+        data = load_leaf(cfg.name, cfg.root)
     else:
         raise DatasetError(f"dataset.name '{cfg.name}' is not known; allowed: {list(DATASETS)}.")
-    return subsample(data, cfg.train_subsample, cfg.test_subsample, seed)
+    data = subsample(data, cfg.train_subsample, cfg.test_subsample, seed)
+    return hold_out_validation(data, cfg.validation_fraction, seed) if cfg.validation_fraction else data
+
+
+def hold_out_validation(data: Dataset, fraction: float, seed: int) -> Dataset:
+    """Move a stratified ``fraction`` of every class of the training set (at least one sample,
+    stream ``validation``) into ``x_val``/``y_val``; clients are then partitioned from the rest."""
+    from fedskew.engine.rng import numpy_rng
+
+    train, val = _stratified_split(data.y_train.numpy(), fraction, numpy_rng(seed, "validation"))
+    train, val = torch.from_numpy(train), torch.from_numpy(val)
+    groups = data.train_groups[train] if data.train_groups is not None else None
+    return Dataset(data.name, data.x_train[train], data.y_train[train], data.x_test, data.y_test, data.num_classes,
+                   groups, data.group_names, data.x_train[val], data.y_train[val])

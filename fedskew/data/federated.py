@@ -83,7 +83,8 @@ def build_federation(data: Dataset, partition_cfg, seed: int) -> Federation:
     """Partition ``data`` with the seed's ``partition`` stream and carve each client's local test
     split with its ``local_split`` stream."""
     labels = data.y_train.numpy()
-    parts = partition_labels(partition_cfg, labels, data.num_classes, numpy_rng(seed, "partition"))
+    groups = data.train_groups.numpy() if data.train_groups is not None else None
+    parts = partition_labels(partition_cfg, labels, data.num_classes, numpy_rng(seed, "partition"), groups)
     train, test = [], []
     for k, idx in enumerate(parts):
         tr, te = local_test_split(idx, partition_cfg.local_test_fraction, numpy_rng(seed, "local_split", k))

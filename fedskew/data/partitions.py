@@ -206,11 +206,42 @@ def label_count(labels: np.ndarray, num_clients: int, classes_per_client: int, s
     return [np.sort(np.concatenate(p)) for p in parts]
 
 
-PARTITIONS = ("iid", "pcdd", "label_k", "dirichlet", "random_classes", "label_count")
+def shards(labels: np.ndarray, num_clients: int, shards_per_client: int, rng: np.random.Generator
+           ) -> list[np.ndarray]:
+    """The FedAvg paper's pathological split: sort the samples by label (ties in random order),
+    cut them into K * s near-equal shards and give each client s shards drawn at random."""
+    _check_clients(num_clients, len(labels))
+    total = num_clients * shards_per_client
+    if total > len(labels):
+        raise PartitionError(f"partition.shards_per_client = {shards_per_client} with {num_clients} clients asks "
+                             f"for {total} shards of {len(labels)} samples; every shard needs a sample.")
+    order = np.lexsort((rng.permutation(len(labels)), labels))  # by label, random within a label
+    pieces = np.array_split(order, total)
+    owner = rng.permutation(total).reshape(num_clients, shards_per_client)
+    return [np.sort(np.concatenate([pieces[i] for i in row])) for row in owner]
 
 
-def partition_labels(cfg, labels: np.ndarray, num_classes: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Dispatch on a :class:`fedskew.config.PartitionConfig`."""
+def natural(groups: np.ndarray | None, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """One client per natural user (LEAF writer or role): ``num_clients`` users drawn at random
+    (stream ``partition``; all of them in user order when num_clients equals their number)."""
+    if groups is None:
+        raise PartitionError("partition.name = 'natural' needs a data set with natural clients (femnist, "
+                             "shakespeare); use another partition for this data set.")
+    users = int(groups.max()) + 1 if len(groups) else 0
+    if num_clients > users:
+        raise PartitionError(f"partition.num_clients = {num_clients} exceeds the {users} users of the data set; "
+                             f"allowed: 1..{users}.")
+    picked = np.arange(users) if num_clients == users else np.sort(rng.choice(users, num_clients, replace=False))
+    return [np.flatnonzero(groups == u) for u in picked]
+
+
+PARTITIONS = ("iid", "pcdd", "label_k", "dirichlet", "random_classes", "label_count", "shards", "natural")
+
+
+def partition_labels(cfg, labels: np.ndarray, num_classes: int, rng: np.random.Generator,
+                     groups: np.ndarray | None = None) -> list[np.ndarray]:
+    """Dispatch on a :class:`fedskew.config.PartitionConfig` (``groups``: each sample's natural
+    user, for ``natural``)."""
     k = cfg.num_clients
     if cfg.name == "iid":
         return iid(labels, k, rng)
@@ -226,4 +257,8 @@ def partition_labels(cfg, labels: np.ndarray, num_classes: int, rng: np.random.G
         return random_classes(labels, k, num_classes, rng, cfg.size_sigma, cfg.min_classes)
     if cfg.name == "label_count":
         return label_count(labels, k, cfg.classes_per_client, cfg.samples_per_class, num_classes, rng)
+    if cfg.name == "shards":
+        return shards(labels, k, cfg.shards_per_client, rng)
+    if cfg.name == "natural":
+        return natural(groups, k, rng)
     raise PartitionError(f"partition.name '{cfg.name}' is not known; allowed: {list(PARTITIONS)}.")

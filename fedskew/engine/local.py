@@ -27,6 +27,16 @@ class LocalSettings:
     weight_decay: float = 0.0
     grad_clip: float | None = None
     seed: int = 0
+    augment_pad: int = 0  # > 0: random crop with this zero padding + horizontal flip of training batches
+
+    def augmentation(self, round_idx: int, client_id: int, stage: int, n: int) -> torch.Tensor | None:
+        """The crop/flip draws of a stage's n samples (None: augmentation off); stage 0 is the
+        uploaded model's training, 1 the personalisation stage."""
+        if not self.augment_pad:
+            return None
+        from fedskew.data.augment import crop_flip_params
+
+        return crop_flip_params(self.seed, round_idx, client_id, stage, n, self.augment_pad)
 
 
 @dataclass
@@ -215,9 +225,11 @@ class SequentialExecutor:
         return [self.train_client(round_idx, k, payload, client_states[k], lr) for k in clients]
 
     def _sgd_stage(self, loss_fn, idx: torch.Tensor, batches: list[np.ndarray], lr: float,
-                   payload: State, client_state: State, trainable: frozenset[str] | None = None) -> dict:
+                   payload: State, client_state: State, trainable: frozenset[str] | None = None,
+                   augment: torch.Tensor | None = None) -> dict:
         """Train the loaded model on ``batches`` with a fresh torch.optim.SGD over the ``trainable``
-        parameters (None: all; the others are frozen); mean tracked values."""
+        parameters (None: all; the others are frozen), each batch augmented with its rows of
+        ``augment`` when given; mean tracked values."""
         s, model = self.settings, self.model
         model.train()
         params = dict(model.named_parameters())
@@ -229,9 +241,16 @@ class SequentialExecutor:
         for p in frozen:
             p.requires_grad_(False)
         try:
+            at = 0
             for positions in batches:
                 rows = idx[torch.from_numpy(positions).to(self.device)]
-                loss, aux = loss_fn(fwd, params, self.x[rows], self.y[rows], payload, client_state)
+                x = self.x[rows]
+                if augment is not None:
+                    from fedskew.data.augment import crop_flip
+
+                    x = crop_flip(x, augment[at:at + len(rows)], s.augment_pad)
+                    at += len(rows)
+                loss, aux = loss_fn(fwd, params, x, self.y[rows], payload, client_state)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 if s.grad_clip is not None:
@@ -260,7 +279,8 @@ class SequentialExecutor:
         def personal_stage(trained, state):
             load_state(model, method.personal_start(trained, payload, state))
             stage = self._sgd_stage(method.personal_loss, idx, personal_batches, lr_b, payload, state,
-                                    method.trained_params("personal"))
+                                    method.trained_params("personal"),
+                                    s.augmentation(round_idx, client_id, 1, sum(map(len, personal_batches))))
             means.update({f"personal_{k}": v for k, v in stage.items()})
             return method.after_personal(federated_state(model), payload, state, report)
 
@@ -268,7 +288,8 @@ class SequentialExecutor:
             client_state = personal_stage(start, client_state)
             load_state(model, method.local_start(payload, client_state))
         means.update(self._sgd_stage(method.local_loss, idx, batches, lr, payload, client_state,
-                                     method.trained_params("upload")))
+                                     method.trained_params("upload"),
+                                     s.augmentation(round_idx, client_id, 0, sum(map(len, batches)))))
         trained = federated_state(model)
         upload, new_state = method.after_training(trained, payload, client_state, report)
         if personal_batches and not method.personal_first:

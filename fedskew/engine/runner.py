@@ -47,7 +47,7 @@ def resolve_device(name: str) -> torch.device:
 
 def make_executor(cfg: RunConfig, model, fed: Federation, method, device):
     settings = LocalSettings(cfg.local_epochs, cfg.batch_size, cfg.momentum, cfg.weight_decay,
-                             cfg.grad_clip, cfg.seed)
+                             cfg.grad_clip, cfg.seed, 4 if cfg.dataset.augment else 0)
     if cfg.executor == "vectorized":
         from fedskew.engine.vectorized import VectorizedExecutor
 
@@ -83,6 +83,9 @@ class Experiment:
         self.resume = resume
         self.device = resolve_device(cfg.device)
         self.fed = load_federation(cfg)
+        if cfg.dataset.augment and self.fed.data.x_train.dim() != 4:
+            raise ConfigError(f"dataset.augment = true needs images; dataset '{cfg.dataset.name}' has inputs of "
+                              f"shape {tuple(self.fed.data.x_train.shape[1:])}.")
         with seeded_torch(cfg.seed, "model_init"):
             self.model = build_model(cfg.model, self.fed.data.input_shape, self.fed.num_classes, cfg.seed)
         self.model.to(self.device)
@@ -231,6 +234,9 @@ class Experiment:
             record["global/test_acc"] = None  # no model serves the global test set (FedProto, FedRep)
         elif (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
             record.update(global_metrics(self.model, new_global, self.x_test, self.y_test, self.fed.num_classes))
+            if self.fed.data.x_val is not None:
+                x_val, y_val = self.fed.data.x_val.to(self.device), self.fed.data.y_val.to(self.device)
+                record["global/val_acc"] = (predict(self.model, new_global, x_val) == y_val).float().mean().item()
             if cfg.feature_stats:
                 record["features/eig_var_top50"] = feature_eig_var(self.model, new_global, self.x_test)
         record["memory/client_state_bytes"] = sum(v.numel() * v.element_size() for st in client_states.values()
@@ -345,6 +351,10 @@ class Experiment:
                 "global/test_acc_best": accs[best], "global/test_acc_best_round": evals[best]["round"],
                 "global/test_acc_mean_last10": sum(accs[-10:]) / len(accs[-10:]),
                 **{k: v for k, v in last.items() if k.startswith("global/class_acc/")}}
+            vals = [h["global/val_acc"] for h in evals if "global/val_acc" in h]
+            if vals:
+                global_summary.update({"global/val_acc": vals[-1], "global/val_acc_mean_last10": sum(vals[-10:]) /
+                                       len(vals[-10:])})
         else:  # the method has no global model
             global_summary = {k: None for k in ("global/test_acc", "global/test_acc_best",
                                                 "global/test_acc_best_round", "global/test_acc_mean_last10")}
@@ -373,15 +383,15 @@ class ClientFailure(RuntimeError):
     """Every selected client of a round failed."""
 
 
-def public_samples(fed: Federation, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def public_samples(fed: Federation, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One training sample per class drawn once from the seed (stream ``public_samples``): the
-    minimal shared set FedKA assumes every client knows (``FederationInfo.public_samples``)."""
+    minimal shared set FedKA assumes every client knows (``FederationInfo.public_samples``); None
+    when some class has no training sample (Shakespeare's rare characters)."""
     rng = numpy_rng(seed, "public_samples")
     y = fed.data.y_train.numpy()
     picks = [int(rng.choice(np.flatnonzero(y == c))) if (y == c).any() else -1 for c in range(fed.num_classes)]
     if min(picks) < 0:
-        missing = [c for c, i in enumerate(picks) if i < 0]
-        raise ConfigError(f"the training split has no sample of classes {missing}; every class needs one.")
+        return None
     idx = torch.tensor(picks)
     return fed.data.x_train[idx].to(device), fed.data.y_train[idx].to(device)
 

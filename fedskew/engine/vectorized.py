@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
+from fedskew.data.augment import crop_flip
 from fedskew.data.federated import Federation
 from fedskew.engine.local import (ClientResult, LocalSettings, SequentialExecutor, bn_recalibration_fn,
                                   feature_fn, frozen_forward, stage_schedules)
@@ -203,7 +204,7 @@ class VectorizedExecutor:
             begin = [method.personal_start(t, payload, st) for t, st in zip(trained, states)]
             personal_all, psums, psteps = self._run_stage(
                 self._personal_losses, self._stack_starts(begin), stack_states(states), [p[1] for p in plans],
-                clients, payload, plans[0][2], method.trained_params("personal"))
+                clients, payload, plans[0][2], method.trained_params("personal"), (round_idx, 1))
             out = []
             for i, st in enumerate(states):
                 aux[i].update({f"personal_{key}": (v[i] / max(int(psteps[i]), 1)).item() for key, v in psums.items()})
@@ -218,7 +219,7 @@ class VectorizedExecutor:
             starts = [method.local_start(payload, st) for st in states]
         trained_all, sums, steps = self._run_stage(self._losses, self._stack_starts(starts), stack_states(states),
                                                    [p[0] for p in plans], clients, payload, lr,
-                                                   method.trained_params("upload"))
+                                                   method.trained_params("upload"), (round_idx, 0))
         trained = [unstack(trained_all, i) for i in range(len(clients))]  # views; methods never write in place
         results = []
         for i, k in enumerate(clients):
@@ -237,11 +238,13 @@ class VectorizedExecutor:
         return sorted(results, key=lambda r: given_order[r.client_id])
 
     def _run_stage(self, losses_fn, start: State, cstates: State, schedules: list[list[np.ndarray]],
-                   clients: list[int], payload: State, lr: float, trainable: frozenset[str] | None = None):
+                   clients: list[int], payload: State, lr: float, trainable: frozenset[str] | None = None,
+                   round_stage: tuple[int, int] = (0, 0)):
         """Local SGD of every client of the chunk from the stacked ``start`` on its own batch
-        schedule, updating the ``trainable`` parameters (None: all); returns the stacked trained
-        state (parameters and float buffers), the summed tracked values per client and each
-        client's number of steps."""
+        schedule, updating the ``trainable`` parameters (None: all), batches augmented with the
+        (round, stage) draws when augmentation is on; returns the stacked trained state
+        (parameters and float buffers), the summed tracked values per client and each client's
+        number of steps."""
         s = self.settings
         G = len(clients)
         param_names = [n for n, _ in self.model.named_parameters()]
@@ -262,6 +265,7 @@ class VectorizedExecutor:
             picked = np.concatenate(sched) if sched else np.zeros(0, dtype=np.int64)
             rows.append(self.train_idx[k][torch.from_numpy(picked).to(self.device)])
             offsets.append(np.concatenate([[0], np.cumsum(sizes[i, :len(sched)])]))
+        augs = [s.augmentation(round_stage[0], k, round_stage[1], len(r)) for k, r in zip(clients, rows)]
 
         sums: dict[str, torch.Tensor] = {}
         self.model.train()
@@ -271,6 +275,10 @@ class VectorizedExecutor:
                     continue
                 members = np.flatnonzero(sizes[:, step] == size)
                 batch_rows = torch.stack([rows[i][offsets[i][step]:offsets[i][step] + size] for i in members])
+                x = self.x[batch_rows]
+                if s.augment_pad:
+                    draws = torch.stack([augs[i][offsets[i][step]:offsets[i][step] + size] for i in members])
+                    x = crop_flip(x, draws, s.augment_pad)
                 a, b = int(members[0]), int(members[-1]) + 1
                 if b - a == len(members):  # contiguous: views, updated in place
                     gi = None
@@ -280,7 +288,7 @@ class VectorizedExecutor:
                     pick = (lambda d: {k: v.index_select(0, gi) for k, v in d.items()})
                 p, buf, mom = pick(params), pick(buffers), pick(momentum) if momentum else None
                 leaves = {k: v.detach().requires_grad_(k in updated) for k, v in p.items()}
-                losses, aux = losses_fn(leaves, buf, self.x[batch_rows], self.y[batch_rows], payload, pick(cstates))
+                losses, aux = losses_fn(leaves, buf, x, self.y[batch_rows], payload, pick(cstates))
                 tracked = {"loss": losses, **aux}
                 for key, v in tracked.items():
                     sums.setdefault(key, torch.zeros(G, device=self.device))

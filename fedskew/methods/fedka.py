@@ -128,6 +128,13 @@ class FedKA(Method):
     name = "fedka"
     Options = FedKAOptions
 
+    def __init__(self, options=None, info=None):
+        super().__init__(options, info)
+        if info is not None and info.public_samples is None:
+            missing = torch.flatnonzero(info.class_counts.sum(0) == 0).tolist()
+            raise ValueError(f"method fedka needs one training sample of every class for its public anchors; "
+                             f"the training split has none of classes {missing[:10]}.")
+
     def _gamma(self) -> float:
         return self.opt.gamma if self.opt.gamma is not None else 1.0 / self.info.num_classes
 

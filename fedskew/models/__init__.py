@@ -1,5 +1,5 @@
 """Backbones + classifiers with an addressable feature layer."""
 
-from fedskew.models.nets import MODELS, ModelError, SkewNet, build_model
+from fedskew.models.nets import MODEL_NAMES, ModelError, SkewNet, build_model
 
-__all__ = ["MODELS", "ModelError", "SkewNet", "build_model"]
+__all__ = ["MODEL_NAMES", "ModelError", "SkewNet", "build_model"]

@@ -133,20 +133,30 @@ def cnnbn(input_shape, num_classes, bias=True, width=32) -> SkewNet:
     return SkewNet(body, 128, num_classes, bias)
 
 
-MODELS = {"mlp": mlp, "lenet": lenet, "simplecnn": simplecnn, "tcnn": tcnn, "cnnbn": cnnbn}
+def _all_models() -> dict:
+    from fedskew.models.deep import DEEP_MODELS
+    from fedskew.models.text import lstm
+
+    return {"mlp": mlp, "lenet": lenet, "simplecnn": simplecnn, "tcnn": tcnn, "cnnbn": cnnbn, **DEEP_MODELS,
+            "lstm": lstm}
+
+
+MODEL_NAMES = ("mlp", "lenet", "simplecnn", "tcnn", "cnnbn", "mlpnet", "tfcnn", "vgg8", "vgg8bn", "vgg11",
+               "vgg16bn", "resnet18", "resnet20", "resnet56", "wrn28_10", "resnet50", "efficientnet_b0", "lstm")
 
 
 def build_model(cfg, input_shape: tuple[int, ...], num_classes: int, seed: int = 0) -> SkewNet:
     """Build the model of a :class:`fedskew.config.ModelConfig` for the data set's input shape;
     ``seed`` (the experiment's) fixes the ETF head when ``cfg.classifier == "etf"``."""
-    if cfg.name not in MODELS:
-        raise ModelError(f"model.name '{cfg.name}' is not known; allowed: {sorted(MODELS)}.")
+    models = _all_models()
+    if cfg.name not in models:
+        raise ModelError(f"model.name '{cfg.name}' is not known; allowed: {sorted(models)}.")
     kwargs = {"bias": cfg.classifier_bias}
-    if cfg.name == "mlp":
+    if cfg.name in ("mlp", "mlpnet") and cfg.hidden is not None:
         kwargs["hidden"] = tuple(cfg.hidden)
     if cfg.name == "cnnbn":
         kwargs["width"] = cfg.width
-    model = MODELS[cfg.name](tuple(input_shape), num_classes, **kwargs)
+    model = models[cfg.name](tuple(input_shape), num_classes, **kwargs)
     if cfg.projection_dim:
         model = with_projection_head(model, cfg.projection_dim, num_classes, cfg.classifier_bias)
     if getattr(cfg, "classifier", "linear") == "etf":
