@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -136,6 +137,67 @@ def cmd_partition(args, console: Console) -> int:
     return 0
 
 
+def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, console: Console) -> int:
+    from fedskew.report import write_report
+    from fedskew.sweep import default_jobs, run_sweep
+
+    slug = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in spec.name.split(":")[0]).strip("-")
+    sweep_dir = Path(out) if out else Path("runs") / f"sweep-{slug}"
+    runs = len(spec.methods) * len(spec.partitions) * len(spec.seeds)
+    jobs = jobs or default_jobs()
+    console.print(f"fedskew sweep '{spec.name}': {len(spec.methods)} methods x {len(spec.partitions)} partitions x "
+                  f"{len(spec.seeds)} seeds (+ grids) into {sweep_dir}, {jobs} at a time", highlight=False)
+    t0 = time.perf_counter()
+
+    def on_event(kind, r):
+        if kind == "skipped":
+            console.print(f"  {r['label']} {r['partition']} seed {r['seed']}: already done", highlight=False)
+        elif kind == "done":
+            acc = r["summary"].get("global/test_acc_mean_last10")
+            pers = r["summary"].get("personal/final_acc_after")
+            console.print(f"  {r['label']} {r['params'] or ''} {r['partition']} seed {r['seed']}: "
+                          f"global/test_acc_mean_last10 {_fmt(acc)}  personal/final_acc_after {_fmt(pers)}  "
+                          f"({time.perf_counter() - t0:.0f}s)", highlight=False)
+        elif kind == "failed":
+            console.print(f"  {r['label']} {r['partition']} seed {r['seed']}: FAILED: {r['error']}", highlight=False)
+
+    db = run_sweep(spec, sweep_dir, jobs, on_event)
+    failed = db.execute("SELECT COUNT(*) FROM runs WHERE status='failed'").fetchone()[0]
+    db.close()
+    console.print(f"{runs} runs planned, {failed} failed; results in {sweep_dir / 'results.sqlite'} "
+                  f"({time.perf_counter() - t0:.0f}s)", highlight=False)
+    if report:
+        md, page = write_report(sweep_dir)
+        console.print(md.read_text().split("\n## ", 2)[1].split("\n", 1)[1].strip(), highlight=False)
+        console.print(f"report: {md} and {page}", highlight=False)
+    return 1 if failed else 0
+
+
+def cmd_sweep(args, console: Console) -> int:
+    from fedskew.presets import default_comparison
+    from fedskew.sweep import load_spec
+
+    spec = load_spec(args.file if args.file else default_comparison())
+    return _run_and_report(spec, args.out, args.jobs, not args.no_report, console)
+
+
+def cmd_reproduce(args, console: Console) -> int:
+    from fedskew.presets import reproduction
+    from fedskew.sweep import load_spec
+
+    spec = load_spec(reproduction(args.name, args.scale, args.data))
+    out = args.out or str(Path("runs") / f"reproduce-{args.name}-{args.scale}")
+    return _run_and_report(spec, out, args.jobs, True, console)
+
+
+def cmd_report(args, console: Console) -> int:
+    from fedskew.report import write_report
+
+    md, page = write_report(args.sweep_dir, args.out, args.metric, args.baseline)
+    console.print(f"report: {md} and {page}", highlight=False)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedskew", description="Federated learning under label skew.",
                                      epilog=EPILOG)
@@ -149,6 +211,24 @@ def build_parser() -> argparse.ArgumentParser:
     p_part = sub.add_parser("partition", help="print and draw a partition", epilog=EPILOG)
     p_part.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value]")
     p_part.add_argument("--out", default="partition.png", help="heatmap PNG path (default partition.png)")
+    p_sw = sub.add_parser("sweep", help="methods x options x partitions x seeds into a results database and a "
+                                         "report (no file: FedAvg vs the four seed methods on digits)")
+    p_sw.add_argument("file", nargs="?", help="sweep YAML (see fedskew/sweep.py)")
+    p_sw.add_argument("--out", help="sweep folder (default runs/sweep-<name>); running again resumes it")
+    p_sw.add_argument("--jobs", type=int, help="runs at once, one torch thread each (default: min(2, cores))")
+    p_sw.add_argument("--no-report", action="store_true", help="skip the report at the end")
+    p_rep = sub.add_parser("report", help="tables and plots of a sweep folder as Markdown and HTML")
+    p_rep.add_argument("sweep_dir")
+    p_rep.add_argument("--out", help="report folder (default SWEEP_DIR/report)")
+    p_rep.add_argument("--metric", help="main metric (default global/test_acc_mean_last10)")
+    p_rep.add_argument("--baseline", help="the method gains are measured against (default fedavg)")
+    p_pro = sub.add_parser("reproduce", help="a seed paper's main table at smoke, small or paper scale")
+    p_pro.add_argument("name", help="fedmr, map, etf or fedka")
+    p_pro.add_argument("--scale", default="smoke", help="smoke (digits, CI), small (Fashion-MNIST, < 1 h on a CPU) "
+                                                       "or paper")
+    p_pro.add_argument("--data", help="folder holding the data set (small and paper scales)")
+    p_pro.add_argument("--out", help="sweep folder (default runs/reproduce-<name>-<scale>)")
+    p_pro.add_argument("--jobs", type=int)
     return parser
 
 
@@ -161,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     from fedskew.engine.runner import ClientFailure
     from fedskew.models import ModelError
 
-    commands = {"run": cmd_run, "resume": cmd_resume, "partition": cmd_partition}
+    commands = {"run": cmd_run, "resume": cmd_resume, "partition": cmd_partition, "sweep": cmd_sweep,
+                "report": cmd_report, "reproduce": cmd_reproduce}
     if args.command is None:
         parser.print_help()
         return 2

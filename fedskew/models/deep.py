@@ -21,20 +21,13 @@ last hidden fully connected layer (MLPNet, TF-CNN, VGGs).
 
 from __future__ import annotations
 
-import math
-
 from torch import nn
 
-from fedskew.models.nets import ModelError, SkewNet, _spatial
+from fedskew.models.nets import ModelError, SkewNet, _spatial, mlp
 
 
 def mlpnet(input_shape, num_classes, bias=True, hidden=(1024, 1024, 128)) -> SkewNet:
-    layers: list[nn.Module] = [nn.Flatten()]
-    width = math.prod(input_shape)
-    for h in hidden:
-        layers += [nn.Linear(width, h), nn.ReLU()]
-        width = h
-    return SkewNet(nn.Sequential(*layers), width, num_classes, bias)
+    return mlp(input_shape, num_classes, bias, hidden)
 
 
 def tfcnn(input_shape, num_classes, bias=True) -> SkewNet:

@@ -1,0 +1,443 @@
+"""Reports of a sweep in the papers' layout: Markdown and one self-contained HTML page.
+
+Tables (rows = partitions, columns = methods, mean +- sample std over seeds, best per row in
+bold): the main metric, the gain of every method over the baseline (FedAvg) and over the best
+other method, personalised accuracy, rounds to reach the baseline's best accuracy and the
+speed-up (FedMR Table 4, FedKA Table 2), communication per round and cumulative, and time per
+round next to accuracy (the FedMR-Lite trade-off). Plots (matplotlib): accuracy curves with
+seed bands, the partition heatmaps, per-class accuracy, and the personalisation fairness
+histogram (per-client change vs the baseline, MAP Figure 10).
+
+Every number comes from the runs the selection chose (``selections``: one grid point per method
+and partition), named in the report with the split it was chosen on.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import sqlite3
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+# ---------------------------------------------------------------------------------------------
+# Numbers
+
+
+def mean_std(values: list[float | None]) -> tuple[float | None, float | None, int]:
+    """(mean, sample std (0 for one value), n) of the values that are not None."""
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return None, None, 0
+    return statistics.mean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0), len(vals)
+
+
+def build_table(cells: dict[tuple[str, str], list[float | None]], rows: list[str], cols: list[str],
+                baseline: str | None = "fedavg") -> dict[str, dict[str, dict]]:
+    """Per row and column: mean, std, n, ``best`` (the row's highest mean, ties all marked),
+    ``gain_baseline`` (mean minus the baseline's mean in the row) and ``gain_best_other`` (mean
+    minus the best mean of the other columns of the row)."""
+    out: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        stats = {c: dict(zip(("mean", "std", "n"), mean_std(cells.get((r, c), [])))) for c in cols}
+        means = {c: s["mean"] for c, s in stats.items() if s["mean"] is not None}
+        top = max(means.values()) if means else None
+        base = means.get(baseline) if baseline else None
+        for c, s in stats.items():
+            m = s["mean"]
+            others = [v for k, v in means.items() if k != c]
+            s["best"] = m is not None and m == top
+            s["gain_baseline"] = None if m is None or base is None or c == baseline else m - base
+            s["gain_best_other"] = None if m is None or not others else m - max(others)
+        out[r] = stats
+    return out
+
+
+def mean_curve(histories: list[list[dict]], key: str) -> list[tuple[int, float]]:
+    """(round, mean over runs) for the rounds where every run reports ``key``."""
+    per_round: dict[int, list[float]] = {}
+    for hist in histories:
+        for h in hist:
+            if h.get(key) is not None:
+                per_round.setdefault(h["round"], []).append(float(h[key]))
+    return [(t, sum(v) / len(v)) for t, v in sorted(per_round.items()) if len(v) == len(histories)]
+
+
+def rounds_to_target(curve: list[tuple[int, float]], target: float) -> int | None:
+    """The number of rounds (round index + 1) after which the curve first reaches ``target``."""
+    for t, v in curve:
+        if v >= target - 1e-12:
+            return t + 1
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+@dataclass
+class Run:
+    label: str
+    partition: str
+    seed: int
+    params: dict
+    summary: dict
+    history: list[dict]
+    run_dir: Path
+
+
+@dataclass
+class Results:
+    labels: list[str]
+    partitions: list[str]
+    runs: dict[tuple[str, str], list[Run]]  # (label, partition) -> the selected grid point's runs
+    selections: dict[tuple[str, str], dict] = field(default_factory=dict)
+    name: str = "sweep"
+    spec: dict = field(default_factory=dict)
+
+
+def load_results(db: sqlite3.Connection, spec: dict | None = None) -> Results:
+    spec = spec or {}
+    selections = {(r["label"], r["partition"]): dict(r) for r in db.execute("SELECT * FROM selections")}
+    labels = [m["label"] or m["name"] for m in spec.get("methods", [])] or \
+        sorted({r["label"] for r in db.execute("SELECT label FROM runs")})
+    partitions = list(spec.get("partitions", {})) or sorted({r["partition"] for r in db.execute("SELECT partition FROM runs")})
+    runs: dict[tuple[str, str], list[Run]] = {}
+    for row in db.execute("SELECT * FROM runs WHERE status='done' ORDER BY seed"):
+        key = (row["label"], row["partition"])
+        chosen = selections.get(key)
+        if chosen is not None and chosen["params"] != row["params"]:
+            continue
+        history = [json.loads(m["metrics"]) for m in
+                   db.execute("SELECT metrics FROM rounds WHERE run_id=? ORDER BY round", (row["run_id"],))]
+        runs.setdefault(key, []).append(Run(row["label"], row["partition"], row["seed"], json.loads(row["params"]),
+                                            json.loads(row["summary"]), history, Path(row["run_dir"])))
+    return Results(labels, partitions, runs, selections, spec.get("name", "sweep"), spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections (rendered to Markdown and HTML)
+
+
+@dataclass
+class Section:
+    title: str
+    text: str = ""
+    header: list[str] | None = None
+    rows: list[list[str]] | None = None  # cells; "**x**" marks the best
+    image: Path | None = None
+
+
+def _pct(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{100 * v:.{digits}f}"
+
+
+def _cell(s: dict, scale: float = 100.0) -> str:
+    if s["mean"] is None:
+        return "none"
+    text = f"{scale * s['mean']:.2f} +- {scale * s['std']:.2f}"
+    return f"**{text}**" if s.get("best") else text
+
+
+def _signed(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:+.2f}"
+
+
+def _values(res: Results, key: str) -> dict[tuple[str, str], list]:
+    """(partition, method) -> the metric of each selected run (build_table's (row, column) keys)."""
+    return {(p, c): [r.summary.get(key) for r in runs] for (c, p), runs in res.runs.items()}
+
+
+def metric_sections(res: Results, metric: str, baseline: str | None, title: str) -> list[Section]:
+    table = build_table(_values(res, metric), res.partitions, res.labels, baseline)
+    n_seeds = max((len(v) for v in res.runs.values()), default=0)
+    main = Section(f"{title} (%): `{metric}`, mean +- std over {n_seeds} seeds",
+                   "Rows: partitions; columns: methods; the best mean of each row in bold. `none`: the method has "
+                   "no model for this metric (e.g. no global model).",
+                   ["partition", *res.labels], [[p, *(_cell(table[p][c]) for c in res.labels)] for p in res.partitions])
+    gains = Section(f"{title}: gain over {baseline or '-'} / over the best other method (points)",
+                    "Each cell: the method's mean minus the baseline's, then minus the best other method's mean "
+                    "in the row (positive only for the row's best).",
+                    ["partition", *res.labels],
+                    [[p, *(f"{_signed(table[p][c]['gain_baseline'])} / {_signed(table[p][c]['gain_best_other'])}"
+                           for c in res.labels)] for p in res.partitions])
+    return [main, gains]
+
+
+def rounds_section(res: Results, baseline: str | None, key: str = "global/test_acc") -> Section | None:
+    if not baseline or baseline not in res.labels:
+        return None
+    rows = []
+    for p in res.partitions:
+        base = mean_curve([r.history for r in res.runs.get((baseline, p), [])], key)
+        if not base:
+            continue
+        target = max(v for _, v in base)
+        r_base = rounds_to_target(base, target)
+        cells = []
+        for c in res.labels:
+            curve = mean_curve([r.history for r in res.runs.get((c, p), [])], key)
+            rt = rounds_to_target(curve, target) if curve else None
+            cells.append("not reached" if rt is None else f"{rt} ({r_base / rt:.2f}x)")
+        rows.append([p, _pct(target), *cells])
+    return Section(f"Rounds to reach {baseline}'s best accuracy (speed-up vs {baseline})",
+                   f"Target: the best value of {baseline}'s seed-mean `{key}` curve; each cell: the first round at "
+                   f"which the method's seed-mean curve reaches it, and {baseline}'s rounds divided by the method's.",
+                   ["partition", "target (%)", *res.labels], rows)
+
+
+def comm_section(res: Results) -> Section:
+    rows = []
+    for p in res.partitions:
+        for c in res.labels:
+            runs = res.runs.get((c, p), [])
+            if not runs:
+                continue
+            totals = [r.summary["comm/up_floats_total"] + r.summary["comm/down_floats_total"] for r in runs]
+            rounds = runs[0].summary["rounds"]
+            total = sum(totals) / len(totals)
+            extra = runs[0].summary.get("comm/extra_pct")
+            rows.append([p, c, f"{total / rounds:,.0f}", f"{total:,.0f}", "-" if extra is None else f"{extra:.2f}"])
+    return Section("Communication", "Floats exchanged (up + down, all selected clients), per round and cumulative "
+                   "over the run; extra: beyond the model, in % of the model's floats.",
+                   ["partition", "method", "per round", "cumulative", "extra (%)"], rows)
+
+
+def time_section(res: Results, metric: str) -> Section:
+    rows = []
+    for p in res.partitions:
+        for c in res.labels:
+            runs = res.runs.get((c, p), [])
+            if runs:
+                t, _, _ = mean_std([r.summary.get("time/round_s_mean") for r in runs])
+                acc, sd, _ = mean_std([r.summary.get(metric) for r in runs])
+                rows.append([p, c, f"{t:.3f}", "none" if acc is None else f"{100 * acc:.2f} +- {100 * sd:.2f}"])
+    return Section("Time per round and accuracy", "Wall time per round (mean over seeds; same machine, same "
+                   "sweep) next to the main metric: the cost/accuracy trade-off (FedMR-Lite).",
+                   ["partition", "method", "time per round (s)", "accuracy (%)"], rows)
+
+
+def selection_section(res: Results) -> Section | None:
+    rows = [[p, c, sel["params"], sel["metric"], sel["split"], _pct(sel["value"])]
+            for p in res.partitions for c in res.labels if (sel := res.selections.get((c, p)))]
+    if not rows:
+        return None
+    return Section("Hyper-parameters chosen", "Per method and partition: the grid point with the best mean over "
+                   "seeds of the selection metric, and the split it was chosen on.",
+                   ["partition", "method", "options", "selection metric", "split", "value (%)"], rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _finish(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    """Label, legend, save as PNG, close."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_curves(res: Results, partition: str, key: str, path: Path) -> Path | None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    drawn = False
+    for c in res.labels:
+        runs = res.runs.get((c, partition), [])
+        series = [[(h["round"] + 1, h[key]) for h in r.history if h.get(key) is not None] for r in runs]
+        series = [s for s in series if s]
+        if not series:
+            continue
+        length = min(len(s) for s in series)
+        xs = [s[0] for s in series[0][:length]]
+        ys = [[s[i][1] * 100 for s in series] for i in range(length)]
+        mean = [statistics.mean(v) for v in ys]
+        sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in ys]
+        line, = ax.plot(xs, mean, label=c, lw=1.5)
+        ax.fill_between(xs, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)],
+                        color=line.get_color(), alpha=0.2)
+        drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    return _finish(plt, fig, ax, path, "round", f"{key} (%)", f"{partition}: mean +- std over seeds")
+
+
+def plot_class_accuracy(res: Results, partition: str, path: Path) -> Path | None:
+    plt = _plt()
+    data = {}
+    for c in res.labels:
+        runs = res.runs.get((c, partition), [])
+        keys = sorted({k for r in runs for k in r.summary if k.startswith("global/class_acc/")},
+                      key=lambda k: int(k.rsplit("/", 1)[1]))
+        if runs and keys:
+            data[c] = [statistics.mean(r.summary[k] for r in runs) * 100 for k in keys]
+    if not data:
+        return None
+    classes = len(next(iter(data.values())))
+    fig, ax = plt.subplots(figsize=(min(3 + 0.5 * classes, 16), 3.8))
+    width = 0.8 / len(data)
+    for i, (c, vals) in enumerate(data.items()):
+        ax.bar([j + i * width for j in range(classes)], vals, width, label=c)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(classes)], [str(j) for j in range(classes)])
+    return _finish(plt, fig, ax, path, "class", "global test accuracy (%)",
+                   f"{partition}: per-class accuracy of the final global model (mean over seeds)")
+
+
+def plot_fairness(res: Results, partition: str, baseline: str, path: Path) -> Path | None:
+    plt = _plt()
+    key = "personal/final_acc_after_per_client"
+    base = {r.seed: r.summary.get(key) for r in res.runs.get((baseline, partition), [])}
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    drawn = False
+    for c in res.labels:
+        if c == baseline:
+            continue
+        diffs = []
+        for r in res.runs.get((c, partition), []):
+            mine, theirs = r.summary.get(key), base.get(r.seed)
+            if mine and theirs:
+                diffs += [100 * (a - b) for a, b in zip(mine, theirs) if a is not None and b is not None]
+        if diffs:
+            ax.hist(diffs, bins=30, alpha=0.5, label=c)
+            drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.axvline(0, color="k", lw=0.8)
+    return _finish(plt, fig, ax, path, f"per-client final personalised accuracy minus {baseline}'s (points)",
+                   "clients x seeds", partition)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+
+
+def build_sections(res: Results, out: Path, metric: str, baseline: str | None) -> list[Section]:
+    if baseline not in res.labels:
+        baseline = None
+    sections = metric_sections(res, metric, baseline, "Global accuracy")
+    personal = "personal/final_acc_after"
+    if any(r.summary.get(personal) is not None for runs in res.runs.values() for r in runs):
+        sections += metric_sections(res, personal, baseline, "Personalised accuracy (all clients)")[:1]
+    for extra in (rounds_section(res, baseline), comm_section(res), time_section(res, metric), selection_section(res)):
+        if extra is not None:
+            sections.append(extra)
+    for i, p in enumerate(res.partitions):
+        slug = f"p{i}"
+        curve = plot_curves(res, p, "global/test_acc", out / f"curves_{slug}.png")
+        if curve:
+            sections.append(Section(f"Accuracy curves: {p}", image=curve))
+        runs = next((r for c in res.labels for r in res.runs.get((c, p), [])), None)
+        if runs is not None and (runs.run_dir / "partition.png").is_file():
+            target = out / f"partition_{slug}.png"
+            target.write_bytes((runs.run_dir / "partition.png").read_bytes())
+            sections.append(Section(f"Partition: {p} (seed {runs.seed})", image=target))
+        bars = plot_class_accuracy(res, p, out / f"classes_{slug}.png")
+        if bars:
+            sections.append(Section(f"Per-class accuracy: {p}", image=bars))
+        if baseline:
+            hist = plot_fairness(res, p, baseline, out / f"fairness_{slug}.png")
+            if hist:
+                sections.append(Section(f"Personalisation fairness vs {baseline}: {p}", image=hist))
+    return sections
+
+
+def to_markdown(title: str, sections: list[Section], out: Path) -> str:
+    lines = [f"# {title}", ""]
+    for s in sections:
+        lines += [f"## {s.title}", ""]
+        if s.text:
+            lines += [s.text, ""]
+        if s.header:
+            lines += ["| " + " | ".join(s.header) + " |", "|" + "---|" * len(s.header)]
+            lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in s.rows]
+            lines.append("")
+        if s.image:
+            lines += [f"![{s.title}]({s.image.relative_to(out)})", ""]
+    return "\n".join(lines)
+
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
+table{border-collapse:collapse;margin:0.5em 0 1.5em}th,td{border:1px solid #bbb;padding:4px 8px;text-align:right}
+th:first-child,td:first-child{text-align:left}th{background:#eee}td.best{font-weight:bold;background:#e8f4e8}
+img{max-width:100%;border:1px solid #ddd;margin-bottom:1.5em}p.note{color:#555;font-size:90%}"""
+
+
+def to_html(title: str, sections: list[Section]) -> str:
+    """One self-contained page: inline CSS, plots embedded as base64 PNG."""
+    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+             f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
+    for s in sections:
+        parts.append(f"<h2>{html.escape(s.title.replace('`', ''))}</h2>")
+        if s.text:
+            parts.append(f"<p class='note'>{html.escape(s.text.replace('`', ''))}</p>")
+        if s.header:
+            parts.append("<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in s.header) + "</tr>")
+            for row in s.rows:
+                cells = []
+                for c in row:
+                    c = str(c)
+                    best = c.startswith("**") and c.endswith("**")
+                    text = html.escape(c.strip("*"))
+                    cells.append(f"<td class='best'>{text}</td>" if best else f"<td>{text}</td>")
+                parts.append("<tr>" + "".join(cells) + "</tr>")
+            parts.append("</table>")
+        if s.image:
+            data = base64.b64encode(s.image.read_bytes()).decode()
+            parts.append(f"<img alt='{html.escape(s.title)}' src='data:image/png;base64,{data}'>")
+    # Marks how many plots decoded (read by the headless-browser test).
+    parts.append("<script>window.addEventListener('load',function(){var n=0;for(var i of document.images)"
+                 "{if(i.complete&&i.naturalWidth>0)n++;}document.body.setAttribute('data-images-loaded',n);});"
+                 "</script></body></html>")
+    return "".join(parts)
+
+
+def write_report(sweep_dir: str | Path, out: str | Path | None = None, metric: str | None = None,
+                 baseline: str | None = None) -> tuple[Path, Path]:
+    """Write ``report.md``, ``report.html`` and the plots for a sweep folder; returns both paths."""
+    import yaml
+
+    from fedskew.sweep import connect
+
+    sweep_dir = Path(sweep_dir)
+    if not (sweep_dir / "results.sqlite").is_file():
+        from fedskew.config import ConfigError
+
+        raise ConfigError(f"'{sweep_dir}' is not a sweep folder (it holds no results.sqlite).")
+    spec = yaml.safe_load((sweep_dir / "sweep.yaml").read_text()) if (sweep_dir / "sweep.yaml").is_file() else {}
+    opts = spec.get("report", {}) or {}
+    metric = metric or opts.get("metric", "global/test_acc_mean_last10")
+    baseline = baseline or opts.get("baseline", "fedavg")
+    out = Path(out) if out else sweep_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    db = connect(sweep_dir / "results.sqlite")
+    try:
+        res = load_results(db, spec)
+    finally:
+        db.close()
+    sections = build_sections(res, out, metric, baseline)
+    title = f"fedskew report: {res.name}"
+    (out / "report.md").write_text(to_markdown(title, sections, out))
+    (out / "report.html").write_text(to_html(title, sections))
+    return out / "report.md", out / "report.html"
+
+
+__all__ = ["build_table", "load_results", "mean_curve", "mean_std", "rounds_to_target", "write_report"]

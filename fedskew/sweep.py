@@ -1,0 +1,356 @@
+"""Sweeps: methods x method parameters x partitions x seeds from one YAML file, every run recorded
+in a SQLite results database, resumable.
+
+A sweep file::
+
+    name: compare-digits
+    base: {rounds: 20, executor: vectorized}        # any run config keys (nested or dotted);
+                                                    # clients_per_round: all = every client
+    methods:
+      - fedavg
+      - {name: fedmr, options: {mu1: [0.01, 0.001], mu2: 1.0e-4}}   # a list is a grid
+      - {name: etf_gmv, label: etf, config: {model.classifier: etf}} # per-method config keys
+    partitions:
+      P20C3: {name: pcdd, classes_per_client: 3}
+      Dir0.5: {name: dirichlet, alpha: 0.5}
+    seeds: [0, 1, 2]
+    selection: {split: test, metric: global/test_acc_mean_last10}  # or split: validation
+
+The sweep folder holds ``sweep.yaml`` (the spec as run), ``results.sqlite`` and ``runs/<id>/``
+(ordinary run directories). Tables: ``runs`` (one row per planned run: label, method, grid point,
+partition, seed, status pending/running/done/failed, resolved config, summary), ``rounds`` (the
+scalar metrics of every round of every finished run), ``selections`` (the grid point chosen per
+method and partition, the metric and the split it was chosen on). Running the sweep again skips
+finished runs, resumes interrupted ones from their last checkpoint and retries failed ones.
+
+Hyper-parameter selection (``selection.split``): ``test`` picks, per method and partition, the grid
+point with the best mean over seeds of ``selection.metric`` on the test set, as the papers did;
+``validation`` holds out ``selection.validation_fraction`` of the training set in every run
+(``dataset.validation_fraction``) and selects on ``global/val_acc_mean_last10``. Either way the
+choice is recorded in ``selections`` and shown in the report.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+import os
+import sqlite3
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from fedskew.config import ConfigError, validate_config
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MethodSpec(_Strict):
+    name: str
+    label: str | None = None
+    options: dict[str, Any] = Field(default_factory=dict, description="method options; a list value is a grid")
+    config: dict[str, Any] = Field(default_factory=dict, description="run config keys for this method only")
+
+    @property
+    def column(self) -> str:
+        return self.label or self.name
+
+
+class SelectionSpec(_Strict):
+    split: Literal["test", "validation"] = "test"
+    metric: str | None = Field(None, description="default: global/test_acc_mean_last10 (test) or "
+                                                 "global/val_acc_mean_last10 (validation)")
+    validation_fraction: float = Field(0.1, gt=0, lt=1)
+
+    @property
+    def key(self) -> str:
+        return self.metric or ("global/val_acc_mean_last10" if self.split == "validation" else
+                               "global/test_acc_mean_last10")
+
+
+class SweepSpec(_Strict):
+    name: str = "sweep"
+    base: dict[str, Any] = Field(default_factory=dict)
+    methods: list[MethodSpec]
+    partitions: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"default": {}})
+    seeds: list[int] = Field(default_factory=lambda: [0])
+    selection: SelectionSpec = Field(default_factory=SelectionSpec)
+    report: dict[str, Any] = Field(default_factory=dict, description="options of fedskew report (metric, baseline)")
+
+    @field_validator("methods", mode="before")
+    @classmethod
+    def _names(cls, v):
+        return [{"name": m} if isinstance(m, str) else m for m in (v or [])]
+
+    @field_validator("methods")
+    @classmethod
+    def _unique(cls, v):
+        columns = [m.column for m in v]
+        dup = sorted({c for c in columns if columns.count(c) > 1})
+        if dup:
+            raise ValueError(f"methods {dup} appear twice; give each a distinct label")
+        if not v:
+            raise ValueError("at least one method is needed")
+        return v
+
+
+def load_spec(data: dict | str | Path) -> SweepSpec:
+    """A sweep spec from a mapping or a YAML file, with one-sentence errors."""
+    if not isinstance(data, dict):
+        path = Path(data)
+        if not path.is_file():
+            raise ConfigError(f"sweep file '{path}' does not exist.")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"sweep file '{path}' is not valid YAML ({str(exc).splitlines()[0]}).") from None
+    try:
+        return SweepSpec.model_validate(data)
+    except ValidationError as exc:
+        err = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")[0]
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "missing":
+            raise ConfigError(f"sweep key '{key}' is missing; a sweep needs at least 'methods' (a list of method "
+                              f"names or mappings).") from None
+        if err["type"] == "extra_forbidden":
+            raise ConfigError(f"sweep key '{key}' is not known; allowed: {sorted(SweepSpec.model_fields)} (and in "
+                              f"methods: {sorted(MethodSpec.model_fields)}).") from None
+        raise ConfigError(f"sweep key '{key}' = {err.get('input')!r} is not allowed: "
+                          f"{err['msg'].removeprefix('Value error, ')}.") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning
+
+
+def grid_points(options: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every combination of the list-valued options (the others fixed), in a stable order."""
+    keys = sorted(k for k, v in options.items() if isinstance(v, list))
+    fixed = {k: v for k, v in options.items() if not isinstance(v, list)}
+    if any(not options[k] for k in keys):
+        raise ConfigError(f"method option grid {[k for k in keys if not options[k]]} is empty.")
+    return [{**fixed, **dict(zip(keys, combo))} for combo in itertools.product(*(options[k] for k in keys))]
+
+
+def set_key(data: dict, dotted: str, value: Any) -> None:
+    """``data[a][b][c] = value`` for ``a.b.c`` (a name string becomes ``{"name": ...}``)."""
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if isinstance(child, str):
+            child = {"name": child}
+        node[part] = child if isinstance(child, dict) else {}
+        node = node[part]
+    node[parts[-1]] = copy.deepcopy(value)
+
+
+def nested(flat_or_nested: dict) -> dict:
+    out: dict = {}
+    for k, v in flat_or_nested.items():
+        if isinstance(v, dict) and "." not in k:
+            existing = out.get(k)
+            out[k] = {**(existing if isinstance(existing, dict) else {}), **nested(v)}
+        else:
+            set_key(out, k, v)
+    return out
+
+
+def run_config(spec: SweepSpec, method: MethodSpec, params: dict, partition: str, seed: int) -> dict:
+    """The resolved run config (plain data) of one planned run."""
+    data = nested(spec.base)
+    for k, v in nested(method.config).items():
+        if isinstance(v, dict) and isinstance(data.get(k), (dict, str)):
+            base = {"name": data[k]} if isinstance(data[k], str) else data[k]
+            data[k] = {**base, **v}
+        else:
+            data[k] = v
+    data["method"] = {"name": method.name, **params}
+    part = data.get("partition", {})
+    data["partition"] = {**({"name": part} if isinstance(part, str) else part), **spec.partitions[partition]}
+    data["seed"] = seed
+    if data.get("clients_per_round") == "all":  # every client of the partition, every round
+        data["clients_per_round"] = data["partition"].get("num_clients", 20)
+    if spec.selection.split == "validation":
+        set_key(data, "dataset.validation_fraction", spec.selection.validation_fraction)
+    return validate_config(data).model_dump(mode="json")
+
+
+def plan(spec: SweepSpec) -> list[dict]:
+    """Every run of the sweep: id, label, method, grid point, partition, seed, config."""
+    runs = []
+    for method in spec.methods:
+        for params in grid_points(method.options):
+            for partition in spec.partitions:
+                for seed in spec.seeds:
+                    cfg = run_config(spec, method, params, partition, seed)
+                    key = json.dumps([method.column, params, partition, seed, cfg], sort_keys=True)
+                    runs.append({"run_id": hashlib.sha1(key.encode()).hexdigest()[:12], "label": method.column,
+                                 "method": method.name, "params": params, "partition": partition, "seed": seed,
+                                 "config": cfg})
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------
+# The results database
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+  run_id TEXT PRIMARY KEY, label TEXT NOT NULL, method TEXT NOT NULL, params TEXT NOT NULL,
+  partition TEXT NOT NULL, seed INTEGER NOT NULL, status TEXT NOT NULL, config TEXT NOT NULL,
+  summary TEXT, run_dir TEXT NOT NULL, started REAL, finished REAL, error TEXT);
+CREATE TABLE IF NOT EXISTS rounds (
+  run_id TEXT NOT NULL, round INTEGER NOT NULL, metrics TEXT NOT NULL, PRIMARY KEY (run_id, round));
+CREATE TABLE IF NOT EXISTS selections (
+  label TEXT NOT NULL, partition TEXT NOT NULL, params TEXT NOT NULL, metric TEXT NOT NULL, split TEXT NOT NULL,
+  value REAL, candidates TEXT NOT NULL, PRIMARY KEY (label, partition));
+"""
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    db = sqlite3.connect(path, timeout=30)
+    db.row_factory = sqlite3.Row
+    db.executescript(SCHEMA)
+    return db
+
+
+def scalar_metrics(record: dict) -> dict:
+    """The per-round values worth keeping in the database (numbers and none; no per-client lists)."""
+    return {k: v for k, v in record.items() if v is None or isinstance(v, (int, float))}
+
+
+def _execute(config: dict, run_dir: str) -> tuple[dict, list[dict]]:
+    """Run (or resume, when its directory already holds one) a single run; worker entry point."""
+    from fedskew.engine.runner import Experiment
+
+    run_dir_p = Path(run_dir)
+    cfg = validate_config({k: v for k, v in config.items() if k != "fedskew_version"})
+    resume = (run_dir_p / "config.yaml").is_file()
+    result = Experiment(cfg, run_dir_p, resume=resume).run()
+    return result.summary, [scalar_metrics(h) for h in result.history]
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
+              on_event: Callable[[str, dict], None] | None = None) -> sqlite3.Connection:
+    """Run every planned run that has not finished; returns the open database. ``jobs`` > 1 runs
+    that many runs at once in worker processes with one torch thread each."""
+    sweep_dir = Path(sweep_dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    spec_file = sweep_dir / "sweep.yaml"
+    spec_data = spec.model_dump(mode="json")
+    if spec_file.is_file():
+        previous = yaml.safe_load(spec_file.read_text())
+        if previous != spec_data:
+            print(f"fedskew: the sweep in {sweep_dir} changes; finished runs whose configuration is unchanged "
+                  f"are kept, the others are added.", flush=True)
+    spec_file.write_text(yaml.safe_dump(spec_data, sort_keys=False))
+    db = connect(sweep_dir / "results.sqlite")
+    runs = plan(spec)
+    with db:
+        for r in runs:
+            db.execute("INSERT OR IGNORE INTO runs (run_id, label, method, params, partition, seed, status, config, "
+                       "run_dir) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+                       (r["run_id"], r["label"], r["method"], json.dumps(r["params"], sort_keys=True), r["partition"],
+                        r["seed"], json.dumps(r["config"]), str(sweep_dir / "runs" / r["run_id"])))
+    status = {row["run_id"]: row["status"] for row in db.execute("SELECT run_id, status FROM runs")}
+    todo = [r for r in runs if status.get(r["run_id"]) != "done"]
+    for r in runs:
+        if status.get(r["run_id"]) == "done" and on_event:
+            on_event("skipped", r)
+
+    def started(r):
+        with db:
+            db.execute("UPDATE runs SET status='running', started=?, error=NULL WHERE run_id=?", (time.time(), r["run_id"]))
+        if on_event:
+            on_event("started", r)
+
+    def finished(r, summary, history, error=None):
+        with db:
+            if error is None:
+                db.execute("DELETE FROM rounds WHERE run_id=?", (r["run_id"],))
+                db.executemany("INSERT INTO rounds (run_id, round, metrics) VALUES (?, ?, ?)",
+                               [(r["run_id"], h["round"], json.dumps(h)) for h in history])
+                db.execute("UPDATE runs SET status='done', summary=?, finished=? WHERE run_id=?",
+                           (json.dumps(summary), time.time(), r["run_id"]))
+            else:
+                db.execute("UPDATE runs SET status='failed', error=?, finished=? WHERE run_id=?",
+                           (error, time.time(), r["run_id"]))
+        if on_event:
+            on_event("failed" if error else "done", {**r, "summary": summary, "error": error})
+
+    run_dir = {r["run_id"]: str(sweep_dir / "runs" / r["run_id"]) for r in runs}
+    if jobs <= 1:
+        for r in todo:
+            started(r)
+            try:
+                summary, history = _execute(r["config"], run_dir[r["run_id"]])
+            except (ConfigError, ValueError, RuntimeError, FloatingPointError) as exc:
+                finished(r, None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                continue
+            finished(r, summary, history)
+    else:
+        import multiprocessing
+
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_one_thread) as pool:
+            futures = {}
+            for r in todo:
+                started(r)
+                futures[pool.submit(_execute, r["config"], run_dir[r["run_id"]])] = r
+            for fut in as_completed(futures):
+                r = futures[fut]
+                try:
+                    summary, history = fut.result()
+                except (ConfigError, ValueError, RuntimeError, FloatingPointError) as exc:
+                    finished(r, None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                    continue
+                finished(r, summary, history)
+    select(db, spec)
+    return db
+
+
+# ---------------------------------------------------------------------------------------------
+# Selection
+
+
+def select(db: sqlite3.Connection, spec: SweepSpec) -> dict[tuple[str, str], dict]:
+    """Per (method label, partition): the grid point with the best mean over seeds of the
+    selection metric among finished runs; recorded in ``selections``."""
+    metric = spec.selection.key
+    chosen = {}
+    rows = db.execute("SELECT label, partition, params, summary FROM runs WHERE status='done'").fetchall()
+    groups: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for row in rows:
+        value = json.loads(row["summary"]).get(metric)
+        bucket = groups.setdefault((row["label"], row["partition"]), {}).setdefault(row["params"], [])
+        if value is not None:
+            bucket.append(float(value))
+    with db:
+        for (label, partition), candidates in groups.items():
+            means = {p: (sum(v) / len(v) if v else None) for p, v in candidates.items()}
+            scored = [p for p, m in means.items() if m is not None]
+            best = max(scored, key=lambda p: means[p]) if scored else sorted(means)[0]
+            chosen[(label, partition)] = {"params": json.loads(best), "value": means[best]}
+            db.execute("INSERT OR REPLACE INTO selections VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       (label, partition, best, metric, spec.selection.split, means[best], json.dumps(means)))
+    return chosen
+
+
+def default_jobs() -> int:
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+__all__ = ["MethodSpec", "SweepSpec", "connect", "grid_points", "load_spec", "plan", "run_sweep", "select"]

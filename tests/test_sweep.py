@@ -1,0 +1,248 @@
+"""Sweeps, the results database, hyper-parameter selection, reports and reproduction presets."""
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from fedskew.cli import main
+from fedskew.config import ConfigError
+from fedskew.presets import PAPERS, reproduction
+from fedskew.report import build_table, mean_curve, rounds_to_target, write_report
+from fedskew.sweep import grid_points, load_spec, plan, run_sweep
+
+TINY = {"name": "tiny", "base": {"rounds": 2, "local_epochs": 1, "partition": {"num_clients": 6},
+                                 "clients_per_round": 3, "model": {"name": "mlp", "hidden": [16]},
+                                 "checkpoint_every": 1},
+        "methods": ["fedavg", {"name": "fedprox", "options": {"mu": [0.1, 0.001]}}],
+        "partitions": {"P6C3": {"name": "pcdd", "classes_per_client": 3}, "Dir": {"name": "dirichlet",
+                                                                                  "alpha": 1.0, "min_size": 5}},
+        "seeds": [0, 1]}
+
+
+# -- tables and curves by hand ---------------------------------------------------------------------
+
+
+def test_table_builder_on_hand_made_results():
+    cells = {("P1", "fedavg"): [0.5, 0.7], ("P1", "m"): [0.8, 0.6, 0.7], ("P1", "x"): [None],
+             ("P2", "fedavg"): [0.9], ("P2", "m"): [0.9], ("P2", "x"): [0.3]}
+    t = build_table(cells, ["P1", "P2"], ["fedavg", "m", "x"], baseline="fedavg")
+    a, m, x = t["P1"]["fedavg"], t["P1"]["m"], t["P1"]["x"]
+    assert a["mean"] == pytest.approx(0.6) and a["std"] == pytest.approx(0.141421356, abs=1e-8) and a["n"] == 2
+    assert m["mean"] == pytest.approx(0.7) and m["std"] == pytest.approx(0.1) and m["n"] == 3
+    assert m["best"] and not a["best"] and not x["best"] and x["mean"] is None
+    assert m["gain_baseline"] == pytest.approx(0.1) and a["gain_baseline"] is None
+    assert m["gain_best_other"] == pytest.approx(0.1) and a["gain_best_other"] == pytest.approx(-0.1)
+    # a tie marks both; a single seed has std 0
+    assert t["P2"]["fedavg"]["best"] and t["P2"]["m"]["best"] and t["P2"]["fedavg"]["std"] == 0.0
+    assert t["P2"]["x"]["gain_baseline"] == pytest.approx(-0.6) and t["P2"]["m"]["gain_best_other"] == pytest.approx(0)
+
+
+def test_rounds_to_target_on_a_hand_made_curve():
+    curve = [(0, 0.1), (1, 0.5), (2, 0.4), (3, 0.6)]
+    assert rounds_to_target(curve, 0.5) == 2  # reached after round index 1, i.e. 2 rounds
+    assert rounds_to_target(curve, 0.6) == 4
+    assert rounds_to_target(curve, 0.7) is None
+    hist = [[{"round": 0, "a": 0.2}, {"round": 1, "a": 0.4}], [{"round": 0, "a": 0.4}, {"round": 1, "a": None}]]
+    assert mean_curve(hist, "a") == [(0, pytest.approx(0.3))]  # round 1 lacks a value in one run
+
+
+def test_grid_points_and_spec_errors():
+    assert grid_points({"a": [1, 2], "b": 3, "c": ["x", "y"]}) == [
+        {"a": 1, "b": 3, "c": "x"}, {"a": 1, "b": 3, "c": "y"}, {"a": 2, "b": 3, "c": "x"}, {"a": 2, "b": 3, "c": "y"}]
+    with pytest.raises(ConfigError, match="sweep key 'method' is not known"):
+        load_spec({"method": ["fedavg"]})
+    with pytest.raises(ConfigError, match="sweep key 'methods' is missing"):
+        load_spec({"seeds": [0]})
+    with pytest.raises(ConfigError, match="appear twice"):
+        load_spec({"methods": ["fedavg", "fedavg"]})
+    with pytest.raises(ConfigError, match="method.mu2 is not an option of fedprox"):
+        plan(load_spec({"methods": [{"name": "fedprox", "options": {"mu2": 1}}]}))
+
+
+# -- running, resuming, selecting ------------------------------------------------------------------
+
+
+def statuses(folder):
+    db = sqlite3.connect(folder / "results.sqlite")
+    return {r[0]: (r[1], r[2]) for r in db.execute("SELECT run_id, status, finished FROM runs")}
+
+
+def test_sweep_records_every_run_and_skips_finished_ones(tmp_path):
+    spec = load_spec(TINY)
+    events = []
+    run_sweep(spec, tmp_path, jobs=1, on_event=lambda kind, r: events.append(kind)).close()
+    first = statuses(tmp_path)
+    assert len(first) == 3 * 2 * 2 and all(s == "done" for s, _ in first.values())
+    assert events.count("done") == 12
+    db = sqlite3.connect(tmp_path / "results.sqlite")
+    assert db.execute("SELECT COUNT(*) FROM rounds").fetchone()[0] == 12 * 2
+    # again: nothing runs, nothing changes
+    events.clear()
+    run_sweep(spec, tmp_path, jobs=1, on_event=lambda kind, r: events.append(kind)).close()
+    assert events == ["skipped"] * 12 and statuses(tmp_path) == first
+    # a run left 'running' (the process died) is resumed from its directory, and only it
+    victim = sorted(first)[0]
+    db.execute("UPDATE runs SET status='running', summary=NULL WHERE run_id=?", (victim,))
+    db.commit()
+    events.clear()
+    run_sweep(spec, tmp_path, jobs=1, on_event=lambda kind, r: events.append(kind)).close()
+    assert events.count("done") == 1 and events.count("skipped") == 11
+    after = statuses(tmp_path)
+    assert after[victim][0] == "done" and all(after[k] == first[k] for k in first if k != victim)
+
+
+def test_selection_picks_the_best_mean_over_seeds_and_records_it(tmp_path):
+    db = run_sweep(load_spec(TINY), tmp_path, jobs=1)
+    rows = db.execute("SELECT partition, params, summary FROM runs WHERE label='fedprox'").fetchall()
+    for partition in ("P6C3", "Dir"):
+        means = {}
+        for p, params, summary in rows:
+            if p == partition:
+                means.setdefault(params, []).append(json.loads(summary)["global/test_acc_mean_last10"])
+        best = max(means, key=lambda k: sum(means[k]) / len(means[k]))
+        sel = db.execute("SELECT params, metric, split FROM selections WHERE label='fedprox' AND partition=?",
+                         (partition,)).fetchone()
+        assert tuple(sel) == (best, "global/test_acc_mean_last10", "test")
+
+
+def test_selection_on_a_validation_split(tmp_path):
+    spec = load_spec({**TINY, "methods": [{"name": "fedprox", "options": {"mu": [0.1, 0.001]}}],
+                      "partitions": {"P6C3": {"name": "pcdd"}}, "seeds": [0],
+                      "selection": {"split": "validation", "validation_fraction": 0.2}})
+    db = run_sweep(spec, tmp_path, jobs=1)
+    config, summary = tuple(db.execute("SELECT config, summary FROM runs LIMIT 1").fetchone())
+    assert json.loads(config)["dataset"]["validation_fraction"] == 0.2
+    assert json.loads(summary)["global/val_acc_mean_last10"] is not None
+    assert tuple(db.execute("SELECT metric, split FROM selections").fetchone()) == ("global/val_acc_mean_last10",
+                                                                                      "validation")
+
+
+def test_a_killed_sweep_resumes_to_the_uninterrupted_result(tmp_path):
+    spec = {**TINY, "base": {**TINY["base"], "rounds": 4}, "methods": ["fedavg", "fedprox"],
+            "partitions": {"P6C3": {"name": "pcdd"}}}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "fedskew.cli", "sweep", str(path), "--out", str(tmp_path / "killed"), "--jobs", "1",
+           "--no-report"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:  # kill once one run is done and the next has written a checkpoint
+            st = statuses(tmp_path / "killed") if (tmp_path / "killed" / "results.sqlite").exists() else {}
+            running = [k for k, (s, _) in st.items() if s == "running"]
+            if any(s == "done" for s, _ in st.values()) and running and \
+                    (tmp_path / "killed" / "runs" / running[0] / "checkpoint.pt").exists():
+                break
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert any(s != "done" for s, _ in statuses(tmp_path / "killed").values())
+    assert subprocess.run(cmd, env=env, capture_output=True).returncode == 0
+    run_sweep(load_spec(spec), tmp_path / "clean", jobs=1).close()
+    results = {}
+    for name in ("killed", "clean"):
+        db = sqlite3.connect(tmp_path / name / "results.sqlite")
+        results[name] = {r[0]: json.loads(r[1])["global/test_acc"] for r in db.execute("SELECT run_id, summary FROM runs")}
+    assert results["killed"] == results["clean"] and len(results["clean"]) == 4
+
+
+def test_parallel_jobs_give_the_sequential_results(tmp_path):
+    spec = load_spec({**TINY, "partitions": {"P6C3": {"name": "pcdd"}}, "seeds": [0]})
+    one = run_sweep(spec, tmp_path / "one", jobs=1)
+    two = run_sweep(spec, tmp_path / "two", jobs=2)
+    get = lambda db: {r[0]: json.loads(r[1])["global/test_acc"] for r in db.execute("SELECT run_id, summary FROM runs")}
+    assert get(one) == get(two)
+
+
+# -- the report --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("swept")
+    spec = load_spec({**TINY, "base": {**TINY["base"], "rounds": 4}})
+    run_sweep(spec, folder, jobs=1).close()
+    write_report(folder)
+    return folder
+
+
+def test_report_markdown_has_the_papers_layout(swept):
+    md = (swept / "report" / "report.md").read_text()
+    assert "| partition | fedavg | fedprox |" in md and "| P6C3 |" in md and "| Dir |" in md
+    assert "gain over fedavg" in md and "Rounds to reach fedavg's best accuracy" in md
+    assert "Hyper-parameters chosen" in md and '{"mu":' in md
+    for png in ("curves_p0.png", "partition_p0.png", "classes_p0.png", "fairness_p0.png"):
+        assert (swept / "report" / png).is_file() and f"]({png})" in md
+    # the bold cell is the row's best mean, computed from the database
+    db = sqlite3.connect(swept / "results.sqlite")
+    sel = dict(db.execute("SELECT label, params FROM selections WHERE partition='P6C3'").fetchall())
+    means = {}
+    for label, params, summary in db.execute("SELECT label, params, summary FROM runs WHERE partition='P6C3'"):
+        if params == sel[label]:
+            means.setdefault(label, []).append(json.loads(summary)["global/test_acc_mean_last10"])
+    best = max(means, key=lambda k: sum(means[k]) / len(means[k]))
+    row = next(line for line in md.splitlines() if line.startswith("| P6C3 |"))
+    cells = dict(zip(["fedavg", "fedprox"], row.strip("|").split("|")[1:]))
+    assert cells[best].strip().startswith("**")
+
+
+def _chromium():
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="headless Chromium is not installed (apt-get install chromium)")
+def test_html_report_renders_in_headless_chromium(swept, tmp_path):
+    page = (swept / "report" / "report.html").resolve()
+    flags = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000"]
+    shot = tmp_path / "report.png"
+    subprocess.run(flags + [f"--screenshot={shot}", "--window-size=1200,2400", page.as_uri()], check=True,
+                   capture_output=True, timeout=120)
+    dom = subprocess.run(flags + ["--dump-dom", page.as_uri()], check=True, capture_output=True, text=True,
+                         timeout=120).stdout
+    images = dom.count("<img")
+    assert "<table" in dom and "fedprox" in dom and images >= 4
+    assert f'data-images-loaded="{images}"' in dom  # every embedded plot decoded
+    from PIL import Image
+
+    with Image.open(shot) as img:
+        assert img.size == (1200, 2400)
+        assert len(img.convert("RGB").getcolors(maxcolors=1 << 20) or []) > 50  # not a blank page
+
+
+def test_report_of_a_folder_that_is_not_a_sweep(tmp_path):
+    with pytest.raises(ConfigError, match="not a sweep folder"):
+        write_report(tmp_path)
+
+
+# -- presets ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PAPERS))
+def test_reproduce_smoke_runs_every_preset(tmp_path, name):
+    assert main(["reproduce", name, "--scale", "smoke", "--out", str(tmp_path / name), "--jobs", "1"]) == 0
+    assert {s for s, _ in statuses(tmp_path / name).values()} == {"done"}
+    header = next(line for line in (tmp_path / name / "report" / "report.md").read_text().splitlines()
+                  if line.startswith("| partition |"))
+    assert header == "| partition | " + " | ".join(m.column for m in load_spec(reproduction(name, "smoke")).methods) + " |"
+
+
+@pytest.mark.parametrize("name", sorted(PAPERS))
+def test_paper_and_small_presets_are_valid_specs(name):
+    for scale in ("small", "paper"):
+        spec = load_spec(reproduction(name, scale, "/data"))
+        runs = plan(spec)  # every run config validates (method options, models, partitions)
+        assert runs and all(r["config"]["dataset"]["root"] == "/data" for r in runs)
+    with pytest.raises(ConfigError, match="allowed"):
+        reproduction(name, "huge")
