@@ -198,6 +198,58 @@ def cmd_report(args, console: Console) -> int:
     return 0
 
 
+def _flower():
+    try:
+        import fedskew.flower as fl
+    except ImportError as exc:
+        from fedskew.config import ConfigError
+
+        raise ConfigError(str(exc)) from None
+    return fl
+
+
+def cmd_flower(args, console: Console) -> int:
+    import subprocess
+
+    from fedskew.config import ConfigError, load_config
+    from fedskew.engine.runner import default_run_dir
+
+    fl = _flower()
+    config, overrides = _split_args(args.items)
+    cfg = load_config(config, overrides)
+    run_dir = Path(args.out) if args.out else default_run_dir(cfg)
+    if args.action == "simulate":
+        summary = fl.simulate(cfg, run_dir)
+        console.print(_results_table(summary, run_dir))
+        return 0
+    app_dir = Path(args.app_dir) if args.app_dir else run_dir / "flower-app"
+    fl.write_app(cfg, app_dir, str(run_dir.resolve()), args.timeout)
+    if args.action == "app":
+        console.print(f"Flower app written to {app_dir}; run it with `flwr run {app_dir} <connection>` "
+                      f"(its ServerApp writes the run directory {run_dir.resolve()} on the SuperLink's machine).",
+                      highlight=False)
+        return 0
+    if not args.superlink:
+        raise ConfigError("fedskew flower run needs --superlink HOST:PORT (the SuperLink's address).")
+    home = run_dir / "flwr-home"
+    fl.write_connection(home, args.superlink, insecure=args.root_certificates is None,
+                        root_certificates=args.root_certificates)
+    env = fl.flower_env(FLWR_HOME=str(home.resolve()))
+    console.print(f"fedskew {__version__}: {cfg.method.name} on Flower at {args.superlink}, "
+                  f"{cfg.partition.num_clients} SuperNodes expected; run directory {run_dir.resolve()}", highlight=False)
+    done = subprocess.run(["flwr", "run", str(app_dir), "fedskew", "--stream"], env=env)  # flwr found via env PATH
+    summary_path = run_dir / "summary.json"
+    if done.returncode != 0 or not summary_path.is_file():
+        console.print(f"the Flower run did not finish (flwr exit code {done.returncode}); the ServerApp's log is "
+                      f"above; no {summary_path} was written here (it is written on the SuperLink's machine).",
+                      highlight=False)
+        return 1
+    import json
+
+    console.print(_results_table(json.loads(summary_path.read_text()), run_dir))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedskew", description="Federated learning under label skew.",
                                      epilog=EPILOG)
@@ -229,6 +281,17 @@ def build_parser() -> argparse.ArgumentParser:
     p_pro.add_argument("--data", help="folder holding the data set (small and paper scales)")
     p_pro.add_argument("--out", help="sweep folder (default runs/reproduce-<name>-<scale>)")
     p_pro.add_argument("--jobs", type=int)
+    p_fl = sub.add_parser("flower", help="run a config on Flower: simulation, app export, or a running SuperLink",
+                          epilog=EPILOG)
+    p_fl.add_argument("action", choices=["simulate", "app", "run"],
+                      help="simulate: Flower's simulation runtime; app: write a Flower app directory for `flwr run`; "
+                           "run: write it and run it against --superlink")
+    p_fl.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value]")
+    p_fl.add_argument("--out", help="run directory (default runs/<method>-...)")
+    p_fl.add_argument("--app-dir", help="where to write the Flower app (default RUN_DIR/flower-app)")
+    p_fl.add_argument("--superlink", help="run: the SuperLink's address HOST:PORT")
+    p_fl.add_argument("--root-certificates", help="run: CA certificate (PEM) of a TLS SuperLink (default: insecure)")
+    p_fl.add_argument("--timeout", type=float, default=600.0, help="seconds a round waits for a SuperNode's reply")
     return parser
 
 
@@ -242,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedskew.models import ModelError
 
     commands = {"run": cmd_run, "resume": cmd_resume, "partition": cmd_partition, "sweep": cmd_sweep,
-                "report": cmd_report, "reproduce": cmd_reproduce}
+                "report": cmd_report, "reproduce": cmd_reproduce, "flower": cmd_flower}
     if args.command is None:
         parser.print_help()
         return 2

@@ -257,9 +257,13 @@ class Experiment:
         and left out, unless ``fail_fast``. On a failure the round is retried client by client on
         the sequential executor, so the others' results are exactly what they would have been."""
         try:
-            return self.executor.train_round(t, selected, payload, states, lr), []
+            # an executor that loses clients itself (Flower: a node that does not answer) lists them
+            # in ``failed`` and returns the others
+            return self.executor.train_round(t, selected, payload, states, lr), list(getattr(self.executor, "failed", []))
+        except ClientFailure:
+            raise
         except Exception:
-            if self.cfg.fail_fast:
+            if self.cfg.fail_fast or not hasattr(self.executor, "train_client") and not hasattr(self.executor, "sequential"):
                 raise
         sequential = getattr(self.executor, "sequential", self.executor)
         results, failed = [], []

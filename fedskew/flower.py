@@ -1,0 +1,495 @@
+"""Flower runtime: any fedskew method and config as a Flower app (Message API: ServerApp,
+ClientApp, SuperLink and SuperNodes). ``flwr`` is an optional extra (``pip install
+fedskew[flower]``); nothing else in fedskew imports this module.
+
+Mapping. The ServerApp runs fedskew's own round loop (:class:`~fedskew.engine.runner.Experiment`,
+so the records, checkpoints of global and server state, metrics and summary are those of
+``fedskew run``) with a :class:`FlowerExecutor` in place of the local executors: each selected
+client becomes one ``train`` message to the SuperNode serving that client's partition, carrying
+
+* ``payload``: an ArrayRecord holding ``Method.broadcast``'s dict one-to-one (same keys);
+* ``config``: a ConfigRecord with the round, the learning rate, the client id, whether to keep the
+  client state, and the resolved fedskew config (JSON) so the node builds the same data split,
+  model and method.
+
+The ClientApp trains with fedskew's sequential executor (``train_client``: the same code as
+``fedskew run``), and replies with ``upload`` (an ArrayRecord holding ``after_training``'s upload
+one-to-one) and ``report`` (a MetricRecord: samples, steps, lr, momentum, loss, local accuracies,
+aux values). The client's persistent state (HPM, control variates, ...) is an ArrayRecord in
+Flower's per-node ``context.state``. Which partition a SuperNode serves comes from its node config
+(``partition-id``; the simulation runtime sets it per node). Built-in Flower strategies are not
+used: they accept one ArrayRecord per reply and know nothing of server state.
+
+Failures. A client whose node does not answer within ``timeout`` seconds, or whose ClientApp
+raises, is reported in the round's ``clients_failed`` and left out of the aggregation, as in
+``fedskew run``; a round where every client fails stops the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+
+from fedskew.config import ConfigError, RunConfig, validate_config
+from fedskew.engine.local import ClientResult
+from fedskew.methods.base import ClientReport
+
+try:
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+except ImportError as exc:  # pragma: no cover - exercised where flwr is absent
+    raise ImportError("fedskew's Flower runtime needs flwr; install it with `pip install fedskew[flower]`.") from exc
+
+from fedskew.flower_client import CONFIG_KEY, STATE_KEY, client_query  # noqa: E402 (torch-free)
+
+OUT_KEY = "out-dir"
+TIMEOUT_KEY = "timeout"
+
+
+def to_record(state: dict) -> ArrayRecord:
+    """A flat dict of tensors as an ArrayRecord, key for key (CPU, contiguous)."""
+    return ArrayRecord(OrderedDict((k, v.detach().cpu().contiguous()) for k, v in state.items()))
+
+
+def from_record(record: ArrayRecord) -> dict:
+    return dict(record.to_torch_state_dict())
+
+
+# ---------------------------------------------------------------------------------------------
+# Client side
+
+
+class _NodeRuntime:
+    """What a node needs to train its client: data, model, method, the sequential executor, and
+    the initial model state (for ``client_init``). Built once per process and config."""
+
+    def __init__(self, cfg: RunConfig):
+        from fedskew.engine.local import federated_state
+        from fedskew.engine.runner import Experiment
+
+        self.exp = Experiment(cfg)
+        self.executor = getattr(self.exp.executor, "sequential", self.exp.executor)
+        self.initial = federated_state(self.exp.model)
+
+
+_RUNTIMES: dict[str, _NodeRuntime] = {}
+
+
+def _runtime(cfg_json: str) -> _NodeRuntime:
+    if cfg_json not in _RUNTIMES:
+        _RUNTIMES.clear()
+        _RUNTIMES[cfg_json] = _NodeRuntime(validate_config(json.loads(cfg_json)))
+    return _RUNTIMES[cfg_json]
+
+
+def client_train(msg: Message, context: Context) -> Message:
+    """One client's local round (the ClientApp's ``train`` handler)."""
+    conf = msg.content["config"]
+    rt = _runtime(str(conf[CONFIG_KEY]))
+    k = int(conf["client"])
+    served = context.node_config.get("partition-id")
+    if served is not None and int(served) != k:
+        raise ValueError(f"this SuperNode serves partition {served}, but the server sent client {k}")
+    method = rt.exp.method
+    if STATE_KEY in context.state:
+        client_state = from_record(context.state[STATE_KEY])
+    else:
+        client_state = method.client_init(k, rt.initial, rt.exp.info)
+    result = rt.executor.train_client(int(conf["round"]), k, from_record(msg.content["payload"]), client_state,
+                                      float(conf["lr"]))
+    if bool(conf["keep-state"]):
+        context.state[STATE_KEY] = to_record(result.client_state)
+    return Message(RecordDict({"upload": to_record(result.upload), "report": MetricRecord(report_of(result))}),
+                   reply_to=msg)
+
+
+def report_of(result: ClientResult) -> dict:
+    """The MetricRecord content of a client's reply (local accuracies only when defined)."""
+    report = {"num_samples": result.report.num_samples, "num_steps": result.report.num_steps,
+              "lr": result.report.lr, "momentum": result.report.momentum, "train_loss": result.train_loss}
+    report.update({k: v for k, v in (("acc_before", result.acc_before), ("acc_after", result.acc_after))
+                   if v is not None})
+    report.update({"aux." + k: float(v) for k, v in result.aux.items()})
+    return report
+
+
+def make_client_app() -> ClientApp:
+    """The in-process ClientApp (simulation runtime: its actors are long-lived processes). For
+    deployment, :mod:`fedskew.flower_client` is the torch-free ClientApp with a resident worker."""
+    app = ClientApp()
+    app.train()(client_train)
+    app.query()(client_query)
+    return app
+
+
+# ---------------------------------------------------------------------------------------------
+# Server side
+
+
+class FlowerExecutor:
+    """An executor whose clients are SuperNodes: one message per selected client, replies turned
+    back into :class:`ClientResult` (client state stays on the node). ``failed`` lists the
+    clients of the last round that did not answer or raised."""
+
+    name = "flower"
+
+    def __init__(self, grid: Grid, cfg: RunConfig, timeout: float = 600.0, wait_for_nodes: float = 120.0):
+        self.grid = grid
+        self.cfg_json = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+        self.timeout = timeout
+        self.failed: list[dict] = []
+        self.node_of = self._discover(cfg.partition.num_clients, wait_for_nodes)
+
+    def _discover(self, num_clients: int, wait: float) -> dict[int, int]:
+        """Partition id -> node id, asking each connected node which partition it serves."""
+        deadline = time.time() + wait
+        nodes = list(self.grid.get_node_ids())
+        while len(nodes) < num_clients and time.time() < deadline:
+            time.sleep(0.5)
+            nodes = list(self.grid.get_node_ids())
+        asks = [Message(RecordDict({"q": ConfigRecord({"what": "partition-id"})}), dst_node_id=n,
+                        message_type="query") for n in nodes]
+        node_of = {}
+        for reply in self._exchange(asks, timeout=wait)[1].values():
+            if not reply.has_error():
+                pid = int(reply.content["node"]["partition-id"])
+                node_of[pid if pid >= 0 else len(node_of)] = reply.metadata.src_node_id
+        missing = sorted(set(range(num_clients)) - set(node_of))
+        if missing:
+            raise ConfigError(f"partition.num_clients = {num_clients}, but no SuperNode serves partitions "
+                              f"{missing[:10]} (connected: {len(nodes)}); start one SuperNode per partition with "
+                              f"--node-config 'partition-id=<k>'.")
+        return node_of
+
+    def _exchange(self, messages: list[Message], timeout: float | None = None,
+                  poll: float = 0.05) -> tuple[list[str], dict[str, Message]]:
+        """Push ``messages`` and pull their replies every ``poll`` seconds until all arrived or
+        ``timeout`` passed (``Grid.send_and_receive`` sleeps 3 s between pulls, which adds up to
+        3 s to every round). Returns the message ids in order and the replies by message id
+        (a reply may be an error Flower itself sends, e.g. for a node that went away)."""
+        ids = list(self.grid.push_messages(messages))
+        pending = set(ids)
+        deadline = time.time() + (self.timeout if timeout is None else timeout)
+        replies: dict[str, Message] = {}
+        while pending and time.time() < deadline:
+            for m in self.grid.pull_messages(pending):
+                replies[m.metadata.reply_to_message_id] = m
+            pending -= set(replies)
+            if pending:
+                time.sleep(poll)
+        return ids, replies
+
+    def train_round(self, round_idx: int, clients: list[int], payload: dict, client_states: dict,
+                    lr: float, keep_state: bool = True) -> list[ClientResult]:
+        record = to_record(payload)
+        messages, sent = [], {}
+        alive = set(self.grid.get_node_ids())
+        self.failed = []
+        for k in clients:
+            node = self.node_of[k]
+            if node not in alive:
+                self.failed.append({"client": k, "error": "its SuperNode is not connected"})
+                continue
+            conf = ConfigRecord({CONFIG_KEY: self.cfg_json, "round": round_idx, "lr": float(lr), "client": k,
+                                 "keep-state": keep_state})
+            messages.append(Message(RecordDict({"payload": record, "config": conf}), dst_node_id=node,
+                                    message_type="train"))
+            sent[node] = k
+        ids, by_id = self._exchange(messages)
+        replies = {}
+        for msg_id, k in zip(ids, sent.values()):
+            reply = by_id.get(msg_id)
+            if reply is None:
+                self.failed.append({"client": k, "error": f"no reply within {self.timeout:.0f} s"})
+            elif reply.has_error():
+                self.failed.append({"client": k, "error": f"Flower error {reply.error.code}: {reply.error.reason[:200]}"})
+            else:
+                replies[k] = reply
+        for f in self.failed:
+            print(f"fedskew: round {round_idx}: client {f['client']} failed and is left out of the aggregation "
+                  f"({f['error']})", flush=True)
+        results = []
+        for k in clients:  # in selection order, as the local executors return them
+            if k not in replies:
+                continue
+            rep = dict(replies[k].content["report"])
+            report = ClientReport(k, int(rep["num_samples"]), int(rep["num_steps"]), float(rep["lr"]),
+                                  float(rep["momentum"]))
+            aux = {key[4:]: float(v) for key, v in rep.items() if key.startswith("aux.")}
+            results.append(ClientResult(k, from_record(replies[k].content["upload"]), {}, report,
+                                        float(rep["train_loss"]), rep.get("acc_before"), rep.get("acc_after"), aux))
+        if not results:
+            from fedskew.engine.runner import ClientFailure
+
+            raise ClientFailure(f"round {round_idx}: no selected client answered; the first error was "
+                                f"{self.failed[0]['error'] if self.failed else 'none'}")
+        return results
+
+
+def server_main(grid: Grid, context: Context, cfg_json: str | None = None, out_dir: str | None = None,
+                timeout: float | None = None) -> dict:
+    """The ServerApp: fedskew's round loop over Flower messages; writes the usual run directory."""
+    from fedskew.engine.runner import Experiment
+
+    cfg_json = cfg_json or str(context.run_config[CONFIG_KEY])
+    out_dir = out_dir or str(context.run_config.get(OUT_KEY, "runs/flower"))
+    timeout = float(timeout or context.run_config.get(TIMEOUT_KEY, 600.0))
+    cfg = validate_config(json.loads(cfg_json))
+    exp = Experiment(cfg, Path(out_dir))
+    exp.executor = FlowerExecutor(grid, cfg, timeout)
+    return exp.run().summary
+
+
+def make_server_app(cfg: RunConfig | None = None, out_dir: str | None = None, timeout: float | None = None,
+                    done: list | None = None) -> ServerApp:
+    """A ServerApp for ``cfg`` (None: read from the run config, as under ``flwr run``); the summary
+    is appended to ``done`` when given."""
+    cfg_json = json.dumps(cfg.model_dump(mode="json"), sort_keys=True) if cfg is not None else None
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        summary = server_main(grid, context, cfg_json, out_dir, timeout)
+        if done is not None:
+            done.append(summary)
+
+    return app
+
+
+# Module-level apps for ``flwr run`` (the app directory's modules re-export them).
+client_app = make_client_app()
+server_app = make_server_app()
+
+
+def simulate(cfg: RunConfig, out_dir: str | Path, verbose: bool = False) -> dict:
+    """Run ``cfg`` on Flower's simulation runtime, one SuperNode per client; the summary."""
+    import logging
+
+    from flwr.simulation import run_simulation
+
+    if not verbose:
+        logging.getLogger("flwr").setLevel(logging.WARNING)
+    done: list = []
+    run_simulation(server_app=make_server_app(cfg, str(out_dir), done=done), client_app=make_client_app(),
+                   num_supernodes=cfg.partition.num_clients,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}}, verbose_logging=verbose)
+    if not done:
+        raise RuntimeError(f"the Flower simulation ended without a result; see the log above and {out_dir}.")
+    return done[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Deployment: the app directory for ``flwr run``
+
+PYPROJECT = """[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "fedskew-app"
+version = "1.0.0"
+description = "A fedskew experiment as a Flower app"
+license = "Apache-2.0"
+# fedskew must be installed on the SuperLink and every SuperNode (runtime dependency
+# installation stays off: it would pull a CUDA torch).
+dependencies = []
+
+[tool.flwr.app]
+publisher = "fedskew"
+
+[tool.flwr.app.components]
+serverapp = "fedskew_server:server_app"
+clientapp = "fedskew_client:client_app"
+
+[tool.flwr.app.config]
+{config}
+"""
+
+
+def _toml_string(value: str) -> str:
+    return json.dumps(value)  # a JSON string literal is a valid TOML basic string
+
+
+def write_app(cfg: RunConfig, app_dir: str | Path, out_dir: str, timeout: float = 600.0) -> Path:
+    """Write a Flower app directory running ``cfg``: pyproject.toml (components and run config)
+    and two one-line modules exposing fedskew's ServerApp and the torch-free ClientApp (separate,
+    so that a ClientApp process never imports the server side)."""
+    app_dir = Path(app_dir)
+    app_dir.mkdir(parents=True, exist_ok=True)
+    entries = {CONFIG_KEY: json.dumps(cfg.model_dump(mode="json"), sort_keys=True), OUT_KEY: str(out_dir)}
+    lines = [f"{k} = {_toml_string(v)}" for k, v in entries.items()] + [f"{TIMEOUT_KEY} = {float(timeout)}"]
+    (app_dir / "pyproject.toml").write_text(PYPROJECT.format(config="\n".join(lines)))
+    (app_dir / "fedskew_server.py").write_text('"""fedskew\'s ServerApp."""\n\nimport fedskew.flower\n\n'
+                                               "server_app = fedskew.flower.server_app\n")
+    (app_dir / "fedskew_client.py").write_text('"""fedskew\'s ClientApp (torch-free)."""\n\nimport fedskew.flower_client\n\n'
+                                               "client_app = fedskew.flower_client.client_app\n")
+    return app_dir
+
+
+def write_connection(flwr_home: str | Path, superlink: str, insecure: bool = True,
+                     root_certificates: str | None = None, name: str = "fedskew") -> Path:
+    """A Flower config (``$FLWR_HOME/config.toml``) with one SuperLink connection, the default."""
+    home = Path(flwr_home)
+    home.mkdir(parents=True, exist_ok=True)
+    lines = ["[superlink]", f'default = "{name}"', "", f"[superlink.{name}]", f"address = {_toml_string(superlink)}"]
+    lines.append("insecure = true" if insecure else f"root-certificates = {_toml_string(str(root_certificates))}")
+    (home / "config.toml").write_text("\n".join(lines) + "\n")
+    return home / "config.toml"
+
+
+# ---------------------------------------------------------------------------------------------
+# A deployment on this machine
+
+
+def flower_env(**extra: str) -> dict[str, str]:
+    """The environment for Flower's processes: this interpreter's scripts folder first on PATH
+    (the SuperLink and SuperNodes start ``flower-superexec``, ``flwr-clientapp``, ... by name),
+    telemetry off."""
+    import sys
+
+    scripts = str(Path(sys.executable).parent)
+    return {**os.environ, "PATH": scripts + os.pathsep + os.environ.get("PATH", ""), "FLWR_TELEMETRY_ENABLED": "0",
+            **extra}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalFederation:
+    """A real SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1 (insecure), node k serving
+    partition k, as separate processes; for tests and ``benchmarks/flower_overhead.py``.
+
+    Every process starts in its own session and is stopped by process group (the SuperExec and
+    the ``flwr-clientapp``/``flwr-serverapp`` processes it spawns included); the resident workers,
+    which run detached, are stopped by the PID files they write in ``workdir/workers``. ``stop``
+    runs on exit of the ``with`` block, also after an error."""
+
+    def __init__(self, num_nodes: int, workdir: str | Path, poll_interval: float | None = 0.05):
+        self.num_nodes = num_nodes
+        self.workdir = Path(workdir)
+        self.port = free_port()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env = flower_env(FEDSKEW_WORKER_DIR=str(self.workdir / "workers"),
+                              FLWR_HOME=str(self.workdir / "flwr-home"))
+        if poll_interval is not None:  # SuperExec's task poll (default 1 s)
+            self.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = str(poll_interval)
+
+    def _start(self, name: str, cmd: list[str]) -> None:
+        log = open(self.workdir / f"{name}.log", "wb")
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                            start_new_session=True)
+
+    def start(self) -> "LocalFederation":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        write_connection(self.workdir / "flwr-home", f"127.0.0.1:{self.port}")
+        self._start("superlink", ["flower-superlink", "--insecure", "--disable-runtime-dependency-installation",
+                                  "--host", "127.0.0.1", "--port", str(self.port),
+                                  "--database", str(self.workdir / "superlink.db")])
+        self._wait_port(self.port)
+        for k in range(self.num_nodes):
+            self._start(f"supernode{k}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
+                                          "--node-config", f"partition-id={k} num-partitions={self.num_nodes}",
+                                          "--host", "127.0.0.1", "--port", str(free_port())])
+        return self
+
+    def _wait_port(self, port: int, timeout: float = 60.0) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            if self.procs["superlink"].poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"the SuperLink did not start listening on 127.0.0.1:{port}; see {self.workdir}/superlink.log")
+
+    def run(self, cfg: RunConfig, out_dir: str | Path, timeout: float = 600.0, wait: bool = True):
+        """``flwr run`` of ``cfg`` (its ServerApp writes ``out_dir``); the Popen when not ``wait``."""
+        app = write_app(cfg, self.workdir / "app", str(Path(out_dir).resolve()), timeout)
+        log = open(self.workdir / "flwr-run.log", "ab")
+        proc = subprocess.Popen(["flwr", "run", str(app), "fedskew", "--stream"], stdout=log, stderr=subprocess.STDOUT,
+                                env=self.env, start_new_session=True)
+        self.procs[f"flwr-run-{len(self.procs)}"] = proc
+        if wait:
+            proc.wait()
+        return proc
+
+    def kill_node(self, k: int) -> None:
+        """SIGKILL SuperNode k, its ClientApp processes and its resident worker."""
+        self._kill(self.procs.pop(f"supernode{k}"))
+        for pidfile in (self.workdir / "workers").glob(f"p{k}-*.pid"):
+            self._kill_pid(int(pidfile.read_text()))
+            pidfile.with_suffix(".sock").unlink(missing_ok=True)
+            pidfile.unlink(missing_ok=True)
+
+    @staticmethod
+    def _kill(proc) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+    @staticmethod
+    def _kill_pid(pid: int) -> None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def pids(self) -> list[int]:
+        """Every process this federation started that is still alive (workers included)."""
+        alive = [p.pid for p in self.procs.values() if p.poll() is None]
+        for pidfile in (self.workdir / "workers").glob("*.pid"):
+            try:
+                pid = int(pidfile.read_text())
+                os.kill(pid, 0)
+                alive.append(pid)
+            except (OSError, ValueError):
+                pass
+        return alive
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 10
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.time()))
+            except Exception:  # still alive after the grace period
+                self._kill(proc)
+            else:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # children that outlived their parent
+                except ProcessLookupError:
+                    pass
+        for pidfile in (self.workdir / "workers").glob("*.pid"):
+            try:
+                self._kill_pid(int(pidfile.read_text()))
+            except ValueError:
+                pass
+        self.procs.clear()
+
+    def __enter__(self) -> "LocalFederation":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+__all__ = ["FlowerExecutor", "LocalFederation", "client_app", "make_client_app", "make_server_app", "server_app", "simulate",
+           "to_record", "from_record", "write_app", "write_connection"]
