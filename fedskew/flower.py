@@ -318,10 +318,13 @@ def _toml_string(value: str) -> str:
     return json.dumps(value)  # a JSON string literal is a valid TOML basic string
 
 
-def write_app(cfg: RunConfig, app_dir: str | Path, out_dir: str, timeout: float = 600.0) -> Path:
+def write_app(cfg: RunConfig, app_dir: str | Path, out_dir: str, timeout: float = 600.0,
+              client: str = "worker") -> Path:
     """Write a Flower app directory running ``cfg``: pyproject.toml (components and run config)
-    and two one-line modules exposing fedskew's ServerApp and the torch-free ClientApp (separate,
-    so that a ClientApp process never imports the server side)."""
+    and two one-line modules exposing fedskew's ServerApp and a ClientApp (separate, so that a
+    ClientApp process never imports the server side). ``client``: ``worker`` (default), the
+    torch-free ClientApp with a resident worker; ``direct``, the in-process one (imports torch and
+    builds data and model in every ClientApp process; for comparison)."""
     app_dir = Path(app_dir)
     app_dir.mkdir(parents=True, exist_ok=True)
     entries = {CONFIG_KEY: json.dumps(cfg.model_dump(mode="json"), sort_keys=True), OUT_KEY: str(out_dir)}
@@ -329,8 +332,9 @@ def write_app(cfg: RunConfig, app_dir: str | Path, out_dir: str, timeout: float 
     (app_dir / "pyproject.toml").write_text(PYPROJECT.format(config="\n".join(lines)))
     (app_dir / "fedskew_server.py").write_text('"""fedskew\'s ServerApp."""\n\nimport fedskew.flower\n\n'
                                                "server_app = fedskew.flower.server_app\n")
-    (app_dir / "fedskew_client.py").write_text('"""fedskew\'s ClientApp (torch-free)."""\n\nimport fedskew.flower_client\n\n'
-                                               "client_app = fedskew.flower_client.client_app\n")
+    module = {"worker": "fedskew.flower_client", "direct": "fedskew.flower"}[client]
+    (app_dir / "fedskew_client.py").write_text(f'"""fedskew\'s ClientApp ({client})."""\n\nimport {module}\n\n'
+                                               f"client_app = {module}.client_app\n")
     return app_dir
 
 
@@ -375,7 +379,7 @@ class LocalFederation:
     which run detached, are stopped by the PID files they write in ``workdir/workers``. ``stop``
     runs on exit of the ``with`` block, also after an error."""
 
-    def __init__(self, num_nodes: int, workdir: str | Path, poll_interval: float | None = 0.05):
+    def __init__(self, num_nodes: int, workdir: str | Path, poll_interval: float | None = None):
         self.num_nodes = num_nodes
         self.workdir = Path(workdir)
         self.port = free_port()
@@ -414,9 +418,10 @@ class LocalFederation:
             time.sleep(0.1)
         raise RuntimeError(f"the SuperLink did not start listening on 127.0.0.1:{port}; see {self.workdir}/superlink.log")
 
-    def run(self, cfg: RunConfig, out_dir: str | Path, timeout: float = 600.0, wait: bool = True):
+    def run(self, cfg: RunConfig, out_dir: str | Path, timeout: float = 600.0, wait: bool = True,
+            client: str = "worker"):
         """``flwr run`` of ``cfg`` (its ServerApp writes ``out_dir``); the Popen when not ``wait``."""
-        app = write_app(cfg, self.workdir / "app", str(Path(out_dir).resolve()), timeout)
+        app = write_app(cfg, self.workdir / "app", str(Path(out_dir).resolve()), timeout, client)
         log = open(self.workdir / "flwr-run.log", "ab")
         proc = subprocess.Popen(["flwr", "run", str(app), "fedskew", "--stream"], stdout=log, stderr=subprocess.STDOUT,
                                 env=self.env, start_new_session=True)
