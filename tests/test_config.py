@@ -65,7 +65,14 @@ def test_yaml_file_with_overrides(tmp_path):
 def test_example_configs_validate():
     from pathlib import Path
 
+    import yaml
+
+    from fedskew.sweep import load_spec, plan
+
     examples = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
     assert examples
     for path in examples:
-        load_config(path)
+        if "methods" in (yaml.safe_load(path.read_text()) or {}):  # a sweep: every planned run validates
+            assert plan(load_spec(path))
+        else:
+            load_config(path)
