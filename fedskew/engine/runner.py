@@ -230,9 +230,10 @@ class Experiment:
             "comm/down_floats_total": totals["down"], "comm/up_floats_total": totals["up"],
             "time/client_train_s": train_s, "time/samples_per_s": samples_seen / max(train_s, 1e-9),
         }
-        if ((t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1) and not method.has_global_model:
+        evaluate = (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1
+        if evaluate and not method.has_global_model:
             record["global/test_acc"] = None  # no model serves the global test set (FedProto, FedRep)
-        elif (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
+        elif evaluate:
             record.update(global_metrics(self.model, new_global, self.x_test, self.y_test, self.fed.num_classes))
             if self.fed.data.x_val is not None:
                 x_val, y_val = self.fed.data.x_val.to(self.device), self.fed.data.y_val.to(self.device)
@@ -263,7 +264,8 @@ class Experiment:
         except ClientFailure:
             raise
         except Exception:
-            if self.cfg.fail_fast or not hasattr(self.executor, "train_client") and not hasattr(self.executor, "sequential"):
+            can_retry = hasattr(self.executor, "train_client") or hasattr(self.executor, "sequential")
+            if self.cfg.fail_fast or not can_retry:
                 raise
         sequential = getattr(self.executor, "sequential", self.executor)
         results, failed = [], []
