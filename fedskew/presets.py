@@ -91,22 +91,24 @@ PAPERS = {
                               {"name": "map", "options": {"alpha": 0.5, "kt_lambda": 0.01}}, "ditto", "fedrep"]},
     },
     # Neural-collapse FL: fixed simplex-ETF head + memory vectors, label_count splits, VGG11.
+    # n samples per held class: what the most-held class can give every holder (a class has up to
+    # 30 / 62 holders among 100 clients with 2 / 5 classes each; tests/test_sweep.py checks it).
     "etf": {
         "paper": {"base": {"dataset": "cifar10", "model": "vgg11", "clients_per_round": 10, "rounds": 1000,
                            "local_epochs": 2, "batch_size": 64, "lr": 0.03, "momentum": 0.9, "weight_decay": 5.0e-4,
                            "final_personalization": False},
                   "partitions": {"C10-100-2": {"name": "label_count", "num_clients": 100, "classes_per_client": 2,
-                                               "samples_per_class": 250},
+                                               "samples_per_class": 125},
                                  "C10-100-5": {"name": "label_count", "num_clients": 100, "classes_per_client": 5,
-                                               "samples_per_class": 100}},
+                                               "samples_per_class": 60}},
                   "seeds": [0, 1, 2], "methods": ETF_METHODS},
         "small": {"base": {"dataset": {"name": "fmnist", "train_subsample": 0.2}, "model": {"name": "mlp",
                            "hidden": [200, 200]}, "clients_per_round": 10, "rounds": 60, "local_epochs": 2,
                            "batch_size": 64, "lr": 0.03, "executor": "vectorized", "final_personalization": False},
                   "partitions": {"C10-50-2": {"name": "label_count", "num_clients": 50, "classes_per_client": 2,
-                                              "samples_per_class": 100},
+                                              "samples_per_class": 50},
                                  "C10-50-5": {"name": "label_count", "num_clients": 50, "classes_per_client": 5,
-                                              "samples_per_class": 40}},
+                                              "samples_per_class": 25}},
                   "seeds": [0, 1, 2], "methods": ETF_METHODS},
     },
     # FedKA Table 2: Dirichlet 0.1 over 10 clients, all selected, t-CNN, forgetting by class role.

@@ -246,3 +246,18 @@ def test_paper_and_small_presets_are_valid_specs(name):
         assert runs and all(r["config"]["dataset"]["root"] == "/data" for r in runs)
     with pytest.raises(ConfigError, match="allowed"):
         reproduction(name, "huge")
+
+
+@pytest.mark.parametrize("scale,per_class", [("small", 1200), ("paper", 5000)])  # 20% of FMNIST; CIFAR-10
+def test_label_count_presets_fit_their_data(scale, per_class):
+    import numpy as np
+
+    from fedskew.config import PartitionConfig
+    from fedskew.data.partitions import partition_labels
+    from fedskew.engine.rng import numpy_rng
+
+    labels = np.repeat(np.arange(10), per_class)
+    for p in reproduction("etf", scale)["partitions"].values():
+        for seed in range(3):
+            parts = partition_labels(PartitionConfig(**p), labels, 10, numpy_rng(seed, "partition"))
+            assert all(len(x) == p["classes_per_client"] * p["samples_per_class"] for x in parts)
