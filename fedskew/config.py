@@ -180,22 +180,29 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
+def set_key(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """``data[a][b][c] = value`` for ``a.b.c``; a name on the way (``model: mlp``) becomes
+    ``{"name": "mlp"}``, a missing section an empty one."""
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if isinstance(child, str):
+            child = {"name": child}
+        if child is None:
+            child = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{dotted}': '{part}' holds a value, not a section.")
+        node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Set ``a.b.c=value`` items into a nested dict (values parsed as YAML scalars/lists)."""
     for item in overrides:
         path, value = parse_override(item)
-        node = data
-        for part in path[:-1]:
-            child = node.get(part)
-            if isinstance(child, str):
-                child = {"name": child}
-            if child is None:
-                child = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"override '{item}': config key '{part}' holds a value, not a section.")
-            node[part] = child
-            node = child
-        node[path[-1]] = value
+        set_key(data, ".".join(path), value)
     return data
 
 

@@ -79,6 +79,12 @@ class _NodeRuntime:
         self.executor = getattr(self.exp.executor, "sequential", self.exp.executor)
         self.initial = federated_state(self.exp.model)
 
+    def train(self, k: int, round_idx: int, lr: float, payload: dict, client_state: dict | None) -> ClientResult:
+        """Client k's local round (its state from ``client_init`` on a first visit)."""
+        if client_state is None:
+            client_state = self.exp.method.client_init(k, self.initial, self.exp.info)
+        return self.executor.train_client(round_idx, k, payload, client_state, lr)
+
 
 _RUNTIMES: dict[str, _NodeRuntime] = {}
 
@@ -98,13 +104,8 @@ def client_train(msg: Message, context: Context) -> Message:
     served = context.node_config.get("partition-id")
     if served is not None and int(served) != k:
         raise ValueError(f"this SuperNode serves partition {served}, but the server sent client {k}")
-    method = rt.exp.method
-    if STATE_KEY in context.state:
-        client_state = from_record(context.state[STATE_KEY])
-    else:
-        client_state = method.client_init(k, rt.initial, rt.exp.info)
-    result = rt.executor.train_client(int(conf["round"]), k, from_record(msg.content["payload"]), client_state,
-                                      float(conf["lr"]))
+    state = from_record(context.state[STATE_KEY]) if STATE_KEY in context.state else None
+    result = rt.train(k, int(conf["round"]), float(conf["lr"]), from_record(msg.content["payload"]), state)
     if bool(conf["keep-state"]):
         context.state[STATE_KEY] = to_record(result.client_state)
     return Message(RecordDict({"upload": to_record(result.upload), "report": MetricRecord(report_of(result))}),

@@ -47,12 +47,8 @@ def main(sock: str, keyfile: str, cfgfile: str) -> None:
         last[0] = time.time()
         try:
             _, k, round_idx, lr, payload, state = conn.recv()
-            payload = {key: torch.from_numpy(v.copy()) for key, v in payload.items()}
-            if state is None:
-                state = rt.exp.method.client_init(k, rt.initial, rt.exp.info)
-            else:
-                state = {key: torch.from_numpy(v.copy()) for key, v in state.items()}
-            result = rt.executor.train_client(round_idx, k, payload, state, lr)
+            tensors = (lambda arrays: {key: torch.from_numpy(v.copy()) for key, v in arrays.items()})
+            result = rt.train(k, round_idx, lr, tensors(payload), None if state is None else tensors(state))
             conn.send(("ok", {key: v.detach().cpu().numpy() for key, v in result.upload.items()},
                        {key: v.detach().cpu().numpy() for key, v in result.client_state.items()}, report_of(result)))
         except Exception as exc:  # the ClientApp raises it, Flower reports the client as failed

@@ -46,7 +46,7 @@ from typing import Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fedskew.config import ConfigError, validate_config
+from fedskew.config import ConfigError, set_key, validate_config
 
 
 class _Strict(BaseModel):
@@ -140,19 +140,6 @@ def grid_points(options: dict[str, Any]) -> list[dict[str, Any]]:
     return [{**fixed, **dict(zip(keys, combo))} for combo in itertools.product(*(options[k] for k in keys))]
 
 
-def set_key(data: dict, dotted: str, value: Any) -> None:
-    """``data[a][b][c] = value`` for ``a.b.c`` (a name string becomes ``{"name": ...}``)."""
-    node = data
-    parts = dotted.split(".")
-    for part in parts[:-1]:
-        child = node.get(part)
-        if isinstance(child, str):
-            child = {"name": child}
-        node[part] = child if isinstance(child, dict) else {}
-        node = node[part]
-    node[parts[-1]] = copy.deepcopy(value)
-
-
 def nested(flat_or_nested: dict) -> dict:
     out: dict = {}
     for k, v in flat_or_nested.items():
@@ -160,7 +147,7 @@ def nested(flat_or_nested: dict) -> dict:
             existing = out.get(k)
             out[k] = {**(existing if isinstance(existing, dict) else {}), **nested(v)}
         else:
-            set_key(out, k, v)
+            set_key(out, k, copy.deepcopy(v))
     return out
 
 

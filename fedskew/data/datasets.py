@@ -144,16 +144,24 @@ _MIRRORS = {
 _IDX_NORMALISATION = {"mnist": (0.1307, 0.3081), "fmnist": (0.2860, 0.3530)}
 
 
-def idx_search_folders(name: str, root: str | None) -> list[Path]:
-    """Folders searched for a data set's IDX files, in order."""
-    # Sub-folder names used by fedskew, by Debian/other mirrors and by torchvision's layout.
-    subs = {"mnist": ["mnist", "MNIST/raw"], "fmnist": ["fmnist", "fashion-mnist", "FashionMNIST/raw"]}[name]
+def search_folders(name: str, root: str | None, subs: list[str]) -> list[Path]:
+    """Folders searched for a data set's files, in order: ``root``, ``root/<sub>``,
+    ``$FEDSKEW_DATA/<sub>``, ``~/.cache/fedskew/<name>`` and its subs (``subs``: the folder names
+    the data set's archives and other tools use)."""
     folders = []
     if root:
         folders += [Path(root)] + [Path(root) / sub for sub in subs]
     if os.environ.get("FEDSKEW_DATA"):
         folders += [Path(os.environ["FEDSKEW_DATA"]) / sub for sub in subs]
-    folders.append(Path.home() / ".cache" / "fedskew" / name)
+    cache = Path.home() / ".cache" / "fedskew" / name
+    return folders + [cache] + [cache / sub for sub in subs]
+
+
+def idx_search_folders(name: str, root: str | None) -> list[Path]:
+    """Folders searched for a data set's IDX files, in order (Fashion-MNIST: also Debian's)."""
+    # Sub-folder names used by fedskew, by Debian/other mirrors and by torchvision's layout.
+    subs = {"mnist": ["mnist", "MNIST/raw"], "fmnist": ["fmnist", "fashion-mnist", "FashionMNIST/raw"]}[name]
+    folders = search_folders(name, root, subs)
     if name == "fmnist":
         folders.append(Path("/usr/share/datasets/fashion-mnist"))
     return folders

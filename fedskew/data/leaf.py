@@ -21,8 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedskew.data.datasets import Dataset, DatasetError
-from fedskew.data.vision import search_folders
+from fedskew.data.datasets import Dataset, DatasetError, search_folders
 
 # LEAF's character set for Shakespeare (leaf/models/utils/language_utils.py: ALL_LETTERS).
 ALPHABET = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"

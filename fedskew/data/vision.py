@@ -16,7 +16,6 @@ label ranges, image sizes, counts. Images are normalised with the usual per-chan
 
 from __future__ import annotations
 
-import os
 import pickle
 import tarfile
 import urllib.request
@@ -26,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedskew.data.datasets import Dataset, DatasetError
+from fedskew.data.datasets import Dataset, DatasetError, search_folders
 
 _STATS = {  # per-channel (mean, std) of the training images scaled to [0, 1]
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
@@ -47,17 +46,6 @@ URLS = {
 _SUBFOLDERS = {"cifar10": ["cifar10", "cifar-10-batches-py"], "cifar100": ["cifar100", "cifar-100-python"],
                "svhn": ["svhn", "SVHN"], "cinic10": ["cinic10", "CINIC-10", "cinic-10"],
                "tinyimagenet": ["tinyimagenet", "tiny-imagenet-200"]}
-
-
-def search_folders(name: str, root: str | None, subs: list[str]) -> list[Path]:
-    """``root``, ``root/<sub>``, ``$FEDSKEW_DATA/<sub>``, ``~/.cache/fedskew/<name>`` (and its subs)."""
-    folders = []
-    if root:
-        folders += [Path(root)] + [Path(root) / s for s in subs]
-    if os.environ.get("FEDSKEW_DATA"):
-        folders += [Path(os.environ["FEDSKEW_DATA"]) / s for s in subs]
-    cache = Path.home() / ".cache" / "fedskew" / name
-    return folders + [cache] + [cache / s for s in subs]
 
 
 def _normalise(images: np.ndarray, name: str) -> torch.Tensor:
@@ -269,5 +257,4 @@ def load_tinyimagenet(root: str | None = None, download: bool = True) -> Dataset
     return Dataset("tinyimagenet", *train, *test, len(wnids))
 
 
-__all__ = ["URLS", "load_cifar", "load_cinic10", "load_svhn", "load_tinyimagenet", "read_cifar_batch",
-           "search_folders"]
+__all__ = ["URLS", "load_cifar", "load_cinic10", "load_svhn", "load_tinyimagenet", "read_cifar_batch"]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from fedskew.data.augment import crop_flip, crop_flip_params
 from fedskew.data.federated import Federation
 from fedskew.engine.rng import batch_order
 from fedskew.methods.base import ClientData, ClientReport, Forward, Method, State
@@ -34,8 +35,6 @@ class LocalSettings:
         uploaded model's training, 1 the personalisation stage."""
         if not self.augment_pad:
             return None
-        from fedskew.data.augment import crop_flip_params
-
         return crop_flip_params(self.seed, round_idx, client_id, stage, n, self.augment_pad)
 
 
@@ -246,8 +245,6 @@ class SequentialExecutor:
                 rows = idx[torch.from_numpy(positions).to(self.device)]
                 x = self.x[rows]
                 if augment is not None:
-                    from fedskew.data.augment import crop_flip
-
                     x = crop_flip(x, augment[at:at + len(rows)], s.augment_pad)
                     at += len(rows)
                 loss, aux = loss_fn(fwd, params, x, self.y[rows], payload, client_state)

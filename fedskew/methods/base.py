@@ -135,13 +135,22 @@ def reference_tensor(state: State) -> torch.Tensor:
     return next(v for v in state.values() if v.is_floating_point())
 
 
+def strip_prefix(d: State, prefix: str) -> State:
+    """The entries of ``d`` under ``prefix``, without it (a model kept in a client state, ...)."""
+    return {k[len(prefix):]: v for k, v in d.items() if k.startswith(prefix)}
+
+
+def add_prefix(state: State, prefix: str) -> State:
+    return {prefix + k: v for k, v in state.items()}
+
+
 def model_part(d: State) -> State:
     """The model tensors of a payload/upload, without the ``model.`` prefix."""
-    return {k[len(MODEL):]: v for k, v in d.items() if k.startswith(MODEL)}
+    return strip_prefix(d, MODEL)
 
 
 def as_model_part(state: State) -> State:
-    return {MODEL + k: v for k, v in state.items()}
+    return add_prefix(state, MODEL)
 
 
 def weighted_mean(states: list[State], weights: torch.Tensor) -> State:

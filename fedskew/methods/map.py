@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedskew.methods.base import ClientReport, FedAvgOptions, Forward, State, reference_tensor
+from fedskew.methods.base import ClientReport, FedAvgOptions, Forward, State, reference_tensor, strip_prefix
 from fedskew.methods.compose import Component, FedAvgWith
 from fedskew.methods.representation import mmd2
 
@@ -179,7 +179,7 @@ class InheritedPrivateModel(Component):
 
 
 def _hpm(client_state: State) -> State:
-    return {k[len("hpm.model."):]: v for k, v in client_state.items() if k.startswith("hpm.model.")}
+    return strip_prefix(client_state, "hpm.model.")
 
 
 # ---------------------------------------------------------------------------------------------

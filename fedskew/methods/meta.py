@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.func import grad_and_value
 
-from fedskew.methods.base import FedAvgOptions, Method, State, model_part
+from fedskew.methods.base import FedAvgOptions, Method, State, add_prefix, model_part, strip_prefix
 
 
 def ce_grad(fwd, params: State, x: torch.Tensor, y: torch.Tensor) -> tuple[State, torch.Tensor]:
@@ -86,10 +86,10 @@ class PFedMe(Method):
         return F.cross_entropy(logits, y) + 0.5 * self.opt.lam * prox, {}
 
     def after_personal(self, personal, payload, client_state, report):
-        return {**client_state, **{"pfedme.theta." + k: v for k, v in personal.items()}}
+        return {**client_state, **add_prefix(personal, "pfedme.theta.")}
 
     def personal_state(self, trained, client_state):
-        return {k[len("pfedme.theta."):]: v for k, v in client_state.items() if k.startswith("pfedme.theta.")}
+        return strip_prefix(client_state, "pfedme.theta.")
 
     def aggregate(self, server_state, global_state, uploads, reports):
         mean, _ = super().aggregate(server_state, global_state, uploads, reports)
@@ -123,7 +123,7 @@ class PerFedAvg(Method):
     Options = PerFedAvgOptions
 
     def client_init(self, client_id, global_state, info):
-        return {"perfedavg." + k: v.clone() for k, v in global_state.items()}
+        return add_prefix({k: v.clone() for k, v in global_state.items()}, "perfedavg.")
 
     def local_loss(self, fwd, params, x, y, payload, client_state):
         half = x.shape[0] // 2
@@ -141,10 +141,10 @@ class PerFedAvg(Method):
         return model_part(payload)
 
     def after_personal(self, personal, payload, client_state, report):
-        return {"perfedavg." + k: v for k, v in personal.items()}
+        return add_prefix(personal, "perfedavg.")
 
     def personal_state(self, trained, client_state):
-        return {k[len("perfedavg."):]: v for k, v in client_state.items()}
+        return strip_prefix(client_state, "perfedavg.")
 
 
 __all__ = ["PFedMe", "PerFedAvg", "ce_grad", "moreau_solve"]

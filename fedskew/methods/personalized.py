@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.methods.base import (ClientReport, FedAvgOptions, Method, State, as_model_part, model_part,
-                                  reference_tensor, weighted_mean)
+from fedskew.methods.base import (ClientReport, FedAvgOptions, Method, add_prefix, as_model_part, model_part,
+                                  reference_tensor, strip_prefix, weighted_mean)
 from fedskew.methods.compose import Composite
 from fedskew.methods.fedmr import aggregate_prototypes, class_feature_means
 from fedskew.methods.map import RestrictedSoftmax, RSOptions
@@ -42,10 +42,6 @@ def head_names(info) -> frozenset[str]:
 
 def body_names(info) -> frozenset[str]:
     return frozenset(k for k in info.param_names if not k.startswith(HEAD))
-
-
-def _prefixed(state: State, prefix: str) -> State:
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def _fraction_steps(total_steps: int, fraction: float) -> int:
@@ -76,13 +72,13 @@ class Ditto(Method):
     Options = DittoOptions
 
     def client_init(self, client_id, global_state, info):
-        return {"ditto." + k: v.clone() for k, v in global_state.items()}
+        return add_prefix({k: v.clone() for k, v in global_state.items()}, "ditto.")
 
     def split_steps(self, total_steps, lr):
         return total_steps, _fraction_steps(total_steps, self.opt.personal_fraction), lr
 
     def personal_start(self, trained, payload, client_state):
-        return _prefixed(client_state, "ditto.")
+        return strip_prefix(client_state, "ditto.")
 
     def personal_loss(self, fwd, params, x, y, payload, client_state):
         _, logits = fwd(x)
@@ -91,10 +87,10 @@ class Ditto(Method):
         return ce + 0.5 * self.opt.lam * prox, {"ditto/prox": prox.detach()}
 
     def after_personal(self, personal, payload, client_state, report):
-        return {"ditto." + k: v for k, v in personal.items()}
+        return add_prefix(personal, "ditto.")
 
     def personal_state(self, trained, client_state):
-        return _prefixed(client_state, "ditto.")
+        return strip_prefix(client_state, "ditto.")
 
 
 class DittoRSOptions(DittoOptions):
@@ -146,7 +142,7 @@ class FedRep(Method):
         return as_model_part({k: v for k, v in global_state.items() if not k.startswith(HEAD)})
 
     def local_start(self, payload, client_state):
-        return {**model_part(payload), **_prefixed(client_state, "rep.")}
+        return {**model_part(payload), **strip_prefix(client_state, "rep.")}
 
     def split_steps(self, total_steps, lr):
         head = min(_fraction_steps(total_steps, self.opt.head_fraction), max(total_steps - 1, 0))
@@ -190,7 +186,7 @@ class FedBABU(Method):
 
     def client_init(self, client_id, global_state, info):
         # the latest personalised model (same keys for every client, so clients stack)
-        return {"babu." + k: v.clone() for k, v in global_state.items()}
+        return add_prefix({k: v.clone() for k, v in global_state.items()}, "babu.")
 
     def split_steps(self, total_steps, lr):
         return total_steps, _fraction_steps(total_steps, self.opt.finetune_fraction), lr
@@ -205,10 +201,10 @@ class FedBABU(Method):
         return model_part(payload)
 
     def after_personal(self, personal, payload, client_state, report):
-        return {"babu." + k: v for k, v in personal.items()}
+        return add_prefix(personal, "babu.")
 
     def personal_state(self, trained, client_state):
-        return _prefixed(client_state, "babu.")
+        return strip_prefix(client_state, "babu.")
 
     def aggregate(self, server_state, global_state, uploads, reports):
         body = weighted_mean([model_part(u) for u in uploads], self.client_weights(reports))
@@ -346,7 +342,7 @@ class FedProto(Method):
         return {"fedproto.g": server_state["fedproto.g"]}
 
     def local_start(self, payload, client_state):
-        return _prefixed(client_state, "fedproto.model.")
+        return strip_prefix(client_state, "fedproto.model.")
 
     def local_loss(self, fwd, params, x, y, payload, client_state):
         z, logits = fwd(x)
@@ -358,7 +354,7 @@ class FedProto(Method):
         means, counts = class_feature_means(z, y, self.info.num_classes)
         own = torch.where((counts > 0)[:, None], means, torch.full_like(means, float("nan")))
         g = payload["fedproto.g"]
-        state = {**{"fedproto.model." + k: v for k, v in trained.items()},
+        state = {**add_prefix(trained, "fedproto.model."),
                  "fedproto.predict": torch.where(torch.isnan(g[:, :1]), own, g)}
         return {"fedproto.mean": means, "fedproto.count": counts}, state
 
