@@ -132,9 +132,13 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _method_options(self) -> "RunConfig":
-        from fedskew.methods import validate_method_config
+        from fedskew.methods import method_model_defaults, validate_method_config
 
         validate_method_config(self.method)
+        # the model options the method's papers use, where the config leaves them unset
+        for key, value in method_model_defaults(self.method).items():
+            if key not in self.model.model_fields_set:
+                setattr(self.model, key, value)
         if self.clients_per_round > self.partition.num_clients:
             raise ValueError(f"clients_per_round = {self.clients_per_round} exceeds partition.num_clients = "
                              f"{self.partition.num_clients}")

@@ -175,11 +175,22 @@ def frozen_forward(model: nn.Module):
     return run
 
 
+def in_eval_mode(model: nn.Module, fn):
+    """``fn()`` with ``model`` in eval mode (its mode restored after), with gradients as usual."""
+    was_training = model.training
+    model.eval()
+    try:
+        return fn()
+    finally:
+        model.train(was_training)
+
+
 def module_forward(model: nn.Module) -> Forward:
     """The :class:`Forward` of an ``nn.Module`` trained in place (the sequential executor's)."""
     return Forward(lambda x: model(x, return_features=True), frozen_forward(model), model.classifier,
                    lambda state, x: functional_call(model, state, (x,), {"return_features": True}),
-                   dict(model.named_buffers()))
+                   dict(model.named_buffers()),
+                   lambda x: in_eval_mode(model, lambda: model(x, return_features=True)))
 
 
 class SequentialExecutor:
@@ -225,10 +236,11 @@ class SequentialExecutor:
 
     def _sgd_stage(self, loss_fn, idx: torch.Tensor, batches: list[np.ndarray], lr: float,
                    payload: State, client_state: State, trainable: frozenset[str] | None = None,
-                   augment: torch.Tensor | None = None) -> dict:
+                   augment: torch.Tensor | None = None, correction: State | None = None) -> dict:
         """Train the loaded model on ``batches`` with a fresh torch.optim.SGD over the ``trainable``
         parameters (None: all; the others are frozen), each batch augmented with its rows of
-        ``augment`` when given; mean tracked values."""
+        ``augment`` when given, and ``p -= lr * correction[p]`` after every optimizer step
+        (``Method.step_correction``); mean tracked values."""
         s, model = self.settings, self.model
         model.train()
         params = dict(model.named_parameters())
@@ -253,6 +265,11 @@ class SequentialExecutor:
                 if s.grad_clip is not None:
                     nn.utils.clip_grad_norm_(updated, s.grad_clip)
                 opt.step()
+                if correction:
+                    with torch.no_grad():
+                        for k, d in correction.items():
+                            if trainable is None or k in trainable:
+                                params[k].sub_(d, alpha=lr)
                 add_tracked(sums, {"loss": loss, **aux})
         finally:
             for p in frozen:
@@ -286,7 +303,8 @@ class SequentialExecutor:
             load_state(model, method.local_start(payload, client_state))
         means.update(self._sgd_stage(method.local_loss, idx, batches, lr, payload, client_state,
                                      method.trained_params("upload"),
-                                     s.augmentation(round_idx, client_id, 0, sum(map(len, batches)))))
+                                     s.augmentation(round_idx, client_id, 0, sum(map(len, batches))),
+                                     method.step_correction(payload, client_state)))
         trained = federated_state(model)
         upload, new_state = method.after_training(trained, payload, client_state, report)
         if personal_batches and not method.personal_first:

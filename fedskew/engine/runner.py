@@ -34,7 +34,7 @@ from fedskew.engine.local import LocalSettings, SequentialExecutor, federated_st
 from fedskew.engine.rng import numpy_rng, sample_clients, seeded_torch
 from fedskew.methods import FederationInfo, build_method
 from fedskew.methods.base import model_part
-from fedskew.metrics import classifier_proxy_stats, count_floats, feature_eig_var, global_metrics, mean_std
+from fedskew.metrics import classifier_proxy_stats, count_floats, feature_stats, global_metrics, mean_std
 from fedskew.models import build_model
 
 
@@ -93,7 +93,7 @@ class Experiment:
                                    torch.from_numpy(self.fed.counts("train")), cfg.rounds,
                                    cfg.clients_per_round, cfg.seed,
                                    tuple(n for n, _ in self.model.named_parameters()), self.model.feature_dim,
-                                   public_samples(self.fed, cfg.seed, self.device))
+                                   public_samples(self.fed, cfg.seed, self.device), cfg.local_epochs, cfg.batch_size)
         self.method = build_method(cfg.method, self.info)
         need = self.method.requires_classifier
         if need is not None and need != cfg.model.classifier:
@@ -239,7 +239,7 @@ class Experiment:
                 x_val, y_val = self.fed.data.x_val.to(self.device), self.fed.data.y_val.to(self.device)
                 record["global/val_acc"] = (predict(self.model, new_global, x_val) == y_val).float().mean().item()
             if cfg.feature_stats:
-                record["features/eig_var_top50"] = feature_eig_var(self.model, new_global, self.x_test)
+                record.update(feature_stats(self.model, new_global, self.x_test))
         record["memory/client_state_bytes"] = sum(v.numel() * v.element_size() for st in client_states.values()
                                                   for v in st.values())
         if cfg.classifier_stats:

@@ -37,7 +37,7 @@ from torch.func import functional_call, vmap
 from fedskew.data.augment import crop_flip
 from fedskew.data.federated import Federation
 from fedskew.engine.local import (ClientResult, LocalSettings, SequentialExecutor, bn_recalibration_fn,
-                                  feature_fn, frozen_forward, stage_schedules)
+                                  feature_fn, frozen_forward, in_eval_mode, stage_schedules)
 from fedskew.methods.base import ClientReport, Forward, Method, State
 
 
@@ -105,7 +105,10 @@ class VectorizedExecutor:
             def call_fn(state, inp):
                 return functional_call(self.model, {**buffers, **state}, (inp,), {"return_features": True})
 
-            fwd = Forward(train_fn, self._frozen, head_fn, call_fn, buffers)
+            def eval_fn(inp):
+                return in_eval_mode(self.model, lambda: train_fn(inp))
+
+            fwd = Forward(train_fn, self._frozen, head_fn, call_fn, buffers, eval_fn)
             return loss_fn(fwd, params, x, y, payload, client_state)
         return loss
 
@@ -217,9 +220,11 @@ class VectorizedExecutor:
         if has_personal and method.personal_first:
             states = personal_stage(starts, states)
             starts = [method.local_start(payload, st) for st in states]
-        trained_all, sums, steps = self._run_stage(self._losses, self._stack_starts(starts), stack_states(states),
+        stacked_states = stack_states(states)
+        correction = self._correction(payload, stacked_states)
+        trained_all, sums, steps = self._run_stage(self._losses, self._stack_starts(starts), stacked_states,
                                                    [p[0] for p in plans], clients, payload, lr,
-                                                   method.trained_params("upload"), (round_idx, 0))
+                                                   method.trained_params("upload"), (round_idx, 0), correction)
         trained = [unstack(trained_all, i) for i in range(len(clients))]  # views; methods never write in place
         results = []
         for i, k in enumerate(clients):
@@ -237,12 +242,19 @@ class VectorizedExecutor:
             r.acc_after = acc
         return sorted(results, key=lambda r: given_order[r.client_id])
 
+    def _correction(self, payload: State, cstates: State) -> State | None:
+        """Every client's ``Method.step_correction``, stacked (None: the method has none)."""
+        if self.method.step_correction(payload, unstack(cstates, 0)) is None:
+            return None
+        return vmap(self.method.step_correction, in_dims=(None, 0))(payload, cstates)
+
     def _run_stage(self, losses_fn, start: State, cstates: State, schedules: list[list[np.ndarray]],
                    clients: list[int], payload: State, lr: float, trainable: frozenset[str] | None = None,
-                   round_stage: tuple[int, int] = (0, 0)):
+                   round_stage: tuple[int, int] = (0, 0), correction: State | None = None):
         """Local SGD of every client of the chunk from the stacked ``start`` on its own batch
         schedule, updating the ``trainable`` parameters (None: all), batches augmented with the
-        (round, stage) draws when augmentation is on; returns the stacked trained state
+        (round, stage) draws when augmentation is on, ``p -= lr * correction`` after every step
+        (stacked ``Method.step_correction``); returns the stacked trained state
         (parameters and float buffers), the summed tracked values per client and each client's
         number of steps."""
         s = self.settings
@@ -297,6 +309,11 @@ class VectorizedExecutor:
                 # Each client's loss depends only on its own row of the stack, so the gradient of
                 # the sum is every client's own gradient.
                 self._sgd_({k: p[k] for k in updated}, dict(zip(updated, grads)), mom, lr)
+                if correction:
+                    with torch.no_grad():
+                        corr = pick(correction)
+                        torch._foreach_add_([p[k] for k in updated if k in corr],
+                                            [corr[k] for k in updated if k in corr], alpha=-lr)
                 if gi is None:
                     for key, v in tracked.items():
                         sums[key][a:b] += v.detach()

@@ -66,6 +66,11 @@ def validate_method_config(cfg) -> None:
     _parse(cfg)
 
 
+def method_model_defaults(cfg) -> dict:
+    """The model options the method named by ``cfg`` uses by default (``Method.model_defaults``)."""
+    return dict(getattr(METHODS[cfg.name], "model_defaults", {}))
+
+
 def build_method(cfg, info: FederationInfo | None = None) -> Method:
     cls, options, parts = _parse(cfg)
     method = cls(options, info)
@@ -75,4 +80,4 @@ def build_method(cfg, info: FederationInfo | None = None) -> Method:
 
 
 __all__ = ["ClientReport", "FederationInfo", "Forward", "METHODS", "Method", "State", "build_method",
-           "validate_method_config"]
+           "method_model_defaults", "validate_method_config"]

@@ -16,6 +16,8 @@ the same functions:
 ``after_training``     (trained state, payload, client state, report) -> (upload, client state)
 ``personal_state``     (trained state, client state) -> the client's personalised model
 ``aggregate``          (server state, global state, uploads, reports) -> (global, server state)
+``step_correction``    (payload, client state) -> a direction applied after every optimizer step
+                       of the uploaded model's training, outside momentum (SCAFFOLD, FedDC)
 =====================  =======================================================================
 
 A method may add a second local stage, whose result is the client's personalised model
@@ -64,6 +66,8 @@ class FederationInfo:
     # A public set of one training sample per class, drawn once from the seed (stream
     # ``public_samples``) and visible to every client (FedKA's shared anchors): (x [C, ...], y [C]).
     public_samples: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
+    local_epochs: int = 1  # E and B of local training (FedDC's fixed control step count)
+    batch_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -103,19 +107,22 @@ class Forward:
     ``fwd.call(state, x)`` runs the model being trained with other parameter (and optionally
     buffer) values in train mode, differentiable in them, its own ``fwd.buffers`` filling in what
     ``state`` lacks (inner steps of pFedMe and Per-FedAvg; pass the buffers through
-    ``torch.func.grad`` as an argument so BatchNorm may update them)."""
+    ``torch.func.grad`` as an argument so BatchNorm may update them); ``fwd.evaluate(x)`` runs the
+    model being trained in eval mode (running BatchNorm statistics, no dropout, no buffer update),
+    differentiable in its parameters (FedKA's anchors, compared with eval-mode global logits)."""
 
     def __init__(self, train_fn: Callable, frozen_fn: Callable, head_fn: Callable | None = None,
-                 call_fn: Callable | None = None, buffers: State | None = None):
+                 call_fn: Callable | None = None, buffers: State | None = None, eval_fn: Callable | None = None):
         self._train_fn = train_fn
         self._frozen_fn = frozen_fn
         self._head_fn = head_fn
         self._call_fn = call_fn
+        self._eval_fn = eval_fn
         self.buffers = buffers if buffers is not None else {}
 
     def wrapping(self, fwd: "Forward") -> None:
         """Take every function of ``fwd`` (for subclasses that wrap a Forward)."""
-        Forward.__init__(self, fwd._train_fn, fwd._frozen_fn, fwd._head_fn, fwd._call_fn, fwd.buffers)
+        Forward.__init__(self, fwd._train_fn, fwd._frozen_fn, fwd._head_fn, fwd._call_fn, fwd.buffers, fwd._eval_fn)
 
     def __call__(self, x: torch.Tensor):
         return self._train_fn(x)
@@ -128,6 +135,9 @@ class Forward:
 
     def call(self, state: State, x: torch.Tensor):
         return self._call_fn(state, x)
+
+    def evaluate(self, x: torch.Tensor):
+        return self._eval_fn(x)
 
 
 def reference_tensor(state: State) -> torch.Tensor:
@@ -177,6 +187,9 @@ class Method:
     # "etf": the method needs the fixed ETF head; None: either.
     requires_classifier: str | None = None
     has_global_model = True  # False: no model serves the global test set (FedProto, FedRep)
+    # model options this method's papers use, applied to the keys a config leaves unset
+    # (``method=map`` -> a bias-free classifier; ``method=etf_gmv`` -> the fixed ETF head)
+    model_defaults: dict = {}
     personal_first = False  # True: the personalisation stage runs before the uploaded model's training
 
     def __init__(self, options: BaseModel | None = None, info: FederationInfo | None = None):
@@ -227,6 +240,13 @@ class Method:
 
     def trained_params(self, stage: Literal["upload", "personal"]) -> frozenset[str] | None:
         """The parameter names a local stage updates; None: all of them."""
+        return None
+
+    def step_correction(self, payload: State, client_state: State) -> State | None:
+        """A per-parameter direction d that every executor applies after each optimizer step of
+        the uploaded model's training, outside momentum, weight decay and clipping:
+        ``p <- p - lr * d`` (SCAFFOLD's c - c_i, as NIID-Bench applies it). Pure (it is vmapped
+        over clients); None: no correction. FedAvg: None."""
         return None
 
     def personal_start(self, trained: State, payload: State, client_state: State) -> State:

@@ -153,6 +153,9 @@ class Composite(Method):
             aux.update(extra)
         return loss, aux
 
+    def step_correction(self, payload, client_state):
+        return self.base.step_correction(payload, _others(client_state, self._prefixes))
+
     def after_training(self, trained, payload, client_state, report):
         upload, new_state = self.base.after_training(trained, payload, _others(client_state, self._prefixes), report)
         upload, new_state = dict(upload), dict(new_state)

@@ -1,13 +1,14 @@
 """Client-drift baselines: FedProx, SCAFFOLD, FedDyn, FedNova (methods.md section 5).
 
-Each is FedAvg with the pieces its paper changes. Correction terms that act on the gradient are
-written as loss terms whose gradient is exactly the correction (SCAFFOLD: <c - c_i, theta> has
-gradient c - c_i), so they run unchanged in every executor. Controls and dual variables cover the
+Each is FedAvg with the pieces its paper changes. SCAFFOLD's and FedDC's control correction is a
+step correction applied after each optimizer step, outside momentum (``Method.step_correction``);
+the loss-term form (gradient of <c - c_i, theta>) stays as ``correction=loss``. Controls and dual variables cover the
 trainable parameters (``info.param_names``); BatchNorm statistics are averaged as in FedAvg.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -48,24 +49,36 @@ def effective_steps(tau: int, rho: float) -> float:
 def control_scale(report, mode: str) -> float:
     """1 / (steps * eta) in option II's control update c_i+ = c_i - c + (x - y) * scale. ``steps``
     (paper): tau local steps; ``momentum``: FedNova's effective steps a_i(tau, rho), so that with
-    local momentum the control estimates the mean gradient instead of 1/(1 - rho) times it (with
-    rho = 0.9 the paper form overestimates tenfold and SCAFFOLD/FedDC diverge: docs/benchmarks.md)."""
+    local momentum the control estimates the mean gradient instead of about 1/(1 - rho) times it."""
     steps = report.num_steps if mode == "steps" else effective_steps(report.num_steps, report.momentum)
     return 1.0 / (steps * report.lr)
 
 
+Correction = Literal["after_step", "loss"]
+CORRECTION_DOC = ("after_step: p -= lr (c - c_i) after each optimizer step, outside momentum and weight decay "
+                  "(NIID-Bench; default); loss: the term <c - c_i, theta>, which passes through momentum")
+
+
 class ScaffoldOptions(FedAvgOptions):
     server_lr: float = Field(1.0, gt=0, description="eta_g")
-    control_steps: Literal["steps", "momentum"] = Field("steps", description="divide the control update by tau "
-                                                                            "(paper) or by momentum-aware a_i")
+    control_steps: Literal["momentum", "steps"] = Field(
+        "momentum", description="divide the control update by FedNova's momentum-aware a_i(tau, rho) (default; "
+                                "= tau at momentum 0, the paper's plain SGD) or by tau")
+    correction: Correction = Field("after_step", description=CORRECTION_DOC)
 
 
 class Scaffold(Method):
     """SCAFFOLD, option II (Karimireddy et al., 2020, Algorithm 1).
 
-    Local step y <- y - eta (g(y) + c - c_i), realised as the loss term <c - c_i, y> (with momentum
-    or weight decay the correction passes through them like the gradient; the paper uses plain
-    SGD). After tau_k steps: c_i+ = c_i - c + (x - y) / (tau_k eta) (Eq. 4, option II).
+    Local step y <- y - eta (g(y) + c - c_i). Default (``correction=after_step``, as NIID-Bench
+    does it): the optimizer steps on g(y) (with momentum and weight decay), then y <- y - eta (c -
+    c_i) outside them (``step_correction``). ``correction=loss``: the loss term <c - c_i, y>, whose
+    gradient is the correction; with momentum it goes through the momentum buffer and is
+    over-applied about a_i/tau times (2.6-5.9x measured; NaN by round 4 on Fashion-MNIST P10C2).
+    After tau_k steps: c_i+ = c_i - c + (x - y) / (a_k eta) (Eq. 4, option II), a_k = FedNova's
+    effective step count a(tau_k, rho), which is tau_k for the paper's plain SGD; with momentum
+    rho the model moves about 1/(1 - rho) times farther and tau_k would overestimate the mean
+    gradient as much (``control_steps=steps``: tau_k; 33.4 vs 50.2 on Fashion-MNIST P10C2).
     Server: x <- x + eta_g sum_k p_k (y_k - x); c <- c + (1/N) sum_{k in S} (c_i+ - c_i) with N =
     all clients (adding c_i+ instead of the difference is a bug seen in another framework).
 
@@ -85,10 +98,18 @@ class Scaffold(Method):
     def broadcast(self, global_state, server_state):
         return {**as_model_part(global_state), **server_state}
 
+    def _direction(self, payload, client_state):
+        return {k: payload["c." + k] - client_state["ci." + k] for k in self.info.param_names}
+
+    def step_correction(self, payload, client_state):
+        return self._direction(payload, client_state) if self.opt.correction == "after_step" else None
+
     def local_loss(self, fwd, params, x, y, payload, client_state):
         loss, aux = super().local_loss(fwd, params, x, y, payload, client_state)
-        correction = sum(((payload["c." + k] - client_state["ci." + k]) * p).sum() for k, p in params.items())
-        return loss + correction, aux
+        if self.opt.correction == "loss":
+            d = self._direction(payload, client_state)
+            loss = loss + sum((d[k] * p).sum() for k, p in params.items())
+        return loss, aux
 
     def after_training(self, trained, payload, client_state, report):
         scale = control_scale(report, self.opt.control_steps)
@@ -199,24 +220,37 @@ class FedNova(Method):
 
 class FedDCOptions(FedAvgOptions):
     alpha: float = Field(0.01, gt=0, description="weight of the drift-decoupled proximal term")
-    aggregation: str = Field("paper", pattern="^(paper|code)$",
-                             description="paper: mean_S(theta_i + h_i); code: mean_S theta_i + mean over all clients of h_i")
-    control_steps: Literal["steps", "momentum"] = Field("steps", description="as SCAFFOLD's option")
+    aggregation: Literal["code", "paper"] = Field(
+        "code", description="code: mean_S theta_i + mean over all clients of h_i (official code, default); "
+                            "paper: mean_S(theta_i + h_i)")
+    by_data_size: bool = Field(True, description="official code: client weight w_i = n_i / mean n; alpha_i = "
+                                                 "alpha / w_i, correction c / w_i - c_i, control deltas x w_i")
+    control_steps: Literal["fixed", "steps", "momentum"] = Field(
+        "fixed", description="divide the control update by a(E * ceil(mean n / B), rho) (official code's fixed count, "
+                             "made momentum-aware; default), by the client's own tau, or by a(tau, rho)")
+    correction: Correction = Field("after_step", description=CORRECTION_DOC)
 
 
 class FedDC(Method):
-    """FedDC (Gao et al., CVPR 2022): local drift decoupling and correction.
+    """FedDC (Gao et al., CVPR 2022): local drift decoupling and correction; defaults follow the
+    official code (gaoliang13/FedDC, ``train_FedDC``), which produced the paper's tables.
 
-    Client i keeps its drift h_i and a SCAFFOLD-style control c_i; the server keeps c.
-    Local objective: CE(theta) + (alpha/2) ||theta - (w - h_i)||^2 + <theta, c - c_i>.
-    After training: h_i <- h_i + (theta_i - w); c_i+ = c_i - c + (w - theta_i) / (tau eta) (as in
-    the reference code); c <- c + (1/N) sum_S (c_i+ - c_i), N = all clients.
-    Server model: ``paper``: w <- mean over selected of (theta_i + h_i) (the client uploads the sum);
-    ``code``: w <- mean_S theta_i + (1/N) sum over all clients of h_i (the server tracks that mean,
-    updating it with theta_i - w, so nothing more is sent).
+    Client i keeps its drift h_i and a SCAFFOLD-style control c_i; the server keeps c. With the
+    client weight w_i = n_i / mean_k n_k (``by_data_size``; 1 otherwise):
+    local objective CE(theta) + (alpha / w_i / 2) ||theta - (w - h_i)||^2 + <theta, c / w_i - c_i>,
+    the last term applied as a step correction (``correction=after_step``: p -= lr (c / w_i - c_i)
+    after each optimizer step, outside momentum; the official code uses plain SGD, where both
+    forms agree). After training: h_i <- h_i + (theta_i - w); c_i+ = c_i - c / w_i + (w - theta_i)
+    / (a(S, rho) eta) with the official code's fixed step count S = E * ceil(mean n / B) and
+    FedNova's a(S, rho) (= S at rho = 0, the official code's plain SGD; with momentum 0.9 the raw
+    S over-estimates the gradient tenfold and FedDC falls to chance on Fashion-MNIST P10C2);
+    c <- c + (1/N) sum_S w_i (c_i+ - c_i), N = all clients.
+    Server model: ``code``: w <- mean_S theta_i + (1/N) sum over all clients of h_i (the server
+    tracks that mean, updating it with theta_i - w, so nothing more is sent); ``paper``: w <- mean
+    over selected of (theta_i + h_i) (the client uploads the sum).
 
-    Down |theta| + |params| (model, c); up |theta| + |params| (model or model + drift, c_i+ - c_i).
-    Client keeps h_i and c_i (2 |params|); server keeps c (and the mean drift in ``code`` mode).
+    Down |theta| + |params| (model, c); up |theta| + |params| (model or model + drift, w_i (c_i+ - c_i)).
+    Client keeps h_i, c_i and w_i (2 |params| + 1); server keeps c (and the mean drift in ``code``).
     """
 
     name = "feddc"
@@ -230,27 +264,49 @@ class FedDC(Method):
 
     def client_init(self, client_id, global_state, info):
         zeros = {k: torch.zeros_like(v) for k, v in _params(info.param_names, global_state).items()}
-        return {**{"h." + k: v for k, v in zeros.items()}, **{"ci." + k: v.clone() for k, v in zeros.items()}}
+        sizes = info.class_counts.sum(1).double()
+        weight = float(sizes[client_id] / sizes.mean()) if self.opt.by_data_size else 1.0
+        ref = global_state[info.param_names[0]]
+        return {**{"h." + k: v for k, v in zeros.items()}, **{"ci." + k: v.clone() for k, v in zeros.items()},
+                "w": torch.tensor(weight, dtype=ref.dtype, device=ref.device)}
 
     def broadcast(self, global_state, server_state):
         return {**as_model_part(global_state), **{k: v for k, v in server_state.items() if k.startswith("c.")}}
 
+    def _direction(self, payload, client_state):
+        return {k: payload["c." + k] / client_state["w"] - client_state["ci." + k] for k in self.info.param_names}
+
+    def step_correction(self, payload, client_state):
+        return self._direction(payload, client_state) if self.opt.correction == "after_step" else None
+
     def local_loss(self, fwd, params, x, y, payload, client_state):
         loss, aux = super().local_loss(fwd, params, x, y, payload, client_state)
         prox = sum((p + client_state["h." + k] - payload["model." + k]).pow(2).sum() for k, p in params.items())
-        correction = sum(((payload["c." + k] - client_state["ci." + k]) * p).sum() for k, p in params.items())
-        return loss + 0.5 * self.opt.alpha * prox + correction, aux
+        loss = loss + 0.5 * self.opt.alpha / client_state["w"] * prox
+        if self.opt.correction == "loss":
+            d = self._direction(payload, client_state)
+            loss = loss + sum((d[k] * p).sum() for k, p in params.items())
+        return loss, aux
+
+    def _control_scale(self, report) -> float:
+        if self.opt.control_steps != "fixed":
+            return control_scale(report, self.opt.control_steps)
+        info = self.info
+        mean_n = float(info.class_counts.sum(1).double().mean())
+        fixed = info.local_epochs * math.ceil(mean_n / info.batch_size)
+        return 1.0 / (effective_steps(fixed, report.momentum) * report.lr)
 
     def after_training(self, trained, payload, client_state, report):
-        scale = control_scale(report, self.opt.control_steps)
-        state, upload = {}, as_model_part(trained)
+        scale = self._control_scale(report)
+        w = client_state["w"]
+        state, upload = {"w": w}, as_model_part(trained)
         for k in self.info.param_names:
-            w, theta = payload["model." + k], trained[k]
-            h = client_state["h." + k] + (theta - w)
+            g, theta = payload["model." + k], trained[k]
+            h = client_state["h." + k] + (theta - g)
             ci = client_state["ci." + k]
-            new_ci = ci - payload["c." + k] + (w - theta) * scale
+            new_ci = ci - payload["c." + k] / w + (g - theta) * scale
             state["h." + k], state["ci." + k] = h, new_ci
-            upload["dc." + k] = new_ci - ci
+            upload["dc." + k] = (new_ci - ci) * w
             if self.opt.aggregation == "paper":
                 upload["model." + k] = theta + h
         return upload, state

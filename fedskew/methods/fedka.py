@@ -30,21 +30,26 @@ def not_true_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, idx)
 
 
-def ntd_loss(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor, tau: float = 1.0) -> torch.Tensor:
-    """T^2 * KL(softmax(gz~ / T) || softmax(z~ / T)), batch mean, ~ = true class removed."""
+def ntd_loss(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor, tau: float = 1.0,
+             tau_squared: bool = False) -> torch.Tensor:
+    """KL(softmax(gz~ / T) || softmax(z~ / T)), batch mean, ~ = true class removed, times T^2 when
+    ``tau_squared`` (the usual distillation scaling; the official FedNTD code has no T^2)."""
     z, g = not_true_logits(logits, y) / tau, not_true_logits(global_logits, y) / tau
     p_g = F.softmax(g, dim=-1)
     kl = (p_g * (F.log_softmax(g, dim=-1) - F.log_softmax(z, dim=-1))).sum(-1)
-    return kl.mean() * tau ** 2
+    return kl.mean() * (tau ** 2 if tau_squared else 1.0)
 
 
 class FedNTDOptions(FedAvgOptions):
     ntd_beta: float = Field(1.0, ge=0, description="weight of the not-true distillation term")
     ntd_tau: float = Field(1.0, gt=0, description="distillation temperature T")
+    tau_squared: bool = Field(False, description="multiply the KL by T^2 (not in the official code; same at T = 1)")
 
 
 class FedNTD(Method):
-    """L = CE(z, y) + beta * NTD(z, frozen received global model's logits). Communication as FedAvg."""
+    """L = CE(z, y) + beta * NTD(z, frozen received global model's logits), NTD without the T^2
+    factor as in the official code (Lee-Gihun/FedNTD; ``tau_squared=true`` adds it). Communication
+    as FedAvg."""
 
     name = "fedntd"
     Options = FedNTDOptions
@@ -52,7 +57,7 @@ class FedNTD(Method):
     def local_loss(self, fwd, params, x, y, payload, client_state):
         _, logits = fwd(x)
         _, global_logits = fwd.frozen(model_part(payload), x)
-        ntd = ntd_loss(logits, global_logits, y, self.opt.ntd_tau)
+        ntd = ntd_loss(logits, global_logits, y, self.opt.ntd_tau, self.opt.tau_squared)
         return F.cross_entropy(logits, y) + self.opt.ntd_beta * ntd, {"fedntd/ntd": ntd.detach()}
 
 
@@ -105,7 +110,8 @@ def knowledge_anchor_loss(local_logits: torch.Tensor, global_logits: torch.Tenso
 
 
 class FedKAOptions(FedAvgOptions):
-    ka_beta: float = Field(0.1, ge=0, description="weight of the knowledge-anchor term (paper grid 0.5..0.001)")
+    ka_beta: float = Field(0.001, ge=0, description="weight of the knowledge-anchor term (paper grid 0.5, 0.1, "
+                                                    "0.01, 0.001; 0.1 and 0.01 blow up or lag: docs/methods.md)")
     gamma: float | None = Field(None, gt=0, le=1, description="non-dominant threshold on the class share "
                                                               "(default 1/C)")
     anchor_cap: int = Field(10, ge=1, description="most anchors per client")
@@ -123,7 +129,10 @@ class FedKA(Method):
 
     Keeps per client (rebuilt each round, padded to ``anchor_cap``): anchors, their global logits,
     a validity mask and the kept-class mask. Communication as FedAvg. The anchors pass through the
-    model in training mode on every step (a BatchNorm model's running statistics see them)."""
+    model being trained in eval mode (``fwd.evaluate``), the mode of the global logits they are
+    compared with: in train mode, the zero padding of the anchor set would enter BatchNorm's batch
+    statistics and shift the real anchors' logits (the loss was 0.41 where local = global), and the
+    anchors would move the running statistics."""
 
     name = "fedka"
     Options = FedKAOptions
@@ -170,7 +179,7 @@ class FedKA(Method):
     def local_loss(self, fwd, params, x, y, payload, client_state):
         _, logits = fwd(x)
         ce = F.cross_entropy(logits, y)
-        _, anchor_logits = fwd(client_state["ka.x"])
+        _, anchor_logits = fwd.evaluate(client_state["ka.x"])
         ka = knowledge_anchor_loss(anchor_logits, client_state["ka.global_logits"], client_state["ka.keep"],
                                    client_state["ka.valid"])
         return ce + self.opt.ka_beta * ka, {"fedka/anchor": ka.detach()}

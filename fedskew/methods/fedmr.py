@@ -42,15 +42,17 @@ def standardised_class_features(z: torch.Tensor, y: torch.Tensor, num_classes: i
     return diff / torch.sqrt(var + eps)[:, None, :], counts
 
 
-def intra_class_loss(z: torch.Tensor, y: torch.Tensor, num_classes: int, form: str = "paper",
+def intra_class_loss(z: torch.Tensor, y: torch.Tensor, num_classes: int, form: str = "code",
                      eps: float = 1e-8) -> torch.Tensor:
     """L_intra. Classes with fewer than two samples in the batch are skipped; if none qualifies
     the result is an exact zero tensor.
 
-    * ``paper``: M_c = Z_c^T Z_c / (N_c - 1) (the class correlation matrix);
-      L = (1/|C_batch|) sum_c ||M_c||_F^2 over qualifying classes.
-    * ``code`` (FedMR/FedDecorr reference code): G_c = Z_c^T Z_c; term_c = mean of the squared
-      off-diagonal entries of G_c; L = sum_c term_c / sum_c N_c.
+    * ``code`` (FedMR authors' code, FedDecorr lineage; the default): G_c = Z_c^T Z_c; term_c =
+      mean of the squared off-diagonal entries of G_c; L = sum_c term_c / sum_c N_c.
+    * ``paper`` (Eq. 3): M_c = Z_c^T Z_c / (N_c - 1) (the class correlation matrix);
+      L = (1/|C_batch|) sum_c ||M_c||_F^2 over qualifying classes. Each unit that varies within a
+      class adds 1 (the diagonal), so the form is minimised by dead ReLU units; it is
+      d(d-1) sum N_c / (|C_b| (N_c - 1)^2) times the code form's scale (docs/methods.md).
     """
     zs, counts = standardised_class_features(z, y, num_classes, eps)
     qualifies = (counts >= 2).to(z.dtype)
@@ -121,6 +123,12 @@ def eig_var_top50(features: torch.Tensor, top: int = 50) -> float:
     return float(((eig - eig.mean()) ** 2).sum() / 128)
 
 
+def live_units(features: torch.Tensor) -> int:
+    """How many feature units (columns) are non-zero for at least one sample: ReLU units that are
+    not dead on this batch."""
+    return int((features != 0).any(0).sum())
+
+
 @lru_cache(maxsize=64)
 def sharing_clients(seed: int, num_clients: int, fraction: float) -> frozenset[int]:
     """Clients allowed to upload prototypes (paper Table 5), chosen once from the seed."""
@@ -140,7 +148,9 @@ class _Strict(BaseModel):
 
 class DecorrelationOptions(_Strict):
     mu1: float = Field(0.01, ge=0, description="weight of L_intra")
-    intra_form: Literal["paper", "code"] = "paper"
+    intra_form: Literal["code", "paper"] = Field("code", description="code: the authors' code's form, with which "
+                                                                     "the paper's mu1 values train (default); "
+                                                                     "paper: Eq. 3, ||M_c||_F^2")
 
 
 class PrototypeOptions(_Strict):
@@ -222,9 +232,9 @@ COMPONENTS: dict[str, type[Component]] = {"decorrelation": IntraDecorrelation, "
 
 
 class FedMROptions(FedAvgOptions):
-    mu1: float = Field(0.01, ge=0, description="weight of L_intra (paper best: 0.01 FMNIST)")
+    mu1: float = Field(0.01, ge=0, description="weight of L_intra (paper best: 0.01 FMNIST), in the code form")
     mu2: float = Field(1e-4, ge=0, description="weight of L_inter (0: prototype-free FedMR)")
-    intra_form: Literal["paper", "code"] = "paper"
+    intra_form: Literal["code", "paper"] = DecorrelationOptions.model_fields["intra_form"].default
     inter_classes: Literal["all", "local"] = "all"
     lite_n: int | None = Field(None, ge=1)
     proto_share_fraction: float = Field(1.0, gt=0, le=1)
@@ -242,4 +252,4 @@ class FedMR(FedAvgWith):
                                                  share_fraction=opt.proto_share_fraction))]
 
 __all__ = ["COMPONENTS", "FedMR", "IntraDecorrelation", "PrototypeMargin", "aggregate_prototypes",
-           "class_feature_means", "eig_var_top50", "inter_class_margin", "intra_class_loss"]
+           "class_feature_means", "eig_var_top50", "inter_class_margin", "intra_class_loss", "live_units"]

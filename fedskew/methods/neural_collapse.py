@@ -52,6 +52,7 @@ class EtfGmv(Method):
     name = "etf_gmv"
     Options = EtfGmvOptions
     requires_classifier = "etf"
+    model_defaults = {"classifier": "etf"}
 
     @property
     def warmup(self) -> int:

@@ -31,7 +31,7 @@ from fedskew.methods.base import (ClientReport, FedAvgOptions, Method, add_prefi
                                   reference_tensor, strip_prefix, weighted_mean)
 from fedskew.methods.compose import Composite
 from fedskew.methods.fedmr import aggregate_prototypes, class_feature_means
-from fedskew.methods.map import RestrictedSoftmax, RSOptions
+from fedskew.methods.map import ALPHA, BIAS_FREE, RestrictedSoftmax, RSOptions
 
 HEAD = "classifier."
 
@@ -94,7 +94,7 @@ class Ditto(Method):
 
 
 class DittoRSOptions(DittoOptions):
-    alpha: float = Field(0.5, ge=0, le=1, description="scale of missing classes' logits")
+    alpha: float = Field(ALPHA, ge=0, le=1, description="scale of missing classes' logits")
     rs_form: Literal["hard", "soft"] = "hard"
 
 
@@ -103,6 +103,7 @@ class DittoRS(Composite):
 
     name = "dittors"
     Options = DittoRSOptions
+    model_defaults = BIAS_FREE
 
     def __init__(self, options=None, info=None):
         opt = options if options is not None else self.Options()
@@ -279,6 +280,9 @@ class FedROD(Method):
 
 class FedProtoOptions(FedAvgOptions):
     lam: float = Field(1.0, ge=0, description="weight of the prototype regulariser")
+    proto_weighting: Literal["clients", "count"] = Field(
+        "clients", description="server prototype = unweighted mean over the clients holding the class (official "
+                               "code, default) or weighted by their counts (paper Eq. 8)")
 
 
 def prototype_regularizer(z: torch.Tensor, y: torch.Tensor, prototypes: torch.Tensor) -> torch.Tensor:
@@ -305,7 +309,10 @@ class FedProto(Method):
     (kept across rounds, all starting from the same initialisation) on CE + lam * R(z, g_y), R the
     squared distance to the global prototype of the label (Eq. 7). After training it uploads the
     mean eval-mode feature of each class it holds and the counts; the server's prototype of a class
-    is the count-weighted mean over the uploading clients (Eq. 8), kept when none holds it.
+    is the unweighted mean over the uploading clients that hold it, as in the official code
+    (``proto_weighting=count``: count-weighted, paper Eq. 8), kept when none holds it. The official
+    code averages training-mode features of the last local epoch; here the features are computed
+    after training in eval mode (the same for models without BatchNorm or dropout).
 
     Prediction by nearest prototype (paper Section 4): the personalised model is the client's
     model with its linear head replaced by the nearest-prototype head over the global prototypes
@@ -363,8 +370,10 @@ class FedProto(Method):
         return {**trained, HEAD + "weight": w.to(trained[HEAD + "weight"].dtype), HEAD + "bias": b}
 
     def aggregate(self, server_state, global_state, uploads, reports):
-        g = aggregate_prototypes(server_state["fedproto.g"], [u["fedproto.mean"] for u in uploads],
-                                 [u["fedproto.count"] for u in uploads])
+        counts = [u["fedproto.count"] for u in uploads]
+        if self.opt.proto_weighting == "clients":  # every holder of a class weighs 1
+            counts = [(c > 0).to(c.dtype) for c in counts]
+        g = aggregate_prototypes(server_state["fedproto.g"], [u["fedproto.mean"] for u in uploads], counts)
         return global_state, {"fedproto.g": g}
 
 

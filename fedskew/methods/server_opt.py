@@ -6,7 +6,10 @@ Pseudo-gradient Delta = sum_k p_k theta_k - x (FedAvg weights p_k). Then
 - FedAdam: m <- b1 m + (1 - b1) Delta; v <- b2 v + (1 - b2) Delta^2; x <- x + eta_g m / (sqrt(v) + tau).
 - FedYogi: as FedAdam but v <- v - (1 - b2) Delta^2 sign(v - Delta^2).
 No bias correction (Reddi et al.); v starts at tau^2 (their v_{-1} >= tau^2), m at 0. This is not
-torch.optim.Adam. Only trainable parameters are optimised; BatchNorm statistics take the weighted
+torch.optim.Adam. With tau = 1e-3 the first adaptive step is about eta_g * sign(Delta) per
+coordinate (|step| <= eta_g (1 - b1) / sqrt(1 - b2) = eta_g), so eta_g = 1 moves every weight by
+about 1 and diverges at once; Reddi et al. tune eta_g in 1e-3..1e-1. Default 0.01: on
+Fashion-MNIST P10C2 (docs/benchmarks.md) 0.1 stays at chance and 0.01 trains above FedAvg. Only trainable parameters are optimised; BatchNorm statistics take the weighted
 mean. Communication as FedAvg; the server keeps m (and v).
 """
 
@@ -25,6 +28,10 @@ class ServerOptOptions(FedAvgOptions):
     beta1: float = Field(0.9, ge=0, lt=1, description="FedAvgM momentum beta / Adam-Yogi beta1")
     beta2: float = Field(0.99, ge=0, lt=1)
     tau: float = Field(1e-3, gt=0, description="adaptivity")
+
+
+class AdaptiveOptions(ServerOptOptions):
+    server_lr: float = Field(0.01, gt=0, description="eta_g (Reddi et al. tune 1e-3..1e-1; 1.0 diverges)")
 
 
 class ServerOpt(Method):
@@ -62,11 +69,11 @@ class FedAvgM(ServerOpt):
 
 
 class FedAdam(ServerOpt):
-    name, kind = "fedadam", "adam"
+    name, kind, Options = "fedadam", "adam", AdaptiveOptions
 
 
 class FedYogi(ServerOpt):
-    name, kind = "fedyogi", "yogi"
+    name, kind, Options = "fedyogi", "yogi", AdaptiveOptions
 
 
 def spreadout(weight: torch.Tensor, margin: float) -> torch.Tensor:

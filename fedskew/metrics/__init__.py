@@ -8,7 +8,8 @@
 - ``comm/down_floats`` / ``comm/up_floats``: numbers of tensor elements actually sent in the
   round, summed over the selected clients (``comm/*_total``: cumulative); ``comm/*_extra_floats``:
   the part that is not the model (prototypes, control variates, ...).
-- ``features/eig_var_top50``: with ``feature_stats=true``, FedMR's Table 7 statistic.
+- ``features/eig_var_top50``, ``features/live_units``: with ``feature_stats=true``, FedMR's Table 7
+  statistic and the number of feature units alive on the same samples.
 - ``proxy/*``: with ``classifier_stats=true``, MAP's Figure 6 statistics of the uploaded
   classifiers (:func:`classifier_proxy_stats`), averaged over the selected clients.
 """
@@ -42,14 +43,18 @@ def global_metrics(model, state, x_test: torch.Tensor, y_test: torch.Tensor, num
     return out
 
 
-def feature_eig_var(model, state, x_test: torch.Tensor, n: int = 128) -> float:
-    """``features/eig_var_top50``: FedMR Table 7 statistic of the global model's features on the
-    first ``n`` global test samples (see :func:`fedskew.methods.fedmr.eig_var_top50`)."""
+def feature_stats(model, state, x_test: torch.Tensor, n: int = 128) -> dict[str, float]:
+    """On the global model's features of the first ``n`` global test samples:
+    ``features/eig_var_top50``, FedMR Table 7 (see :func:`fedskew.methods.fedmr.eig_var_top50`),
+    and beside it ``features/live_units`` / ``features/dim``: how many feature units are non-zero
+    for at least one of the samples. A model whose units are all dead scores eig_var 0, which
+    would otherwise read as perfectly decorrelated."""
     from fedskew.engine.local import feature_fn
-    from fedskew.methods.fedmr import eig_var_top50
+    from fedskew.methods.fedmr import eig_var_top50, live_units
 
     z, _ = feature_fn(model, x_test[:n], None)(state)
-    return eig_var_top50(z)
+    return {"features/eig_var_top50": eig_var_top50(z), "features/live_units": live_units(z),
+            "features/dim": z.shape[1]}
 
 
 def mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
