@@ -12,9 +12,11 @@ reference below recomputes every round in float64 from the papers' rules:
               x <- x + eta_g sum p_k (y_k - x);  c <- c + (1/N) sum_{k in S} (c_k+ - c_k),  N = 3
     FedDyn:   local gradient - g_k + alpha (w - x);  g_k <- g_k - alpha (y_k - x);
               h <- h - alpha (1/N) sum_S (y_k - x);  x <- mean_S y_k - h / alpha
-    FedDC:    local gradient + alpha (w + h_k - x) + c - c_k;  h_k <- h_k + (y_k - x);
-              c_k+ = c_k - c + (x - y_k) / (tau_k eta);  c <- c + (1/N) sum_S (c_k+ - c_k);
-              paper: x <- mean_S (y_k + h_k);  code: x <- mean_S y_k + (1/N) sum_all h_k
+    FedDC:    w_k = n_k / mean n (official code; 1 with by_data_size=false);
+              local gradient + (alpha / w_k) (w + h_k - x) + c / w_k - c_k;  h_k <- h_k + (y_k - x);
+              c_k+ = c_k - c / w_k + (x - y_k) / (S eta), S = E ceil(mean n / B) (official code's
+              fixed count) or tau_k;  c <- c + (1/N) sum_S w_k (c_k+ - c_k);
+              code: x <- mean_S y_k + (1/N) sum_all h_k;  paper: x <- mean_S (y_k + h_k)
     FedNova:  a_k = tau_k (no momentum);  x <- x - (sum p_k a_k) sum p_k (x - y_k) / a_k
     FedAvgM:  m <- beta m + Delta;  x <- x + eta_g m,  Delta = sum p_k y_k - x
     FedAdam:  m <- b1 m + (1-b1) Delta;  v <- b2 v + (1-b2) Delta^2 (v0 = tau^2);
@@ -63,6 +65,8 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
     hk = {k: zeros() for k in range(3)}  # FedDC drifts
     m, v = zeros(), [np.full_like(x[0], opts.get("tau", 1e-3) ** 2), np.full_like(x[1], opts.get("tau", 1e-3) ** 2)]
     eta = 0.1
+    wk = n / n.mean() if opts.get("by_data_size", True) else np.ones_like(n)  # FedDC client weights
+    fixed_steps = s.epochs * int(np.ceil(n.mean() / s.batch_size))
     for t, selected in enumerate(schedule):
         ys_out, taus = {}, {}
         for k in selected:
@@ -79,7 +83,7 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
                     if method == "feddyn":
                         g[j] = g[j] - ck[k][j] + opts["alpha"] * (w[j] - x[j])
                     if method == "feddc":
-                        g[j] = g[j] + opts["alpha"] * (w[j] + hk[k][j] - x[j]) + cs[j] - ck[k][j]
+                        g[j] = g[j] + opts["alpha"] / wk[k] * (w[j] + hk[k][j] - x[j]) + cs[j] / wk[k] - ck[k][j]
                     w[j] = w[j] - eta * g[j]
             ys_out[k], taus[k] = w, len(batches)
         p = n[selected] / n[selected].sum()
@@ -105,11 +109,12 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
             dc = {}
             for k in selected:
                 hk[k] = [hk[k][j] + ys_out[k][j] - x[j] for j in range(2)]
-                new = [ck[k][j] - cs[j] + (x[j] - ys_out[k][j]) / (taus[k] * eta) for j in range(2)]
-                dc[k] = [new[j] - ck[k][j] for j in range(2)]
+                steps = fixed_steps if opts.get("control_steps", "fixed") == "fixed" else taus[k]
+                new = [ck[k][j] - cs[j] / wk[k] + (x[j] - ys_out[k][j]) / (steps * eta) for j in range(2)]
+                dc[k] = [(new[j] - ck[k][j]) * wk[k] for j in range(2)]
                 ck[k] = new
             cs = [cs[j] + sum(dc[k][j] for k in selected) / 3 for j in range(2)]
-            if opts.get("aggregation", "paper") == "paper":
+            if opts.get("aggregation", "code") == "paper":
                 x = [sum(ys_out[k][j] + hk[k][j] for k in selected) / len(selected) for j in range(2)]
             else:
                 x = [sum(ys_out[k][j] for k in selected) / len(selected) + sum(hk[k][j] for k in range(3)) / 3
@@ -139,8 +144,8 @@ CASES = [
     ("fedprox", {"mu": 0.5}),
     ("scaffold", {"server_lr": 0.7}),
     ("feddyn", {"alpha": 0.1}),
-    ("feddc", {"alpha": 0.1}),
-    ("feddc", {"alpha": 0.1, "aggregation": "code"}),
+    ("feddc", {"alpha": 0.1}),  # the official code's rules (the defaults)
+    ("feddc", {"alpha": 0.1, "aggregation": "paper", "by_data_size": False, "control_steps": "steps"}),
     ("fednova", {}),
     ("fedavgm", {"server_lr": 1.0, "beta1": 0.8}),
     ("fedadam", {"server_lr": 0.05}),

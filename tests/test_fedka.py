@@ -60,7 +60,9 @@ def test_ntd_removes_exactly_the_true_class_entry():
     for row_l, row_g in zip(not_true_logits(logits, y), not_true_logits(g, y)):
         p, q = F.softmax(row_g / T, 0), F.softmax(row_l / T, 0)
         value += (p * (p / q).log()).sum().item()
-    assert ntd_loss(logits, g, y, T).item() == pytest.approx(value / 2 * T ** 2, rel=1e-5)
+    # the official code's form (default) has no T^2; the option adds it
+    assert ntd_loss(logits, g, y, T).item() == pytest.approx(value / 2, rel=1e-5)
+    assert ntd_loss(logits, g, y, T, tau_squared=True).item() == pytest.approx(value / 2 * T ** 2, rel=1e-5)
     moved = logits.clone()
     moved[0, 2] += 50.0
     moved[1, 0] -= 50.0  # the true-class logits do not enter

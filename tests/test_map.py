@@ -101,7 +101,8 @@ ONE = ["partition=pcdd", "partition.classes_per_client=3", "partition.num_client
 
 def test_map_uploads_the_rs_model_and_keeps_the_personalised_one(tmp_path):
     # paper schedule, E = 2: stage A is exactly the first epoch, so the upload is FedRS with E = 1
-    m = Experiment(load_config(None, ONE + ["method=map", "method.alpha=0.3", "method.kt_lambda=0.2"]), tmp_path / "map")
+    m = Experiment(load_config(None, ONE + ["method=map", "method.alpha=0.3", "method.kt_lambda=0.2",
+                                            "method.schedule=paper"]), tmp_path / "map")
     res = m.run()
     rs = run(load_config(None, ONE + ["method=fedrs", "method.alpha=0.3", "local_epochs=1"]), tmp_path / "rs")
     for k in res.global_state:
@@ -141,11 +142,107 @@ def test_map_uploads_the_rs_model_and_keeps_the_personalised_one(tmp_path):
 
 def test_code_schedule_steps_and_lr():
     from fedskew.methods.map import HPMOptions, InheritedPrivateModel
-    paper = InheritedPrivateModel(HPMOptions())
-    code = InheritedPrivateModel(HPMOptions(schedule="code"))
+    paper = InheritedPrivateModel(HPMOptions(schedule="paper"))
+    code = InheritedPrivateModel(HPMOptions())  # the default: the MAP authors' code
     assert paper.split_steps(25, 0.1) == (13, 12, 0.1)
     assert code.split_steps(25, 0.5) == (25, 5, 0.1)     # max(ceil(2.5), 5)
     assert code.split_steps(100, 0.5) == (100, 10, 0.1)
+    assert InheritedPrivateModel(HPMOptions(schedule="fedphp")).split_steps(25, 0.5) == (25, 0, 0.5)
+
+
+def _first_hpm(path, k):
+    return {n[len("hpm.model."):]: v for n, v in torch.load(path / "checkpoint.pt")["client_states"][k].items()
+            if n.startswith("hpm.model.")}
+
+
+def _replay(exp, k, start, batches, lr, loss_fn):
+    """torch.optim.SGD (momentum 0.5, the run's weight decay) from ``start`` on client k's batches."""
+    model = exp.model
+    load_state(model, start)
+    idx = exp.fed.train_idx[k]
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.5, weight_decay=exp.cfg.weight_decay)
+    for pos in batches:
+        x, y = exp.fed.data.x_train[idx[pos]], exp.fed.data.y_train[idx[pos]]
+        loss = loss_fn(model(x), x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {n: v.detach().clone() for n, v in model.state_dict().items()}
+
+
+def test_map_code_schedule_uploads_all_epochs_and_keeps_a_short_kd_stage(tmp_path):
+    """The default (authors' code): the upload is FedRS with all E epochs; the HPM is stage B:
+    max(ceil(0.1 S), 5) steps at 0.2 lr from the upload, on the batches that follow, with
+    (1 - lambda) CE + lambda KD from the HPM (the initial model on a first visit)."""
+    m = Experiment(load_config(None, ONE + ["method=map", "method.alpha=0.3", "method.kt_lambda=0.2"]), tmp_path / "map")
+    res = m.run()
+    rs = run(load_config(None, ONE + ["method=fedrs", "method.alpha=0.3"]), tmp_path / "rs")
+    for n in res.global_state:
+        assert torch.allclose(res.global_state[n], rs.global_state[n], atol=1e-6), n
+    k = res.history[0]["clients"][0]
+    idx = m.fed.train_idx[k]
+    total = 2 * math.ceil(len(idx) / 16)
+    extra = max(math.ceil(0.1 * total), 5)
+    batches = batch_schedule(LocalSettings(2, 16, seed=0), 0, k, len(idx), 2 + math.ceil(extra / math.ceil(len(idx) / 16)))
+    teacher = {n: v.detach().clone() for n, v in Experiment(load_config(None, ONE + ["method=map"]),
+                                                            tmp_path / "init").model.state_dict().items()}
+    frozen = frozen_forward(m.model)
+    kept = _replay(m, k, rs.global_state, batches[total:total + extra], 0.2 * m.cfg.lr,
+                   lambda logits, x, y: 0.8 * F.cross_entropy(logits, y) + 0.2 * kd_loss(logits, frozen(teacher, x)[1]))
+    hpm = _first_hpm(tmp_path / "map", k)
+    for n, v in kept.items():
+        assert torch.allclose(hpm[n], v, atol=1e-6), n
+
+
+def test_fedphp_uploads_e_epochs_of_ce_plus_kd_and_the_hpm_takes_it(tmp_path):
+    """FedPHP as published: the uploaded model is E epochs of (1 - lambda) CE + lambda KD from the
+    HPM (the initial model on a first visit), replayed with torch.optim.SGD; with mu = 0 on a first
+    visit the HPM becomes that model; it is the personalised model scored."""
+    exp = Experiment(load_config(None, ONE + ["method=fedphp", "method.kt_lambda=0.2"]), tmp_path / "php")
+    teacher = {n: v.detach().clone() for n, v in exp.model.state_dict().items()}
+    res = exp.run()
+    k = res.history[0]["clients"][0]
+    idx = exp.fed.train_idx[k]
+    frozen = frozen_forward(exp.model)
+    upload = _replay(exp, k, teacher, batch_schedule(LocalSettings(2, 16, seed=0), 0, k, len(idx)), exp.cfg.lr,
+                     lambda logits, x, y: 0.8 * F.cross_entropy(logits, y) + 0.2 * kd_loss(logits, frozen(teacher, x)[1]))
+    hpm = _first_hpm(tmp_path / "php", k)
+    for n, v in upload.items():
+        assert torch.allclose(res.global_state[n], v, atol=1e-6), n
+        assert torch.allclose(hpm[n], v, atol=1e-6), n
+    # the old fedskew FedPHP (half the steps plain CE, uploaded) is a different model
+    half = run(load_config(None, ONE + ["method=fedphp", "method.kt_lambda=0.2", "method.schedule=paper"]),
+               tmp_path / "half")
+    assert not torch.allclose(half.global_state["classifier.weight"], upload["classifier.weight"], atol=1e-4)
+
+
+def test_fedphp_second_visit_mixes_the_hpm_with_momentum():
+    """mu_k = 0.9 Q_k / floor(q T): after one earlier visit of 4 expected, 0.225 of the old HPM."""
+    from fedskew.methods.map import HPMOptions, InheritedPrivateModel
+    comp = InheritedPrivateModel(HPMOptions(schedule="fedphp"))
+    state = {"hpm.model.w": torch.zeros(3), "hpm.visits": torch.tensor(1.0), "hpm.expected": torch.tensor(4.0)}
+    _, new = comp.after_training({"w": torch.ones(3)}, {}, state, report=_Report())
+    assert torch.allclose(new["hpm.model.w"], torch.full((3,), 1 - 0.225))
+    assert float(new["hpm.visits"]) == 2.0
+
+
+class _Report:
+    recalibrate_bn = None
+
+
+def test_map_family_defaults_follow_the_paper():
+    """alpha 0.9 (MAP paper Sections 5.2.2, 5.2.5), KD with lambda 0.01, a bias-free classifier
+    unless the config sets one, MAP on the authors' code schedule, FedPHP one stage."""
+    for name in ("fedrs", "map", "dittors"):
+        cfg = load_config(None, [f"method={name}"])
+        assert cfg.model.classifier_bias is False
+        from fedskew.methods import build_method
+        assert build_method(cfg.method).opt.alpha == 0.9
+    assert load_config(None, ["method=map", "model.classifier_bias=true"]).model.classifier_bias is True
+    assert load_config(None, ["method=fedavg"]).model.classifier_bias is True
+    from fedskew.methods.map import FedPHPOptions, MAPOptions
+    assert MAPOptions().schedule == "code" and FedPHPOptions().schedule == "fedphp"
+    assert MAPOptions().kt == "kd" and MAPOptions().kt_lambda == 0.01
 
 
 def test_hpm_bn_recalibration_matches_a_plain_pass(tmp_path):

@@ -177,9 +177,10 @@ class FedKA(Method):
         return {**client_state, "ka.x": x, "ka.valid": valid, "ka.global_logits": global_logits}
 
     def local_loss(self, fwd, params, x, y, payload, client_state):
+        # anchors first: the batch's train-mode pass below moves BatchNorm's running statistics
+        _, anchor_logits = fwd.evaluate(client_state["ka.x"])
         _, logits = fwd(x)
         ce = F.cross_entropy(logits, y)
-        _, anchor_logits = fwd.evaluate(client_state["ka.x"])
         ka = knowledge_anchor_loss(anchor_logits, client_state["ka.global_logits"], client_state["ka.keep"],
                                    client_state["ka.valid"])
         return ce + self.opt.ka_beta * ka, {"fedka/anchor": ka.detach()}
