@@ -22,15 +22,15 @@ from common import parser
 from fedskew.config import load_config
 from fedskew.engine.runner import run
 
-METHODS = ["fedavg", "fedprox", "scaffold", "scaffold-sgd", "scaffold-mom", "feddyn", "feddc", "feddc-mom", "fednova", "fedavgm", "fedadam", "fedyogi",
-           "fedaws", "moon", "fedmmd", "fedproc", "fedmr"]
-# A label is a method name or "<method>-<variant>"; its options follow the shared settings.
+METHODS = ["fedavg", "fedprox", "scaffold", "scaffold-sgd", "scaffold-steps", "scaffold-loss", "feddyn", "feddc",
+           "feddc-paper", "fednova", "fedavgm", "fedadam", "fedyogi", "fedaws", "moon", "fedmmd", "fedproc", "fedmr"]
+# A label is a method name (its defaults) or "<method>-<variant>"; its options follow the shared settings.
 METHOD_ARGS = {
-    "scaffold-sgd": ["momentum=0"],  # SCAFFOLD's paper uses plain SGD; its correction with momentum 0.9 can diverge
-    "scaffold-mom": ["method.control_steps=momentum"],  # controls divided by FedNova's momentum-aware a_i
-    "feddc-mom": ["method.control_steps=momentum"],
-    "fedadam": ["method.server_lr=0.01"], "fedyogi": ["method.server_lr=0.01"],
-    "moon": ["method.mu=1.0"], "fedmr": ["method.mu1=0.001", "method.mu2=0.0001"],
+    "scaffold-sgd": ["momentum=0"],  # the paper's plain SGD
+    "scaffold-steps": ["method.control_steps=steps"],  # control divided by the raw step count (paper form)
+    "scaffold-loss": ["method.correction=loss", "method.control_steps=steps"],  # fedskew's default before issue 17
+    "feddc-paper": ["method.aggregation=paper", "method.by_data_size=false", "method.control_steps=steps"],
+    "moon": ["method.mu=1.0"],
 }
 
 

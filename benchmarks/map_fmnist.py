@@ -33,11 +33,13 @@ from fedskew.config import load_config
 from fedskew.engine.runner import run
 
 # label -> options; a label is a method name or "<method>-<variant>".
-METHODS = {"fedavg": [], "fedrs": ["method.alpha=0.5"], "fedphp": ["method.kt_lambda=0.01"],
-           "map": ["method.alpha=0.5", "method.kt_lambda=0.01"],
-           "map-code": ["method.alpha=0.5", "method.kt_lambda=0.01", "method.schedule=code"],
+# The MAP family at its defaults (alpha 0.9, KD lambda 0.01, MAP on the authors' code schedule,
+# FedPHP one stage, a bias-free classifier); the "-paper" variants are MAP's Algorithm 1 schedule and
+# the alpha 0.5 used before issue 17.
+METHODS = {"fedavg": [], "fedrs": [], "fedphp": [], "map": [],
+           "fedrs-a05": ["method.alpha=0.5"], "map-paper": ["method.alpha=0.5", "method.schedule=paper"],
            # personalised baselines (MAP paper Table II); defaults unless noted
-           "ditto": ["method.lam=0.1"], "dittors": ["method.lam=0.1", "method.alpha=0.5"],
+           "ditto": ["method.lam=0.1"], "dittors": ["method.lam=0.1"],
            "fedrep": ["method.head_fraction=0.5"], "fedbabu": ["method.finetune_fraction=1.0"], "fedrod": [],
            "fedproto": ["method.lam=1.0", "model.classifier_bias=true"], "fedlc": ["method.tau=1.0"],
            # pFedMe's paper runs plain SGD: with momentum 0.9 its w-step lr * lam (w - theta) is

@@ -175,6 +175,13 @@ def frozen_forward(model: nn.Module):
     return run
 
 
+def snapshot(buffers: State) -> State:
+    """Copies of the buffers, for an eval-mode pass whose backward must not see the in-place
+    BatchNorm updates of a later train-mode pass in the same step (eval-mode batch_norm saves the
+    running statistics it used for its backward)."""
+    return {k: v.clone() for k, v in buffers.items()}
+
+
 def in_eval_mode(model: nn.Module, fn):
     """``fn()`` with ``model`` in eval mode (its mode restored after), with gradients as usual."""
     was_training = model.training
@@ -190,7 +197,9 @@ def module_forward(model: nn.Module) -> Forward:
     return Forward(lambda x: model(x, return_features=True), frozen_forward(model), model.classifier,
                    lambda state, x: functional_call(model, state, (x,), {"return_features": True}),
                    dict(model.named_buffers()),
-                   lambda x: in_eval_mode(model, lambda: model(x, return_features=True)))
+                   lambda x: in_eval_mode(model, lambda: functional_call(
+                       model, {**dict(model.named_parameters()), **snapshot(dict(model.named_buffers()))}, (x,),
+                       {"return_features": True})))
 
 
 class SequentialExecutor:

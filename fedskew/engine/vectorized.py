@@ -37,7 +37,8 @@ from torch.func import functional_call, vmap
 from fedskew.data.augment import crop_flip
 from fedskew.data.federated import Federation
 from fedskew.engine.local import (ClientResult, LocalSettings, SequentialExecutor, bn_recalibration_fn,
-                                  feature_fn, frozen_forward, in_eval_mode, stage_schedules)
+                                  feature_fn, frozen_forward, in_eval_mode, snapshot,
+                                  stage_schedules)
 from fedskew.methods.base import ClientReport, Forward, Method, State
 
 
@@ -106,7 +107,8 @@ class VectorizedExecutor:
                 return functional_call(self.model, {**buffers, **state}, (inp,), {"return_features": True})
 
             def eval_fn(inp):
-                return in_eval_mode(self.model, lambda: train_fn(inp))
+                return in_eval_mode(self.model, lambda: functional_call(
+                    self.model, {**params, **snapshot(buffers)}, (inp,), {"return_features": True}))
 
             fwd = Forward(train_fn, self._frozen, head_fn, call_fn, buffers, eval_fn)
             return loss_fn(fwd, params, x, y, payload, client_state)

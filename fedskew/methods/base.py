@@ -108,8 +108,8 @@ class Forward:
     buffer) values in train mode, differentiable in them, its own ``fwd.buffers`` filling in what
     ``state`` lacks (inner steps of pFedMe and Per-FedAvg; pass the buffers through
     ``torch.func.grad`` as an argument so BatchNorm may update them); ``fwd.evaluate(x)`` runs the
-    model being trained in eval mode (running BatchNorm statistics, no dropout, no buffer update),
-    differentiable in its parameters (FedKA's anchors, compared with eval-mode global logits)."""
+    model being trained in eval mode (a snapshot of its running BatchNorm statistics, no dropout,
+    no buffer update), differentiable in its parameters (FedKA's anchors, compared with eval-mode global logits)."""
 
     def __init__(self, train_fn: Callable, frozen_fn: Callable, head_fn: Callable | None = None,
                  call_fn: Callable | None = None, buffers: State | None = None, eval_fn: Callable | None = None):
