@@ -109,17 +109,29 @@ def predict(model: nn.Module, state: State, x: torch.Tensor, batch: int = 4096) 
     return torch.cat(preds) if preds else torch.empty(0, dtype=torch.long, device=x.device)
 
 
+def snapshot(buffers: State) -> State:
+    """Copies of the buffers, for an eval-mode pass whose backward must not see the in-place
+    BatchNorm updates of a later train-mode pass in the same step (eval-mode batch_norm saves the
+    running statistics it used for its backward)."""
+    return {k: v.clone() for k, v in buffers.items()}
+
+
+def in_eval_mode(model: nn.Module, fn):
+    """``fn()`` with ``model`` in eval mode (its mode restored after), with gradients as usual."""
+    was_training = model.training
+    model.eval()
+    try:
+        return fn()
+    finally:
+        model.train(was_training)
+
+
 def feature_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 4096):
     """``state -> (z, y)`` over all of ``x`` in eval mode without gradient (``ClientReport.local_features``)."""
+    @torch.no_grad()
     def run(state: State):
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                z = [functional_call(model, state, (x[i:i + batch],), {"return_features": True})[0]
-                     for i in range(0, len(x), batch)]
-        finally:
-            model.train(was_training)
+        z = in_eval_mode(model, lambda: [functional_call(model, state, (x[i:i + batch],), {"return_features": True})[0]
+                                         for i in range(0, len(x), batch)])
         return torch.cat(z), y
     return run
 
@@ -164,32 +176,10 @@ def add_tracked(total: dict, tracked: dict) -> dict:
 
 def frozen_forward(model: nn.Module):
     """``(state, x) -> (z, logits)`` in eval mode without gradient, for ``Forward.frozen``."""
+    @torch.no_grad()
     def run(state: State, x: torch.Tensor):
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                return functional_call(model, state, (x,), {"return_features": True})
-        finally:
-            model.train(was_training)
+        return in_eval_mode(model, lambda: functional_call(model, state, (x,), {"return_features": True}))
     return run
-
-
-def snapshot(buffers: State) -> State:
-    """Copies of the buffers, for an eval-mode pass whose backward must not see the in-place
-    BatchNorm updates of a later train-mode pass in the same step (eval-mode batch_norm saves the
-    running statistics it used for its backward)."""
-    return {k: v.clone() for k, v in buffers.items()}
-
-
-def in_eval_mode(model: nn.Module, fn):
-    """``fn()`` with ``model`` in eval mode (its mode restored after), with gradients as usual."""
-    was_training = model.training
-    model.eval()
-    try:
-        return fn()
-    finally:
-        model.train(was_training)
 
 
 def module_forward(model: nn.Module) -> Forward:
