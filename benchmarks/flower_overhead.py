@@ -39,7 +39,8 @@ def main():
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--no-simulation", action="store_true")
     args = p.parse_args()
-    from fedskew.flower import LocalFederation, simulate
+    from fedskew.flower.app import simulate
+    from fedskew.flower.federation import LocalFederation
 
     cfg = load_config(None, [f"partition.num_clients={args.clients}", f"clients_per_round={args.clients}",
                              f"partition.classes_per_client={max(1, -(-10 // args.clients))}",

@@ -23,7 +23,7 @@ from pathlib import Path
 from common import mean_std, parser
 
 from fedskew.methods import METHODS
-from fedskew.sweep import load_spec, run_sweep
+from fedskew.experiments.sweep import load_spec, run_sweep
 
 SETTING = {"dataset": {"name": "fmnist", "train_subsample": 0.1}, "model": "simplecnn",
            "partition": {"name": "pcdd", "num_clients": 10, "classes_per_client": 2},

@@ -1,3 +1,215 @@
-"""fedskew: federated learning under label skew."""
+"""fedskew: federated learning under label skew, from Python.
+
+One run::
+
+    import fedskew
+
+    result = fedskew.run(method="fedmr", rounds=30)                  # keyword = a config key
+    result = fedskew.run("examples/fedavg_digits.yaml", **{"partition.classes_per_client": 2})
+    result = fedskew.run({"method": "map", "partition": "random_classes"}, overrides={"rounds": 10})
+    result.summary["global/test_acc"]        # what summary.json holds
+    result.curve("global/test_acc")          # [(round, value), ...] from result.history
+    result.model                             # the final global model (an nn.Module, eval mode)
+    fedskew.resume(result.run_dir)           # continue an interrupted run exactly
+
+A config is ``None`` (the defaults: FedAvg on digits, P20C3), a mapping (nested or dotted keys),
+a YAML file or a :class:`RunConfig`; keyword arguments and ``overrides`` set keys on top of it,
+dotted for nested keys (``**{"method.mu1": 0.01}``), with Python values. ``fedskew.run(config, **overrides)`` does
+exactly what ``fedskew run CONFIG key=value ...`` does (tested). Bad input raises
+:class:`ConfigError` with one sentence naming the key, the value and what is allowed.
+
+Many runs::
+
+    sweep_dir = fedskew.sweep("examples/sweep_fmnist.yaml", jobs=2)  # methods x grids x partitions x seeds
+    fedskew.report(sweep_dir)                                        # report.md + report.html
+    table = fedskew.load_results(sweep_dir)    # pandas DataFrame when pandas is installed, else a list of dicts
+
+Your own method: subclass :class:`Method` (docs/design.md, "A method is a few pure functions"),
+register it, and name it in any config; it runs on both executors, in sweeps and in reports::
+
+    @fedskew.register_method
+    class LogitNorm(fedskew.Method):
+        name = "logitnorm"
+        def local_loss(self, fwd, params, x, y, payload, client_state): ...
+
+    fedskew.run(method="logitnorm")
+    fedskew.methods()                          # {"fedavg": Method, "fedmr": FedMR, ...}
+
+``examples/custom_method.py`` defines that one in 20 lines and compares it with FedAvg. A sweep with
+``jobs > 1`` imports the method's module in each worker, so a script that registers one runs its
+sweep under ``if __name__ == "__main__":``. The Flower runtime does not see registered methods yet.
+
+Names (looked up on first use, so ``import fedskew`` stays light): :class:`Method`,
+:class:`FederationInfo`, :class:`Forward`, :class:`ClientReport` (the method interface,
+``fedskew.methods.base``), :class:`RunConfig`, :class:`ConfigError` (``fedskew.config``),
+:class:`RunResult` (``fedskew.engine.runner``).
+
+Layout: ``fedskew.config`` (run schema), ``fedskew.data`` / ``fedskew.models`` (data sets,
+partitions, networks), ``fedskew.methods`` (one module per method family), ``fedskew.metrics``,
+``fedskew.engine`` (executors and the round loop), ``fedskew.experiments`` (sweeps, results store,
+reports, presets), ``fedskew.flower`` (Flower apps), ``fedskew.streams`` (named random streams),
+``fedskew.cli`` (the ``fedskew`` command).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from fedskew.config import RunConfig
+    from fedskew.engine.runner import RunResult
+    from fedskew.methods.base import Method
+
+_LAZY = {"Method": "fedskew.methods.base", "FederationInfo": "fedskew.methods.base",
+         "Forward": "fedskew.methods.base", "ClientReport": "fedskew.methods.base",
+         "RunConfig": "fedskew.config", "ConfigError": "fedskew.config", "RunResult": "fedskew.engine.runner"}
+
+
+def __getattr__(name: str):
+    """The classes of the API, imported on first use (``fedskew.Method``, ``fedskew.RunResult``, ...)."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'fedskew' has no attribute '{name}'")
+
+
+def load_config(config: Mapping | str | Path | RunConfig | None = None, /,
+                overrides: Mapping[str, Any] | list[str] | None = None, **options: Any) -> RunConfig:
+    """The validated :class:`RunConfig` that :func:`run` would run (same arguments, nothing runs).
+
+    ``overrides`` is a mapping of (dotted) keys to values, or a list of ``key=value`` strings
+    parsed as on the command line; keyword ``options`` come first, ``overrides`` after."""
+    from fedskew.config import (ConfigError, RunConfig, apply_overrides, nested, read_config_file, set_key,
+                                validate_config)
+
+    if config is None:
+        data: dict = {}
+    elif isinstance(config, RunConfig):
+        data = config.model_dump(mode="json")
+    elif isinstance(config, Mapping):
+        data = nested(dict(config))  # dotted keys allowed, as in a sweep's base
+        data.pop("fedskew_version", None)
+    elif isinstance(config, (str, Path)):
+        data = read_config_file(config)
+    else:
+        raise ConfigError(f"config must be a mapping, a YAML path or a RunConfig, not a {type(config).__name__}.")
+    for key, value in options.items():
+        set_key(data, key, value)
+    if isinstance(overrides, Mapping):
+        for key, value in overrides.items():
+            set_key(data, key, value)
+    elif overrides is not None:
+        apply_overrides(data, list(overrides))
+    return validate_config(data)
+
+
+def run(config: Mapping | str | Path | RunConfig | None = None, /,
+        overrides: Mapping[str, Any] | list[str] | None = None, *,
+        on_round: Callable[[dict], None] | None = None, **options: Any) -> RunResult:
+    """Run one federated experiment and return its :class:`RunResult` (summary, per-round history,
+    final global state and model, run directory).
+
+    ``config``: None (the defaults), a mapping, a YAML file or a :class:`RunConfig`; keyword
+    ``options`` and ``overrides`` set keys on top (see :func:`load_config`). ``on_round`` is called with
+    each round's record. The run directory is ``out_dir/run_name`` (default
+    ``runs/<method>-<dataset>-<partition>-s<seed>-<time>``), as with ``fedskew run``."""
+    from fedskew.engine.runner import Experiment
+
+    return Experiment(load_config(config, overrides, **options)).run(on_round)
+
+
+def resume(run_dir: str | Path, *, on_round: Callable[[dict], None] | None = None) -> RunResult:
+    """Continue the interrupted run in ``run_dir`` from its last checkpoint (exactly: the result
+    equals an uninterrupted run's); a finished run is reloaded and summarised again."""
+    from fedskew.engine.runner import resume as resume_run
+
+    return resume_run(run_dir, on_round)
+
+
+def sweep(spec: Mapping | str | Path | None = None, /, jobs: int | None = None, out: str | Path | None = None, *,
+          on_event: Callable[[str, dict], None] | None = None) -> Path:
+    """Run a sweep (methods x option grids x partitions x seeds) into a folder with a SQLite results
+    store and one run directory per run; returns the folder (default ``runs/sweep-<name>``).
+
+    ``spec``: a mapping or a YAML file in the format of :mod:`fedskew.experiments.sweep`; None is
+    ``fedskew sweep``'s default comparison. ``jobs`` runs at once (default min(2, cores)), one torch
+    thread each. Running it again skips finished runs and resumes interrupted ones. ``on_event`` is
+    called with ``("skipped" | "started" | "done" | "failed", run)``. Failed runs are listed by
+    :func:`load_results` (``status``, ``error``) and announced with a warning."""
+    import warnings
+
+    from fedskew.experiments.presets import default_comparison
+    from fedskew.experiments.sweep import default_jobs, default_sweep_dir, load_spec, run_sweep
+
+    parsed = load_spec(dict(spec) if isinstance(spec, Mapping) else spec if spec is not None else default_comparison())
+    sweep_dir = Path(out) if out is not None else default_sweep_dir(parsed)
+    db = run_sweep(parsed, sweep_dir, jobs or default_jobs(), on_event)
+    try:
+        failed = db.execute("SELECT COUNT(*) FROM runs WHERE status='failed'").fetchone()[0]
+    finally:
+        db.close()
+    if failed:
+        warnings.warn(f"{failed} run(s) of the sweep in {sweep_dir} failed; fedskew.load_results lists their errors.",
+                      stacklevel=2)
+    return sweep_dir
+
+
+def report(sweep_dir: str | Path, out: str | Path | None = None, *, metric: str | None = None,
+           baseline: str | None = None) -> tuple[Path, Path]:
+    """Write a sweep's report (tables in the papers' layout and plots) as ``report.md`` and a
+    self-contained ``report.html`` (default folder ``SWEEP_DIR/report``); returns both paths.
+    ``metric`` (default ``global/test_acc_mean_last10``) and ``baseline`` (default ``fedavg``) as
+    with ``fedskew report``."""
+    from fedskew.experiments.report import write_report
+
+    return write_report(sweep_dir, out, metric, baseline)
+
+
+def load_results(sweep_dir: str | Path, *, rounds: bool = False, frame: bool | None = None):
+    """A sweep's results as a table, one row per planned run: ``run_id``, ``label``, ``method``,
+    ``partition``, ``seed``, ``status``, ``selected`` (the grid point the selection chose),
+    ``error``, ``run_dir``, ``option/<name>`` per grid option, and every scalar of the run's
+    summary (``global/test_acc_mean_last10``, ``personal/final_acc_after``, ...). ``rounds=True``:
+    one row per finished run and round, with that round's metrics instead.
+
+    A pandas DataFrame when pandas is installed (``frame=None``), else a list of dicts;
+    ``frame=True``/``False`` asks for one of them."""
+    from fedskew.experiments.store import results_table
+
+    rows = results_table(sweep_dir, rounds)
+    if frame is False:
+        return rows
+    try:
+        import pandas as pd
+    except ImportError:
+        if frame:
+            raise ImportError("load_results(frame=True) needs pandas (`pip install pandas`).") from None
+        return rows
+    return pd.DataFrame(rows)
+
+
+def methods() -> dict[str, type[Method]]:
+    """Every method a config can name, built-in and registered: ``{name: class}``. A class's
+    ``Options`` lists its options and defaults (``fedskew.methods()["fedmr"].Options()``)."""
+    from fedskew.methods import registered
+
+    return registered()
+
+
+def register_method(cls: type[Method] | None = None, *, name: str | None = None):
+    """Register a :class:`Method` subclass under ``name`` (default: its ``name`` attribute, else
+    the lower-cased class name) so configs, both executors, sweeps and reports can use it; works
+    as a decorator. Built-in names cannot be taken; registering a name again replaces your earlier
+    class."""
+    from fedskew.methods import register_method as register
+
+    return register(cls, name=name)
+
+
+__all__ = ["ClientReport", "ConfigError", "FederationInfo", "Forward", "Method", "RunConfig", "RunResult",
+           "__version__", "load_config", "load_results", "methods", "register_method", "report", "resume", "run",
+           "sweep"]

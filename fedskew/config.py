@@ -11,6 +11,7 @@ the key, the value and what is allowed.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal
 
@@ -202,6 +203,19 @@ def set_key(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def nested(flat_or_nested: dict[str, Any]) -> dict[str, Any]:
+    """A copy with dotted keys (``{"partition.alpha": 0.1}``) made nested, merged with the nested
+    ones (``{"partition": {"name": "dirichlet"}}``): what sweep bases and ``fedskew.run`` accept."""
+    out: dict[str, Any] = {}
+    for k, v in flat_or_nested.items():
+        if isinstance(v, dict) and "." not in k:
+            existing = out.get(k)
+            out[k] = {**(existing if isinstance(existing, dict) else {}), **nested(v)}
+        else:
+            set_key(out, k, copy.deepcopy(v))
+    return out
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Set ``a.b.c=value`` items into a nested dict (values parsed as YAML scalars/lists)."""
     for item in overrides:
@@ -210,19 +224,24 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The raw mapping of a YAML config file (not yet validated; a run directory's
+    ``fedskew_version`` key dropped), with one-sentence errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist.")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file '{path}' is not valid YAML ({str(exc).splitlines()[0]}).") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of keys, not a {type(loaded).__name__}.")
+    data = loaded or {}
+    data.pop("fedskew_version", None)
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML file (optional), apply overrides, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file '{path}' does not exist.")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file '{path}' is not valid YAML ({str(exc).splitlines()[0]}).") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file '{path}' must hold a mapping of keys, not a {type(loaded).__name__}.")
-        data = loaded or {}
-    data.pop("fedskew_version", None)
+    data = read_config_file(path) if path is not None else {}
     return validate_config(apply_overrides(data, overrides or []))

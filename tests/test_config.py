@@ -67,7 +67,7 @@ def test_example_configs_validate():
 
     import yaml
 
-    from fedskew.sweep import load_spec, plan
+    from fedskew.experiments.sweep import load_spec, plan
 
     examples = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
     assert examples

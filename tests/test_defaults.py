@@ -14,7 +14,8 @@ from fedskew.engine.local import batch_schedule, load_state
 from fedskew.engine.runner import Experiment
 from fedskew.engine.vectorized import VectorizedExecutor
 from fedskew.methods import build_method
-from fedskew.methods.fedmr import intra_class_loss, live_units
+from fedskew.methods.fedmr import intra_class_loss
+from fedskew.metrics import live_units
 from fedskew.methods.server_opt import FedAdam, FedYogi
 
 SMALL = ["partition.num_clients=5", "clients_per_round=2", "rounds=1", "local_epochs=2", "batch_size=16",

@@ -5,7 +5,7 @@ import torch
 
 from fedskew.cli import main
 from fedskew.config import load_config
-from fedskew.engine.rng import sample_clients
+from fedskew.streams import sample_clients
 from fedskew.engine.runner import Experiment, resume, run
 
 SMALL = ["rounds=4", "partition.num_clients=8", "clients_per_round=3", "local_epochs=1", "model.hidden=[32]",

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from fedskew.config import ConfigError, ModelConfig, PartitionConfig, load_config
 from fedskew.data.partitions import PartitionError, partition_labels
-from fedskew.engine.rng import numpy_rng
+from fedskew.streams import numpy_rng
 from fedskew.engine.runner import Experiment, run
 from fedskew.methods.neural_collapse import aggregate_memory_vectors, memory_features
 from fedskew.models import ModelError, build_model

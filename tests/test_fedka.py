@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from fedskew.config import load_config
-from fedskew.engine.rng import numpy_rng
 from fedskew.engine.runner import Experiment
-from fedskew.methods.fedka import (anchor_indices, class_roles, forgetting_degree, knowledge_anchor_loss,
-                                   not_true_logits, ntd_loss)
+from fedskew.methods.fedka import anchor_indices, class_roles, knowledge_anchor_loss, not_true_logits, ntd_loss
+from fedskew.metrics import forgetting_degree
+from fedskew.streams import numpy_rng
 
 
 def test_class_roles_on_a_hand_made_client():

@@ -6,8 +6,9 @@ from fedskew.config import load_config
 from fedskew.engine.runner import run
 from fedskew.methods import build_method
 from fedskew.methods.compose import Composite
-from fedskew.methods.fedmr import (aggregate_prototypes, class_feature_means, eig_var_top50, inter_class_margin,
-                                   intra_class_loss, sharing_clients)
+from fedskew.methods.fedmr import (aggregate_prototypes, class_feature_means, inter_class_margin, intra_class_loss,
+                                   sharing_clients)
+from fedskew.metrics import eig_var_top50
 
 NAN = float("nan")
 

@@ -18,7 +18,7 @@ pytest.importorskip("flwr")
 
 from fedskew.config import load_config  # noqa: E402
 from fedskew.engine.runner import run  # noqa: E402
-from fedskew.flower import LocalFederation  # noqa: E402
+from fedskew.flower.federation import LocalFederation  # noqa: E402
 
 BASE = ["partition.num_clients=2", "partition.classes_per_client=5", "clients_per_round=2", "rounds=2",
         "final_personalization=false", "model.hidden=[32]"]
@@ -103,7 +103,7 @@ def test_a_killed_supernode_leaves_the_round_to_the_others(tmp_path):
 
 def test_simulation_runtime_matches_fedskew_run(tmp_path):
     pytest.importorskip("ray")
-    from fedskew.flower import simulate
+    from fedskew.flower.app import simulate
 
     cfg = load_config(None, BASE + ["method=map", "model.classifier_bias=false"])
     run(cfg, tmp_path / "local")

@@ -14,9 +14,9 @@ import yaml
 
 from fedskew.cli import main
 from fedskew.config import ConfigError
-from fedskew.presets import PAPERS, reproduction
-from fedskew.report import build_table, mean_curve, rounds_to_target, write_report
-from fedskew.sweep import grid_points, load_spec, plan, run_sweep
+from fedskew.experiments.presets import PAPERS, reproduction
+from fedskew.experiments.report import build_table, mean_curve, rounds_to_target, write_report
+from fedskew.experiments.sweep import grid_points, load_spec, plan, run_sweep
 
 TINY = {"name": "tiny", "base": {"rounds": 2, "local_epochs": 1, "partition": {"num_clients": 6},
                                  "clients_per_round": 3, "model": {"name": "mlp", "hidden": [16]},
@@ -254,7 +254,7 @@ def test_label_count_presets_fit_their_data(scale, per_class):
 
     from fedskew.config import PartitionConfig
     from fedskew.data.partitions import partition_labels
-    from fedskew.engine.rng import numpy_rng
+    from fedskew.streams import numpy_rng
 
     labels = np.repeat(np.arange(10), per_class)
     for p in reproduction("etf", scale)["partitions"].values():

@@ -18,7 +18,7 @@ from fedskew.data import DatasetError, PartitionError, load_federation
 from fedskew.data.augment import crop_flip, crop_flip_params
 from fedskew.data.leaf import ALPHABET
 from fedskew.data.partitions import natural, shards
-from fedskew.engine.rng import numpy_rng
+from fedskew.streams import numpy_rng
 from fedskew.engine.runner import run
 from fedskew.models import ModelError, build_model
 

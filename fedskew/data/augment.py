@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedskew.engine.rng import numpy_rng
+from fedskew.streams import numpy_rng
 
 
 def crop_flip_params(seed: int, round_idx: int, client_id: int, stage: int, n: int, pad: int = 4) -> torch.Tensor:

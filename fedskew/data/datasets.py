@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedskew.streams import numpy_rng
+
 
 class DatasetError(ValueError):
     """A dataset is missing, corrupt or asked for with impossible parameters."""
@@ -69,7 +71,6 @@ def load_digits(seed: int, test_fraction: float = 0.2) -> Dataset:
     """
     from sklearn.datasets import load_digits as sk_digits
 
-    from fedskew.engine.rng import numpy_rng
 
     bunch = sk_digits()
     x = bunch.images.astype(np.float32) / 16.0
@@ -88,7 +89,6 @@ def make_synthetic(seed: int, num_classes: int = 10, dim: int = 60, train_per_cl
     apart; samples are unit isotropic Gaussians around them. Everything is drawn from the seed's
     ``dataset`` stream. Inputs have shape ``[dim]`` (use the ``mlp`` model).
     """
-    from fedskew.engine.rng import numpy_rng
 
     rng = numpy_rng(seed, "dataset")
     means = rng.normal(0.0, separation / np.sqrt(dim), size=(num_classes, dim))
@@ -248,7 +248,6 @@ def subsample(data: Dataset, train_fraction: float, test_fraction: float, seed: 
     """Keep a stratified share of every class of the training set (stream ``subsample``) and of
     the global test set (stream ``subsample_test``). For CPU-scale experiments on the large data
     sets; 1.0 keeps a split untouched."""
-    from fedskew.engine.rng import numpy_rng
 
     def keep(y: torch.Tensor, fraction: float, stream: str) -> torch.Tensor | None:
         if fraction >= 1.0:
@@ -303,7 +302,6 @@ def load_dataset(cfg, seed: int) -> Dataset:
 def hold_out_validation(data: Dataset, fraction: float, seed: int) -> Dataset:
     """Move a stratified ``fraction`` of every class of the training set (at least one sample,
     stream ``validation``) into ``x_val``/``y_val``; clients are then partitioned from the rest."""
-    from fedskew.engine.rng import numpy_rng
 
     train, val = _stratified_split(data.y_train.numpy(), fraction, numpy_rng(seed, "validation"))
     train, val = torch.from_numpy(train), torch.from_numpy(val)

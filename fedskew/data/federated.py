@@ -10,7 +10,7 @@ import torch
 
 from fedskew.data.datasets import Dataset, load_dataset
 from fedskew.data.partitions import local_test_split, partition_labels
-from fedskew.engine.rng import numpy_rng
+from fedskew.streams import numpy_rng
 
 
 @dataclass(frozen=True)

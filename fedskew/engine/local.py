@@ -13,8 +13,9 @@ from torch.func import functional_call
 
 from fedskew.data.augment import crop_flip, crop_flip_params
 from fedskew.data.federated import Federation
-from fedskew.engine.rng import batch_order
 from fedskew.methods.base import ClientData, ClientReport, Forward, Method, State
+from fedskew.models.functional import feature_fn, in_eval_mode, predict
+from fedskew.streams import batch_order
 
 
 @dataclass(frozen=True)
@@ -97,43 +98,11 @@ def num_steps(n: int, settings: LocalSettings) -> int:
     return settings.epochs * math.ceil(n / settings.batch_size)
 
 
-@torch.no_grad()
-def predict(model: nn.Module, state: State, x: torch.Tensor, batch: int = 4096) -> torch.Tensor:
-    """Predicted labels of the model with ``state`` (eval mode)."""
-    was_training = model.training
-    model.eval()
-    try:
-        preds = [functional_call(model, state, (x[i:i + batch],)).argmax(1) for i in range(0, len(x), batch)]
-    finally:
-        model.train(was_training)
-    return torch.cat(preds) if preds else torch.empty(0, dtype=torch.long, device=x.device)
-
-
 def snapshot(buffers: State) -> State:
     """Copies of the buffers, for an eval-mode pass whose backward must not see the in-place
     BatchNorm updates of a later train-mode pass in the same step (eval-mode batch_norm saves the
     running statistics it used for its backward)."""
     return {k: v.clone() for k, v in buffers.items()}
-
-
-def in_eval_mode(model: nn.Module, fn):
-    """``fn()`` with ``model`` in eval mode (its mode restored after), with gradients as usual."""
-    was_training = model.training
-    model.eval()
-    try:
-        return fn()
-    finally:
-        model.train(was_training)
-
-
-def feature_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 4096):
-    """``state -> (z, y)`` over all of ``x`` in eval mode without gradient (``ClientReport.local_features``)."""
-    @torch.no_grad()
-    def run(state: State):
-        z = in_eval_mode(model, lambda: [functional_call(model, state, (x[i:i + batch],), {"return_features": True})[0]
-                                         for i in range(0, len(x), batch)])
-        return torch.cat(z), y
-    return run
 
 
 def bn_recalibration_fn(model: nn.Module, x: torch.Tensor, batch_size: int):

@@ -30,12 +30,14 @@ import yaml
 
 from fedskew.config import ConfigError, RunConfig, load_config
 from fedskew.data.federated import Federation, load_federation
-from fedskew.engine.local import LocalSettings, SequentialExecutor, federated_state, predict
-from fedskew.engine.rng import numpy_rng, sample_clients, seeded_torch
+from fedskew.engine.local import LocalSettings, SequentialExecutor, federated_state, load_state
 from fedskew.methods import FederationInfo, build_method
 from fedskew.methods.base import model_part
-from fedskew.metrics import classifier_proxy_stats, count_floats, feature_stats, global_metrics, mean_std
+from fedskew.metrics import (classifier_proxy_stats, count_floats, feature_stats, forgetting_degree, global_metrics,
+                             mean_std)
 from fedskew.models import build_model
+from fedskew.models.functional import predict
+from fedskew.streams import numpy_rng, sample_clients, seeded_torch
 
 
 def resolve_device(name: str) -> torch.device:
@@ -67,12 +69,35 @@ def atomic_write_text(text: str, path: Path) -> None:
     os.replace(tmp, path)
 
 
-@dataclass
+@dataclass(repr=False)
 class RunResult:
+    """One finished run.
+
+    - ``summary``: what ``summary.json`` holds (``global/test_acc`` and its best and mean over the
+      last 10 evaluations, ``personal/*``, ``comm/*``, ``time/round_s_mean``, ...);
+    - ``history``: one dict per round, as in ``metrics.jsonl`` (:meth:`curve` picks one metric);
+    - ``global_state``: the final global model's tensors (parameters and floating-point buffers);
+    - ``model``: the ``nn.Module`` holding ``global_state``, in eval mode;
+    - ``run_dir`` and ``config`` (the validated :class:`~fedskew.config.RunConfig`).
+    """
+
     run_dir: Path
     summary: dict
     history: list[dict]
     global_state: dict
+    config: RunConfig | None = None
+    model: torch.nn.Module | None = None
+
+    def curve(self, key: str = "global/test_acc") -> list[tuple[int, float]]:
+        """(round, value) of every round that reports ``key``."""
+        return [(h["round"], h[key]) for h in self.history if h.get(key) is not None]
+
+    def __repr__(self) -> str:
+        acc = self.summary.get("global/test_acc")
+        shown = "none" if acc is None else f"{acc:.4f}"
+        return (f"RunResult({self.summary.get('method')} on {self.summary.get('dataset')}/"
+                f"{self.summary.get('partition')}, seed {self.summary.get('seed')}, {len(self.history)} rounds, "
+                f"global/test_acc {shown}, run_dir '{self.run_dir}')")
 
 
 class Experiment:
@@ -174,7 +199,10 @@ class Experiment:
 
         summary = self._summary(history, global_state, server_state, client_states, totals)
         atomic_write_text(json.dumps(summary, indent=2), self.run_dir / "summary.json")
-        return RunResult(self.run_dir, summary, history, global_state)
+        names = set(self.model.state_dict())
+        load_state(self.model, {k: v for k, v in global_state.items() if k in names})
+        self.model.eval()
+        return RunResult(self.run_dir, summary, history, global_state, cfg, self.model)
 
     def _round(self, t, global_state, server_state, client_states, totals) -> dict:
         cfg, method = self.cfg, self.method
@@ -299,7 +327,7 @@ class Experiment:
         model vs the global model it received, per class on the global test set; the mean over
         (client, class) pairs of each class role (roles with the method's gamma, else 1/C), and the
         per-class values per client."""
-        from fedskew.methods.fedka import ROLE_NAMES, class_roles, forgetting_degree
+        from fedskew.methods.fedka import ROLE_NAMES, class_roles
 
         C = self.fed.num_classes
         gamma = getattr(self.method.opt, "gamma", None) or 1.0 / C

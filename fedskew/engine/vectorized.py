@@ -37,9 +37,9 @@ from torch.func import functional_call, vmap
 from fedskew.data.augment import crop_flip
 from fedskew.data.federated import Federation
 from fedskew.engine.local import (ClientResult, LocalSettings, SequentialExecutor, bn_recalibration_fn,
-                                  feature_fn, frozen_forward, in_eval_mode, snapshot,
-                                  stage_schedules)
+                                  frozen_forward, snapshot, stage_schedules)
 from fedskew.methods.base import ClientReport, Forward, Method, State
+from fedskew.models.functional import feature_fn, in_eval_mode
 
 
 def stack_states(states: list[State]) -> State:

@@ -1,11 +1,20 @@
 """Method registry: one module per method family; every method is a :class:`Method`.
 
+Methods added from outside the package (:func:`register_method`, ``fedskew.register_method``) join
+the same table, so every executor, sweep and report runs them. Calling the package,
+``fedskew.methods()``, returns the table.
+
 Any method also takes the composable pieces of :data:`COMPONENTS` as sub-options
 (``method.prototypes.mu2=1e-4``, ``method.decorrelation.mu1=0.01``, ``method.rs.alpha=0.5``,
 ``method.hpm.kt=kd``): the method is then wrapped in a :class:`~fedskew.methods.compose.Composite`.
 """
 
 from __future__ import annotations
+
+import importlib
+import re
+import sys
+import types
 
 from pydantic import BaseModel, ValidationError
 
@@ -33,6 +42,55 @@ METHODS: dict[str, type[Method]] = {
     "fedproto": FedProto, "fedlc": FedLC, "pfedme": PFedMe, "perfedavg": PerFedAvg,
 }
 COMPONENTS = {**FEDMR_COMPONENTS, **MAP_COMPONENTS}
+BUILTIN = frozenset(METHODS)
+_BUILTIN_CLASSES = tuple(METHODS.values())
+
+
+def registered() -> dict[str, type[Method]]:
+    """Every method a config can name (``method.name``), built-in and registered, by name."""
+    return dict(METHODS)
+
+
+def register_method(cls: type[Method] | None = None, *, name: str | None = None):
+    """Add a :class:`Method` subclass to the registry under ``name`` (default: the class's own
+    ``name`` attribute, else its lower-cased class name); returns the class, so it also works as
+    a decorator (``@register_method`` or ``@register_method(name="mine")``). Registering a name
+    again replaces the earlier user method (re-running a notebook cell); built-in names are taken.
+
+    Sweeps with ``jobs > 1`` import the class's module in every worker: define the class in an
+    importable module, or in a script that runs the sweep under ``if __name__ == "__main__":``."""
+    def add(cls):
+        if not (isinstance(cls, type) and issubclass(cls, Method)):
+            raise TypeError(f"register_method needs a subclass of fedskew.Method, not {cls!r}")
+        key = name or cls.__dict__.get("name") or cls.__name__.lower()
+        if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", key):
+            raise ValueError(f"method name {key!r} is not allowed: use letters, digits, '_', '-' and '.'")
+        if key in BUILTIN and METHODS[key] is not cls:
+            raise ValueError(f"method name '{key}' is a built-in method; give yours another name "
+                             f"(register_method(cls, name=...) or a class attribute name = '...')")
+        if not issubclass(cls.Options, BaseModel):
+            raise TypeError(f"{cls.__name__}.Options must be a pydantic model (e.g. a subclass of FedAvgOptions)")
+        if cls not in _BUILTIN_CLASSES:
+            cls.name = key  # Composite names and messages use it
+        METHODS[key] = cls
+        return cls
+    return add if cls is None else add(cls)
+
+
+def external_methods() -> dict[str, tuple[str, str]]:
+    """The registered methods that are not built in, as ``name -> (module, qualified name)``: what a
+    worker process needs to register them again (:func:`import_methods`)."""
+    return {k: (cls.__module__, cls.__qualname__) for k, cls in METHODS.items() if k not in BUILTIN}
+
+
+def import_methods(external: dict[str, tuple[str, str]]) -> None:
+    """Register the methods of :func:`external_methods` in this process (a sweep worker)."""
+    for key, (module, qualname) in external.items():
+        # a spawned worker re-imports the parent's script as __mp_main__, aliased to __main__
+        obj = sys.modules[module] if module in sys.modules else importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        register_method(obj, name=key)
 
 
 def _validate(schema: type[BaseModel], data: dict, where: str, what: str) -> BaseModel:
@@ -79,5 +137,15 @@ def build_method(cfg, info: FederationInfo | None = None) -> Method:
     return Composite(method, [COMPONENTS[name](opt) for name, opt in parts.items()])
 
 
+class _Registry(types.ModuleType):
+    """This package's module type: ``fedskew.methods()`` (the package called) is :func:`registered`."""
+
+    def __call__(self) -> dict[str, type[Method]]:
+        return registered()
+
+
+sys.modules[__name__].__class__ = _Registry
+
 __all__ = ["ClientReport", "FederationInfo", "Forward", "METHODS", "Method", "State", "build_method",
-           "method_model_defaults", "validate_method_config"]
+           "external_methods", "import_methods", "method_model_defaults", "register_method", "registered",
+           "validate_method_config"]

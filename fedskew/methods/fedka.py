@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.engine.rng import numpy_rng
 from fedskew.methods.base import ClientData, FedAvgOptions, Method, model_part, reference_tensor
+from fedskew.streams import numpy_rng
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,15 +186,5 @@ class FedKA(Method):
         return ce + self.opt.ka_beta * ka, {"fedka/anchor": ka.detach()}
 
 
-# ---------------------------------------------------------------------------------------------
-# Forgetting degree (FedKA paper, Eq. 1): a metric for every method
-
-
-def forgetting_degree(global_class_acc: torch.Tensor, local_class_acc: torch.Tensor, xi: float = 1e-8) -> torch.Tensor:
-    """tau^c = (acc_c(global) - acc_c(local)) / (acc_c(global) + xi), per class; in (-inf, 1],
-    positive = forgetting."""
-    return (global_class_acc - local_class_acc) / (global_class_acc + xi)
-
-
-__all__ = ["FedKA", "FedNTD", "ROLE_NAMES", "anchor_indices", "class_roles", "forgetting_degree",
+__all__ = ["FedKA", "FedNTD", "ROLE_NAMES", "anchor_indices", "class_roles",
            "knowledge_anchor_loss", "not_true_logits", "ntd_loss"]

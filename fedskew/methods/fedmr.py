@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedskew.engine.rng import numpy_rng
 from fedskew.methods.base import ClientReport, FedAvgOptions, reference_tensor
 from fedskew.methods.compose import Component, FedAvgWith
+from fedskew.streams import numpy_rng
+
 
 # ---------------------------------------------------------------------------------------------
 # Pure functions
@@ -111,22 +112,6 @@ def aggregate_prototypes(previous: torch.Tensor, means: list[torch.Tensor], coun
     total = n.sum(0)
     new = (n[:, :, None] * m).sum(0) / total.clamp(min=1)[:, None]
     return torch.where((total > 0)[:, None], new, previous)
-
-
-def eig_var_top50(features: torch.Tensor, top: int = 50) -> float:
-    """FedMR Table 7: eigenvalues of the feature covariance of a batch (128 test samples), sorted
-    descending, the top 50 (all if d < 50); their variance written as in the paper,
-    (1/128) * sum_i (l_i - mean)^2 (the 1/128 is the paper's, whatever the number kept)."""
-    z = features.double()
-    cov = torch.cov(z.T)
-    eig = torch.linalg.eigvalsh(cov).flip(0)[:top]
-    return float(((eig - eig.mean()) ** 2).sum() / 128)
-
-
-def live_units(features: torch.Tensor) -> int:
-    """How many feature units (columns) are non-zero for at least one sample: ReLU units that are
-    not dead on this batch."""
-    return int((features != 0).any(0).sum())
 
 
 @lru_cache(maxsize=64)
@@ -252,4 +237,4 @@ class FedMR(FedAvgWith):
                                                  share_fraction=opt.proto_share_fraction))]
 
 __all__ = ["COMPONENTS", "FedMR", "IntraDecorrelation", "PrototypeMargin", "aggregate_prototypes",
-           "class_feature_means", "eig_var_top50", "inter_class_margin", "intra_class_loss", "live_units"]
+           "class_feature_means", "inter_class_margin", "intra_class_loss"]

@@ -10,6 +10,8 @@
   the part that is not the model (prototypes, control variates, ...).
 - ``features/eig_var_top50``, ``features/live_units``: with ``feature_stats=true``, FedMR's Table 7
   statistic and the number of feature units alive on the same samples.
+- ``forgetting/*``: with ``forgetting_stats=true``, FedKA's forgetting degree (Eq. 1,
+  :func:`forgetting_degree`) of each uploaded model per class, grouped by the class's role.
 - ``proxy/*``: with ``classifier_stats=true``, MAP's Figure 6 statistics of the uploaded
   classifiers (:func:`classifier_proxy_stats`), averaged over the selected clients.
 """
@@ -20,7 +22,7 @@ import math
 
 import torch
 
-from fedskew.engine.local import predict
+from fedskew.models.functional import feature_fn, predict
 
 
 def count_floats(tensors: dict[str, torch.Tensor]) -> int:
@@ -45,16 +47,35 @@ def global_metrics(model, state, x_test: torch.Tensor, y_test: torch.Tensor, num
 
 def feature_stats(model, state, x_test: torch.Tensor, n: int = 128) -> dict[str, float]:
     """On the global model's features of the first ``n`` global test samples:
-    ``features/eig_var_top50``, FedMR Table 7 (see :func:`fedskew.methods.fedmr.eig_var_top50`),
+    ``features/eig_var_top50``, FedMR Table 7 (:func:`eig_var_top50`),
     and beside it ``features/live_units`` / ``features/dim``: how many feature units are non-zero
     for at least one of the samples. A model whose units are all dead scores eig_var 0, which
     would otherwise read as perfectly decorrelated."""
-    from fedskew.engine.local import feature_fn
-    from fedskew.methods.fedmr import eig_var_top50, live_units
-
     z, _ = feature_fn(model, x_test[:n], None)(state)
     return {"features/eig_var_top50": eig_var_top50(z), "features/live_units": live_units(z),
             "features/dim": z.shape[1]}
+
+
+def eig_var_top50(features: torch.Tensor, top: int = 50) -> float:
+    """FedMR Table 7: eigenvalues of the feature covariance of a batch (128 test samples), sorted
+    descending, the top 50 (all if d < 50); their variance written as in the paper,
+    (1/128) * sum_i (l_i - mean)^2 (the 1/128 is the paper's, whatever the number kept)."""
+    z = features.double()
+    cov = torch.cov(z.T)
+    eig = torch.linalg.eigvalsh(cov).flip(0)[:top]
+    return float(((eig - eig.mean()) ** 2).sum() / 128)
+
+
+def live_units(features: torch.Tensor) -> int:
+    """How many feature units (columns) are non-zero for at least one sample: ReLU units that are
+    not dead on this batch."""
+    return int((features != 0).any(0).sum())
+
+
+def forgetting_degree(global_class_acc: torch.Tensor, local_class_acc: torch.Tensor, xi: float = 1e-8) -> torch.Tensor:
+    """tau^c = (acc_c(global) - acc_c(local)) / (acc_c(global) + xi), per class; in (-inf, 1],
+    positive = forgetting."""
+    return (global_class_acc - local_class_acc) / (global_class_acc + xi)
 
 
 def mean_std(values: list[float | None]) -> tuple[float | None, float | None]:

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedskew.streams import torch_seed
+
 
 class ModelError(ValueError):
     """A model that cannot be built for the given input shape."""
@@ -160,8 +162,6 @@ def build_model(cfg, input_shape: tuple[int, ...], num_classes: int, seed: int =
     if cfg.projection_dim:
         model = with_projection_head(model, cfg.projection_dim, num_classes, cfg.classifier_bias)
     if getattr(cfg, "classifier", "linear") == "etf":
-        from fedskew.engine.rng import torch_seed
-
         if model.feature_dim < num_classes:
             fix = ("raise model.hidden's last width" if cfg.name == "mlp" and not cfg.projection_dim else
                    f"set model.projection_dim to {num_classes} or more")

@@ -16,12 +16,10 @@ A sweep file::
     seeds: [0, 1, 2]
     selection: {split: test, metric: global/test_acc_mean_last10}  # or split: validation
 
-The sweep folder holds ``sweep.yaml`` (the spec as run), ``results.sqlite`` and ``runs/<id>/``
-(ordinary run directories). Tables: ``runs`` (one row per planned run: label, method, grid point,
-partition, seed, status pending/running/done/failed, resolved config, summary), ``rounds`` (the
-scalar metrics of every round of every finished run), ``selections`` (the grid point chosen per
-method and partition, the metric and the split it was chosen on). Running the sweep again skips
-finished runs, resumes interrupted ones from their last checkpoint and retries failed ones.
+The sweep folder holds ``sweep.yaml`` (the spec as run), ``results.sqlite`` (the results store,
+:mod:`fedskew.experiments.store`) and ``runs/<id>/`` (ordinary run directories). Running the sweep
+again skips finished runs, resumes interrupted ones from their last checkpoint and retries failed
+ones.
 
 Hyper-parameter selection (``selection.split``): ``test`` picks, per method and partition, the grid
 point with the best mean over seeds of ``selection.metric`` on the test set, as the papers did;
@@ -32,13 +30,11 @@ choice is recorded in ``selections`` and shown in the report.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import itertools
 import json
 import os
 import sqlite3
-import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -46,7 +42,8 @@ from typing import Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fedskew.config import ConfigError, set_key, validate_config
+from fedskew.config import ConfigError, nested, set_key, validate_config
+from fedskew.experiments.store import add_planned, connect, mark_running, record_done, record_failed, scalar_metrics
 
 
 class _Strict(BaseModel):
@@ -140,17 +137,6 @@ def grid_points(options: dict[str, Any]) -> list[dict[str, Any]]:
     return [{**fixed, **dict(zip(keys, combo))} for combo in itertools.product(*(options[k] for k in keys))]
 
 
-def nested(flat_or_nested: dict) -> dict:
-    out: dict = {}
-    for k, v in flat_or_nested.items():
-        if isinstance(v, dict) and "." not in k:
-            existing = out.get(k)
-            out[k] = {**(existing if isinstance(existing, dict) else {}), **nested(v)}
-        else:
-            set_key(out, k, copy.deepcopy(v))
-    return out
-
-
 def run_config(spec: SweepSpec, method: MethodSpec, params: dict, partition: str, seed: int) -> dict:
     """The resolved run config (plain data) of one planned run."""
     data = nested(spec.base)
@@ -186,34 +172,6 @@ def plan(spec: SweepSpec) -> list[dict]:
     return runs
 
 
-# ---------------------------------------------------------------------------------------------
-# The results database
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS runs (
-  run_id TEXT PRIMARY KEY, label TEXT NOT NULL, method TEXT NOT NULL, params TEXT NOT NULL,
-  partition TEXT NOT NULL, seed INTEGER NOT NULL, status TEXT NOT NULL, config TEXT NOT NULL,
-  summary TEXT, run_dir TEXT NOT NULL, started REAL, finished REAL, error TEXT);
-CREATE TABLE IF NOT EXISTS rounds (
-  run_id TEXT NOT NULL, round INTEGER NOT NULL, metrics TEXT NOT NULL, PRIMARY KEY (run_id, round));
-CREATE TABLE IF NOT EXISTS selections (
-  label TEXT NOT NULL, partition TEXT NOT NULL, params TEXT NOT NULL, metric TEXT NOT NULL, split TEXT NOT NULL,
-  value REAL, candidates TEXT NOT NULL, PRIMARY KEY (label, partition));
-"""
-
-
-def connect(path: Path) -> sqlite3.Connection:
-    db = sqlite3.connect(path, timeout=30)
-    db.row_factory = sqlite3.Row
-    db.executescript(SCHEMA)
-    return db
-
-
-def scalar_metrics(record: dict) -> dict:
-    """The per-round values worth keeping in the database (numbers and none; no per-client lists)."""
-    return {k: v for k, v in record.items() if v is None or isinstance(v, (int, float))}
-
-
 def _execute(config: dict, run_dir: str) -> tuple[dict, list[dict]]:
     """Run (or resume, when its directory already holds one) a single run; worker entry point."""
     from fedskew.engine.runner import Experiment
@@ -225,10 +183,25 @@ def _execute(config: dict, run_dir: str) -> tuple[dict, list[dict]]:
     return result.summary, [scalar_metrics(h) for h in result.history]
 
 
-def _one_thread() -> None:
+def _worker_init(external: dict[str, tuple[str, str]]) -> None:
+    """A sweep worker: one torch thread, and the methods registered from outside the package."""
     import torch
 
+    from fedskew.methods import import_methods
+
     torch.set_num_threads(1)
+    import_methods(external)
+
+
+def _mp_context(external: dict[str, tuple[str, str]]):
+    """spawn (a clean interpreter per worker), unless a registered method lives in a ``__main__``
+    that a new interpreter cannot import (a notebook, ``python -c``): then fork, which inherits it."""
+    import multiprocessing
+    import sys
+
+    main = sys.modules.get("__main__")
+    unimportable = any(module == "__main__" and not getattr(main, "__file__", None) for module, _ in external.values())
+    return multiprocessing.get_context("fork" if unimportable else "spawn")
 
 
 def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
@@ -247,35 +220,22 @@ def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
     spec_file.write_text(yaml.safe_dump(spec_data, sort_keys=False))
     db = connect(sweep_dir / "results.sqlite")
     runs = plan(spec)
-    with db:
-        for r in runs:
-            db.execute("INSERT OR IGNORE INTO runs (run_id, label, method, params, partition, seed, status, config, "
-                       "run_dir) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
-                       (r["run_id"], r["label"], r["method"], json.dumps(r["params"], sort_keys=True), r["partition"],
-                        r["seed"], json.dumps(r["config"]), str(sweep_dir / "runs" / r["run_id"])))
-    status = {row["run_id"]: row["status"] for row in db.execute("SELECT run_id, status FROM runs")}
+    status = add_planned(db, runs, sweep_dir)
     todo = [r for r in runs if status.get(r["run_id"]) != "done"]
     for r in runs:
         if status.get(r["run_id"]) == "done" and on_event:
             on_event("skipped", r)
 
     def started(r):
-        with db:
-            db.execute("UPDATE runs SET status='running', started=?, error=NULL WHERE run_id=?", (time.time(), r["run_id"]))
+        mark_running(db, r["run_id"])
         if on_event:
             on_event("started", r)
 
     def finished(r, summary, history, error=None):
-        with db:
-            if error is None:
-                db.execute("DELETE FROM rounds WHERE run_id=?", (r["run_id"],))
-                db.executemany("INSERT INTO rounds (run_id, round, metrics) VALUES (?, ?, ?)",
-                               [(r["run_id"], h["round"], json.dumps(h)) for h in history])
-                db.execute("UPDATE runs SET status='done', summary=?, finished=? WHERE run_id=?",
-                           (json.dumps(summary), time.time(), r["run_id"]))
-            else:
-                db.execute("UPDATE runs SET status='failed', error=?, finished=? WHERE run_id=?",
-                           (error, time.time(), r["run_id"]))
+        if error is None:
+            record_done(db, r["run_id"], summary, history)
+        else:
+            record_failed(db, r["run_id"], error)
         if on_event:
             on_event("failed" if error else "done", {**r, "summary": summary, "error": error})
 
@@ -290,9 +250,11 @@ def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
                 continue
             finished(r, summary, history)
     else:
-        import multiprocessing
+        from fedskew.methods import external_methods
 
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_one_thread) as pool:
+        external = external_methods()
+        with ProcessPoolExecutor(jobs, mp_context=_mp_context(external), initializer=_worker_init,
+                                 initargs=(external,)) as pool:
             futures = {}
             for r in todo:
                 started(r)
@@ -336,8 +298,14 @@ def select(db: sqlite3.Connection, spec: SweepSpec) -> dict[tuple[str, str], dic
     return chosen
 
 
+def default_sweep_dir(spec: SweepSpec) -> Path:
+    """``runs/sweep-<name>``, the name made safe for a folder."""
+    slug = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in spec.name.split(":")[0]).strip("-")
+    return Path("runs") / f"sweep-{slug}"
+
+
 def default_jobs() -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-__all__ = ["MethodSpec", "SweepSpec", "connect", "grid_points", "load_spec", "plan", "run_sweep", "select"]
+__all__ = ["MethodSpec", "SweepSpec", "default_jobs", "default_sweep_dir", "grid_points", "load_spec", "plan", "run_sweep", "select"]

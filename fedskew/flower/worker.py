@@ -1,6 +1,6 @@
-"""The resident per-node worker behind :mod:`fedskew.flower_client` (see there).
+"""The resident per-node worker behind :mod:`fedskew.flower.client` (see there).
 
-    python -m fedskew.flower_worker SOCKET KEYFILE CONFIGFILE
+    python -m fedskew.flower.worker SOCKET KEYFILE CONFIGFILE
 
 Serves ``("train", client, round, lr, payload, client_state)`` requests (numpy arrays) with the
 same ``train_client`` as every other path, replying ``("ok", upload, new_state, report)`` or
@@ -22,7 +22,7 @@ def main(sock: str, keyfile: str, cfgfile: str) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("FEDSKEW_WORKER_THREADS", "1")))
-    from fedskew.flower import _runtime, report_of
+    from fedskew.flower.app import _runtime, report_of
 
     cfg_json = Path(cfgfile).read_text()
     rt = _runtime(cfg_json)  # torch, data, model, method: loaded once

@@ -3,7 +3,7 @@
 Flower 1.41 starts a fresh ``flwr-clientapp`` process for every message, in both SuperNode
 isolation modes, so a ClientApp that imports torch and rebuilds the data split and the model pays
 that (about 4.4 s here) on every round. This module imports only Flower, numpy and the standard
-library. On its first message it starts ``python -m fedskew.flower_worker`` for the node's
+library. On its first message it starts ``python -m fedskew.flower.worker`` for the node's
 (config, partition): a process that keeps torch, the data and the model loaded and trains
 clients on request over a local socket (``multiprocessing.connection``, AF_UNIX, with a random
 authentication key in a 0600 file); later messages only connect. The worker holds no client
@@ -27,7 +27,9 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-CONFIG_KEY = "fedskew-config"
+CONFIG_KEY = "fedskew-config"  # run-config keys of the Flower app (fedskew.flower.federation.write_app)
+OUT_KEY = "out-dir"
+TIMEOUT_KEY = "timeout"
 STATE_KEY = "fedskew.client_state"
 
 
@@ -60,7 +62,7 @@ def _connect(cfg_json: str, partition: int, start_timeout: float = 120.0):
     with os.fdopen(fd, "wb") as fh:
         fh.write(key)
     cfgfile.write_text(cfg_json)
-    subprocess.Popen([sys.executable, "-m", "fedskew.flower_worker", str(sock), str(keyfile), str(cfgfile)],
+    subprocess.Popen([sys.executable, "-m", "fedskew.flower.worker", str(sock), str(keyfile), str(cfgfile)],
                      stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + start_timeout
     while time.time() < deadline:

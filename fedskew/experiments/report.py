@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import base64
 import html
-import json
-import sqlite3
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from fedskew.experiments.plots import plot_class_accuracy, plot_curves, plot_fairness
+from fedskew.experiments.store import Results, open_sweep, selected_runs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,50 +73,6 @@ def rounds_to_target(curve: list[tuple[int, float]], target: float) -> int | Non
         if v >= target - 1e-12:
             return t + 1
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading
-
-
-@dataclass
-class Run:
-    label: str
-    partition: str
-    seed: int
-    params: dict
-    summary: dict
-    history: list[dict]
-    run_dir: Path
-
-
-@dataclass
-class Results:
-    labels: list[str]
-    partitions: list[str]
-    runs: dict[tuple[str, str], list[Run]]  # (label, partition) -> the selected grid point's runs
-    selections: dict[tuple[str, str], dict] = field(default_factory=dict)
-    name: str = "sweep"
-    spec: dict = field(default_factory=dict)
-
-
-def load_results(db: sqlite3.Connection, spec: dict | None = None) -> Results:
-    spec = spec or {}
-    selections = {(r["label"], r["partition"]): dict(r) for r in db.execute("SELECT * FROM selections")}
-    labels = [m["label"] or m["name"] for m in spec.get("methods", [])] or \
-        sorted({r["label"] for r in db.execute("SELECT label FROM runs")})
-    partitions = list(spec.get("partitions", {})) or sorted({r["partition"] for r in db.execute("SELECT partition FROM runs")})
-    runs: dict[tuple[str, str], list[Run]] = {}
-    for row in db.execute("SELECT * FROM runs WHERE status='done' ORDER BY seed"):
-        key = (row["label"], row["partition"])
-        chosen = selections.get(key)
-        if chosen is not None and chosen["params"] != row["params"]:
-            continue
-        history = [json.loads(m["metrics"]) for m in
-                   db.execute("SELECT metrics FROM rounds WHERE run_id=? ORDER BY round", (row["run_id"],))]
-        runs.setdefault(key, []).append(Run(row["label"], row["partition"], row["seed"], json.loads(row["params"]),
-                                            json.loads(row["summary"]), history, Path(row["run_dir"])))
-    return Results(labels, partitions, runs, selections, spec.get("name", "sweep"), spec)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,102 +188,6 @@ def selection_section(res: Results) -> Section | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Plots
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _finish(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
-    """Label, legend, save as PNG, close."""
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def plot_curves(res: Results, partition: str, key: str, path: Path) -> Path | None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    drawn = False
-    for c in res.labels:
-        runs = res.runs.get((c, partition), [])
-        series = [[(h["round"] + 1, h[key]) for h in r.history if h.get(key) is not None] for r in runs]
-        series = [s for s in series if s]
-        if not series:
-            continue
-        length = min(len(s) for s in series)
-        xs = [s[0] for s in series[0][:length]]
-        ys = [[s[i][1] * 100 for s in series] for i in range(length)]
-        mean = [statistics.mean(v) for v in ys]
-        sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in ys]
-        line, = ax.plot(xs, mean, label=c, lw=1.5)
-        ax.fill_between(xs, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)],
-                        color=line.get_color(), alpha=0.2)
-        drawn = True
-    if not drawn:
-        plt.close(fig)
-        return None
-    return _finish(plt, fig, ax, path, "round", f"{key} (%)", f"{partition}: mean +- std over seeds")
-
-
-def plot_class_accuracy(res: Results, partition: str, path: Path) -> Path | None:
-    plt = _plt()
-    data = {}
-    for c in res.labels:
-        runs = res.runs.get((c, partition), [])
-        keys = sorted({k for r in runs for k in r.summary if k.startswith("global/class_acc/")},
-                      key=lambda k: int(k.rsplit("/", 1)[1]))
-        if runs and keys:
-            data[c] = [statistics.mean(r.summary[k] for r in runs) * 100 for k in keys]
-    if not data:
-        return None
-    classes = len(next(iter(data.values())))
-    fig, ax = plt.subplots(figsize=(min(3 + 0.5 * classes, 16), 3.8))
-    width = 0.8 / len(data)
-    for i, (c, vals) in enumerate(data.items()):
-        ax.bar([j + i * width for j in range(classes)], vals, width, label=c)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(classes)], [str(j) for j in range(classes)])
-    return _finish(plt, fig, ax, path, "class", "global test accuracy (%)",
-                   f"{partition}: per-class accuracy of the final global model (mean over seeds)")
-
-
-def plot_fairness(res: Results, partition: str, baseline: str, path: Path) -> Path | None:
-    plt = _plt()
-    key = "personal/final_acc_after_per_client"
-    base = {r.seed: r.summary.get(key) for r in res.runs.get((baseline, partition), [])}
-    fig, ax = plt.subplots(figsize=(6.5, 3.5))
-    drawn = False
-    for c in res.labels:
-        if c == baseline:
-            continue
-        diffs = []
-        for r in res.runs.get((c, partition), []):
-            mine, theirs = r.summary.get(key), base.get(r.seed)
-            if mine and theirs:
-                diffs += [100 * (a - b) for a, b in zip(mine, theirs) if a is not None and b is not None]
-        if diffs:
-            ax.hist(diffs, bins=30, alpha=0.5, label=c)
-            drawn = True
-    if not drawn:
-        plt.close(fig)
-        return None
-    ax.axvline(0, color="k", lw=0.8)
-    return _finish(plt, fig, ax, path, f"per-client final personalised accuracy minus {baseline}'s (points)",
-                   "clients x seeds", partition)
-
-
-# ---------------------------------------------------------------------------------------------
 # Rendering
 
 
@@ -415,22 +276,16 @@ def write_report(sweep_dir: str | Path, out: str | Path | None = None, metric: s
     """Write ``report.md``, ``report.html`` and the plots for a sweep folder; returns both paths."""
     import yaml
 
-    from fedskew.sweep import connect
-
     sweep_dir = Path(sweep_dir)
-    if not (sweep_dir / "results.sqlite").is_file():
-        from fedskew.config import ConfigError
-
-        raise ConfigError(f"'{sweep_dir}' is not a sweep folder (it holds no results.sqlite).")
+    db = open_sweep(sweep_dir)  # a one-sentence error when it is not a sweep folder
     spec = yaml.safe_load((sweep_dir / "sweep.yaml").read_text()) if (sweep_dir / "sweep.yaml").is_file() else {}
     opts = spec.get("report", {}) or {}
     metric = metric or opts.get("metric", "global/test_acc_mean_last10")
     baseline = baseline or opts.get("baseline", "fedavg")
     out = Path(out) if out else sweep_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
-    db = connect(sweep_dir / "results.sqlite")
     try:
-        res = load_results(db, spec)
+        res = selected_runs(db, spec)
     finally:
         db.close()
     sections = build_sections(res, out, metric, baseline)
@@ -440,4 +295,4 @@ def write_report(sweep_dir: str | Path, out: str | Path | None = None, metric: s
     return out / "report.md", out / "report.html"
 
 
-__all__ = ["build_table", "load_results", "mean_curve", "mean_std", "rounds_to_target", "write_report"]
+__all__ = ["build_table", "mean_curve", "mean_std", "rounds_to_target", "write_report"]

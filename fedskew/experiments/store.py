@@ -1,0 +1,164 @@
+"""The results store of a sweep: one SQLite file (``results.sqlite``) beside the run directories.
+
+Tables: ``runs`` (one row per planned run: label, method, grid point, partition, seed, status
+pending/running/done/failed, resolved config, summary), ``rounds`` (the scalar metrics of every
+round of every finished run), ``selections`` (the grid point chosen per method and partition, the
+metric and the split it was chosen on). Only the sweep process writes it (design.md, "Sweeps and
+the results store"); reports and :func:`results_table` only read it.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+  run_id TEXT PRIMARY KEY, label TEXT NOT NULL, method TEXT NOT NULL, params TEXT NOT NULL,
+  partition TEXT NOT NULL, seed INTEGER NOT NULL, status TEXT NOT NULL, config TEXT NOT NULL,
+  summary TEXT, run_dir TEXT NOT NULL, started REAL, finished REAL, error TEXT);
+CREATE TABLE IF NOT EXISTS rounds (
+  run_id TEXT NOT NULL, round INTEGER NOT NULL, metrics TEXT NOT NULL, PRIMARY KEY (run_id, round));
+CREATE TABLE IF NOT EXISTS selections (
+  label TEXT NOT NULL, partition TEXT NOT NULL, params TEXT NOT NULL, metric TEXT NOT NULL, split TEXT NOT NULL,
+  value REAL, candidates TEXT NOT NULL, PRIMARY KEY (label, partition));
+"""
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    db = sqlite3.connect(path, timeout=30)
+    db.row_factory = sqlite3.Row
+    db.executescript(SCHEMA)
+    return db
+
+
+def open_sweep(sweep_dir: str | Path) -> sqlite3.Connection:
+    """The results database of an existing sweep folder (one-sentence error otherwise)."""
+    path = Path(sweep_dir) / "results.sqlite"
+    if not path.is_file():
+        from fedskew.config import ConfigError
+
+        raise ConfigError(f"'{sweep_dir}' is not a sweep folder (it holds no results.sqlite).")
+    return connect(path)
+
+
+def scalar_metrics(record: dict) -> dict:
+    """The per-round values worth keeping in the database (numbers and none; no per-client lists)."""
+    return {k: v for k, v in record.items() if v is None or isinstance(v, (int, float))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing (the sweep process only)
+
+
+def add_planned(db: sqlite3.Connection, runs: list[dict], sweep_dir: Path) -> dict[str, str]:
+    """Insert the planned runs not yet in the database as ``pending``; every run's status."""
+    with db:
+        for r in runs:
+            db.execute("INSERT OR IGNORE INTO runs (run_id, label, method, params, partition, seed, status, config, "
+                       "run_dir) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+                       (r["run_id"], r["label"], r["method"], json.dumps(r["params"], sort_keys=True), r["partition"],
+                        r["seed"], json.dumps(r["config"]), str(sweep_dir / "runs" / r["run_id"])))
+    return {row["run_id"]: row["status"] for row in db.execute("SELECT run_id, status FROM runs")}
+
+
+def mark_running(db: sqlite3.Connection, run_id: str) -> None:
+    with db:
+        db.execute("UPDATE runs SET status='running', started=?, error=NULL WHERE run_id=?", (time.time(), run_id))
+
+
+def record_done(db: sqlite3.Connection, run_id: str, summary: dict, history: list[dict]) -> None:
+    with db:
+        db.execute("DELETE FROM rounds WHERE run_id=?", (run_id,))
+        db.executemany("INSERT INTO rounds (run_id, round, metrics) VALUES (?, ?, ?)",
+                       [(run_id, h["round"], json.dumps(h)) for h in history])
+        db.execute("UPDATE runs SET status='done', summary=?, finished=? WHERE run_id=?",
+                   (json.dumps(summary), time.time(), run_id))
+
+
+def record_failed(db: sqlite3.Connection, run_id: str, error: str) -> None:
+    with db:
+        db.execute("UPDATE runs SET status='failed', error=?, finished=? WHERE run_id=?", (error, time.time(), run_id))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+@dataclass
+class Run:
+    label: str
+    partition: str
+    seed: int
+    params: dict
+    summary: dict
+    history: list[dict]
+    run_dir: Path
+
+
+@dataclass
+class Results:
+    labels: list[str]
+    partitions: list[str]
+    runs: dict[tuple[str, str], list[Run]]  # (label, partition) -> the selected grid point's runs
+    selections: dict[tuple[str, str], dict] = field(default_factory=dict)
+    name: str = "sweep"
+    spec: dict = field(default_factory=dict)
+
+
+def selected_runs(db: sqlite3.Connection, spec: dict | None = None) -> Results:
+    """The finished runs of the grid point chosen per (method label, partition), with their
+    histories: what a report shows."""
+    spec = spec or {}
+    selections = {(r["label"], r["partition"]): dict(r) for r in db.execute("SELECT * FROM selections")}
+    labels = [m["label"] or m["name"] for m in spec.get("methods", [])] or \
+        sorted({r["label"] for r in db.execute("SELECT label FROM runs")})
+    partitions = list(spec.get("partitions", {})) or \
+        sorted({r["partition"] for r in db.execute("SELECT partition FROM runs")})
+    runs: dict[tuple[str, str], list[Run]] = {}
+    for row in db.execute("SELECT * FROM runs WHERE status='done' ORDER BY seed"):
+        key = (row["label"], row["partition"])
+        chosen = selections.get(key)
+        if chosen is not None and chosen["params"] != row["params"]:
+            continue
+        history = [json.loads(m["metrics"]) for m in
+                   db.execute("SELECT metrics FROM rounds WHERE run_id=? ORDER BY round", (row["run_id"],))]
+        runs.setdefault(key, []).append(Run(row["label"], row["partition"], row["seed"], json.loads(row["params"]),
+                                            json.loads(row["summary"]), history, Path(row["run_dir"])))
+    return Results(labels, partitions, runs, selections, spec.get("name", "sweep"), spec)
+
+
+def results_table(sweep_dir: str | Path, rounds: bool = False) -> list[dict]:
+    """Every planned run of a sweep as one flat row (``fedskew.load_results``): ``run_id``,
+    ``label``, ``method``, ``partition``, ``seed``, ``status``, ``selected`` (the grid point the
+    selection chose for its method and partition), ``error``, ``run_dir``, the grid point's options
+    as ``option/<name>``, and the summary's scalar values under their metric names. With
+    ``rounds``: one row per finished run and round instead, with that round's scalar metrics."""
+    db = open_sweep(sweep_dir)
+    try:
+        chosen = {(r["label"], r["partition"]): r["params"] for r in db.execute("SELECT * FROM selections")}
+        rows = []
+        for row in db.execute("SELECT * FROM runs ORDER BY rowid"):
+            base = {"run_id": row["run_id"], "label": row["label"], "method": row["method"],
+                    "partition": row["partition"], "seed": row["seed"], "status": row["status"],
+                    "selected": chosen.get((row["label"], row["partition"])) == row["params"],
+                    **{f"option/{k}": v for k, v in json.loads(row["params"]).items()}}
+            if rounds:
+                if row["status"] == "done":
+                    rows += [{**base, **json.loads(m["metrics"])} for m in db.execute(
+                        "SELECT metrics FROM rounds WHERE run_id=? ORDER BY round", (row["run_id"],))]
+                continue
+            summary = json.loads(row["summary"]) if row["summary"] else {}
+            scalars = {k: v for k, v in summary.items() if v is None or isinstance(v, (int, float, str))}
+            rows.append({**base, "error": row["error"], "run_dir": row["run_dir"],
+                         **{k: v for k, v in scalars.items() if k not in base}})
+        return rows
+    finally:
+        db.close()
+
+
+__all__ = ["Results", "Run", "add_planned", "connect", "mark_running", "open_sweep", "record_done", "record_failed",
+           "results_table", "scalar_metrics", "selected_runs"]

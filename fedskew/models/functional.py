@@ -1,0 +1,46 @@
+"""A model as a function of its state: ``functional_call`` views of an ``nn.Module`` (state =
+parameters + buffers as a flat dict), shared by the executors and the metrics.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+State = dict[str, torch.Tensor]
+
+
+@torch.no_grad()
+def predict(model: nn.Module, state: State, x: torch.Tensor, batch: int = 4096) -> torch.Tensor:
+    """Predicted labels of the model with ``state`` (eval mode)."""
+    was_training = model.training
+    model.eval()
+    try:
+        preds = [functional_call(model, state, (x[i:i + batch],)).argmax(1) for i in range(0, len(x), batch)]
+    finally:
+        model.train(was_training)
+    return torch.cat(preds) if preds else torch.empty(0, dtype=torch.long, device=x.device)
+
+
+def in_eval_mode(model: nn.Module, fn):
+    """``fn()`` with ``model`` in eval mode (its mode restored after), with gradients as usual."""
+    was_training = model.training
+    model.eval()
+    try:
+        return fn()
+    finally:
+        model.train(was_training)
+
+
+def feature_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 4096):
+    """``state -> (z, y)`` over all of ``x`` in eval mode without gradient (``ClientReport.local_features``)."""
+    @torch.no_grad()
+    def run(state: State):
+        z = in_eval_mode(model, lambda: [functional_call(model, state, (x[i:i + batch],), {"return_features": True})[0]
+                                         for i in range(0, len(x), batch)])
+        return torch.cat(z), y
+    return run
+
+
+__all__ = ["feature_fn", "in_eval_mode", "predict"]
