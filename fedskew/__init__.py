@@ -83,8 +83,8 @@ def load_config(config: Mapping | str | Path | RunConfig | None = None, /,
 
     ``overrides`` is a mapping of (dotted) keys to values, or a list of ``key=value`` strings
     parsed as on the command line; keyword ``options`` come first, ``overrides`` after."""
-    from fedskew.config import (ConfigError, RunConfig, apply_overrides, nested, read_config_file, set_key,
-                                validate_config)
+    from fedskew.config import (RECORD_KEYS, ConfigError, RunConfig, apply_overrides, nested, read_config_file,
+                                set_key, validate_config)
 
     if config is None:
         data: dict = {}
@@ -92,7 +92,8 @@ def load_config(config: Mapping | str | Path | RunConfig | None = None, /,
         data = config.model_dump(mode="json")
     elif isinstance(config, Mapping):
         data = nested(dict(config))  # dotted keys allowed, as in a sweep's base
-        data.pop("fedskew_version", None)
+        for key in RECORD_KEYS:
+            data.pop(key, None)
     elif isinstance(config, (str, Path)):
         data = read_config_file(config)
     else:

@@ -41,10 +41,12 @@ def _fmt(v) -> str:
 def _progress(console: Console, rounds: int):
     """A rich progress bar on a terminal, plain lines otherwise."""
     if console.is_terminal:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
 
         progress = Progress(TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
-                            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
+                            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("left"),
+                            TimeRemainingColumn(), console=console)
         task = progress.add_task("rounds", total=rounds, info="")
 
         def on_round(rec):
@@ -61,20 +63,49 @@ def _progress(console: Console, rounds: int):
     return None, on_round
 
 
+RESULT_ROWS = {  # summary key -> what it is (README, "Metrics: which model, on which data")
+    "global/test_acc": "global model, global test set, final round",
+    "global/test_acc_best": "global model, best round",
+    "global/test_acc_mean_last10": "global model, mean of the last 10 evaluations",
+    "personal/acc_before": "received model, local test sets, last round's clients",
+    "personal/acc_after": "personalised models, local test sets, last round's clients",
+    "personal/final_acc_before": "final global model on every client's local test set",
+    "personal/final_acc_after": "every client after one more local pass",
+    "comm/down_floats_total": "floats sent to clients, whole run",
+    "comm/up_floats_total": "floats sent by clients, whole run",
+    "comm/extra_pct": "beyond the model, % of the model's floats",
+    "time/round_s_mean": "seconds per round",
+}
+
+
 def _results_table(summary: dict, run_dir: Path) -> Table:
     table = Table(title=f"fedskew {summary['method']} on {summary['dataset']} / {summary['partition']} "
                         f"(seed {summary['seed']}, {summary['rounds']} rounds)")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    keys = ["global/test_acc", "global/test_acc_best", "global/test_acc_mean_last10",
-            "personal/acc_before", "personal/acc_after", "personal/final_acc_before",
-            "personal/final_acc_after", "comm/down_floats_total", "comm/up_floats_total", "comm/extra_pct",
-            "time/round_s_mean"]
-    for k in keys:
+    table.add_column("meaning", style="dim")
+    for k, meaning in RESULT_ROWS.items():
         if k in summary:
-            table.add_row(k, _fmt(summary[k]))
+            v = summary[k]
+            shown = f"{100 * v:.2f} %" if isinstance(v, float) and "acc" in k else _fmt(v)
+            table.add_row(k, shown, meaning)
     table.caption = f"run directory: {run_dir}"
     return table
+
+
+def _start_line(cfg, exp) -> str:
+    from fedskew.methods import METHODS
+
+    opts = METHODS[cfg.method.name].Options(**{k: v for k, v in cfg.method.options.items()
+                                               if k in METHODS[cfg.method.name].Options.model_fields})
+    shown = ", ".join(f"{k}={v}" for k, v in opts.model_dump().items())
+    extra = [k for k in cfg.method.options if k not in opts.model_fields]  # components (method.prototypes...)
+    shown += "".join(f", {k}={cfg.method.options[k]}" for k in extra)
+    return (f"fedskew {__version__}: {cfg.method.name} ({shown}) on {exp.fed.data.describe()}; "
+            f"{cfg.partition.name} partition of {exp.fed.num_clients} clients; model {cfg.model.name}; "
+            f"{cfg.rounds} rounds of {cfg.clients_per_round} clients, E={cfg.local_epochs}, B={cfg.batch_size}, "
+            f"lr {cfg.lr}, momentum {cfg.momentum}; executor {cfg.executor}; seed {cfg.seed}; "
+            f"run directory {exp.run_dir}")
 
 
 def cmd_run(args, console: Console) -> int:
@@ -88,12 +119,90 @@ def cmd_run(args, console: Console) -> int:
         args.run_dir = args.resume
         return cmd_resume(args, console)
     config, overrides = _split_args(args.items)
+    single, multi = split_multirun(overrides)
+    if multi:
+        if args.print_config:
+            raise ConfigError(f"--print-config shows one config; {', '.join(multi)} list several values.")
+        spec = multirun_spec(config, single, multi)
+        out = Path(spec["base"].get("out_dir", "runs")) / f"multirun-{time.strftime('%Y%m%d-%H%M%S')}"
+        from fedskew.experiments.sweep import load_spec
+
+        return _run_and_report(load_spec(spec), str(out), args.jobs, True, console, args)
     cfg = load_config(config, overrides)
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(full_config(cfg), sort_keys=False), end="")
+        return 0
     exp = Experiment(cfg)
-    console.print(f"fedskew {__version__}: {cfg.method.name} on {exp.fed.data.describe()}; "
-                  f"{cfg.partition.name} partition of {exp.fed.num_clients} clients; model {cfg.model.name}; "
-                  f"executor {cfg.executor}; run directory {exp.run_dir}", highlight=False)
+    console.print(_start_line(cfg, exp), highlight=False)
+    args.interrupt_hint = f"the run directory keeps the last checkpoint: `fedskew resume {exp.run_dir}` continues it."
     return _execute(exp.run, cfg.rounds, console)
+
+
+def split_multirun(overrides: list[str]) -> tuple[list[str], dict[str, list]]:
+    """Hydra's multirun convention: ``key=a,b,c`` lists values to run each of (a value in brackets,
+    braces or quotes is one value: ``model.hidden=[64,32]``)."""
+    import yaml
+
+    single, multi = [], {}
+    for item in overrides:
+        key, _, raw = item.partition("=")
+        if "," in raw and not raw.strip().startswith(("[", "{", "'", '"')):
+            multi[key] = [yaml.safe_load(v) for v in raw.split(",")]
+        else:
+            single.append(item)
+    return single, multi
+
+
+def multirun_spec(config: str | None, single: list[str], multi: dict[str, list]) -> dict:
+    """The sweep a multirun asks for: every combination of the listed values. ``method`` and its
+    options become the sweep's methods and option grids, ``seed`` its seeds, ``partition.*`` its
+    partitions, any other key one labelled method entry per value."""
+    import itertools
+
+    from fedskew.config import ConfigError, apply_overrides, read_config_file
+
+    base = apply_overrides(read_config_file(config) if config else {}, single)
+    method = base.pop("method", "fedavg")
+    method = {"name": method} if isinstance(method, str) else dict(method)
+    names = multi.pop("method", [method.pop("name", "fedavg")])
+    method.pop("name", None)
+    options = {**method, **{k.split(".", 1)[1]: v for k, v in multi.items() if k.startswith("method.")}}
+    seeds = multi.pop("seed", [base.pop("seed", 0)])
+    part_keys = [k for k in multi if k.startswith("partition.")]
+    other_keys = [k for k in multi if not k.startswith(("method.", "partition."))]
+    for k in other_keys:
+        if k in ("out_dir", "run_name"):
+            raise ConfigError(f"multirun: '{k}' takes one value, not {multi[k]}.")
+    partitions = {",".join(f"{k.split('.', 1)[1]}={v}" for k, v in zip(part_keys, combo)) or "default":
+                  {k.split(".", 1)[1]: v for k, v in zip(part_keys, combo)}
+                  for combo in itertools.product(*(multi[k] for k in part_keys))}
+    methods = []
+    for name in names:
+        for combo in itertools.product(*(multi[k] for k in other_keys)):
+            extra = dict(zip(other_keys, combo))
+            label = " ".join([name, *(f"{k}={v}" for k, v in extra.items())])
+            methods.append({"name": name, "label": label, "options": options, "config": extra})
+    title = " ".join(f"{k}={','.join(str(v) for v in vals)}" for k, vals in
+                     [("method", names), *((k, multi[k]) for k in multi if k != "method"), ("seed", seeds)])
+    return {"name": f"multirun {title}", "base": base, "methods": methods, "partitions": partitions,
+            "seeds": seeds}
+
+
+def full_config(cfg) -> dict:
+    """The resolved config with every default, the method's options included."""
+    from fedskew.methods import COMPONENTS, METHODS
+
+    data = cfg.resolved()
+    cls = METHODS[cfg.method.name]
+    given = cfg.method.options
+    method = {"name": cfg.method.name, **cls.Options(**{k: v for k, v in given.items() if k not in COMPONENTS}).model_dump()}
+    for name in COMPONENTS:
+        if name in given:
+            method[name] = COMPONENTS[name].Options(**given[name]).model_dump()
+    data["method"] = method
+    return data
 
 
 def cmd_resume(args, console: Console) -> int:
@@ -102,6 +211,7 @@ def cmd_resume(args, console: Console) -> int:
 
     cfg = load_config(Path(args.run_dir) / "config.yaml") if (Path(args.run_dir) / "config.yaml").is_file() else None
     rounds = cfg.rounds if cfg else 0
+    args.interrupt_hint = f"`fedskew resume {args.run_dir}` continues it again."
     return _execute(lambda on_round: resume(args.run_dir, on_round), rounds, console)
 
 
@@ -113,6 +223,42 @@ def _execute(fn, rounds: int, console: Console) -> int:
     else:
         result = fn(on_round)
     console.print(_results_table(result.summary, result.run_dir))
+    return 0
+
+
+def _describe(obj) -> str:
+    import inspect
+
+    doc = inspect.getdoc(obj) or ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def cmd_methods(args, console: Console) -> int:
+    from fedskew.config import ConfigError
+    from fedskew.methods import COMPONENTS, METHODS, did_you_mean
+
+    if args.name:
+        if args.name not in METHODS and args.name not in COMPONENTS:
+            raise ConfigError(f"method '{args.name}' is not known{did_you_mean(args.name, METHODS)}; "
+                              f"`fedskew methods` lists them.")
+        cls = METHODS.get(args.name) or COMPONENTS[args.name]
+        console.print(f"[bold]{args.name}[/bold]: {_describe(cls)}", highlight=False)
+        table = Table("option", "default", "meaning")
+        for key, field in cls.Options.model_fields.items():
+            table.add_row(f"method.{key}" if args.name in METHODS else f"method.{args.name}.{key}",
+                          repr(field.get_default(call_default_factory=True)), field.description or "")
+        console.print(table)
+        if args.name in METHODS:
+            console.print(f"any method also takes the components {', '.join(sorted(COMPONENTS))} "
+                          f"(`fedskew methods <component>`)", highlight=False)
+        return 0
+    table = Table("method", "options (defaults)", "what it is", title="fedskew methods (`fedskew methods NAME`: "
+                  "option meanings)")
+    for name, cls in METHODS.items():
+        opts = ", ".join(f"{k}={f.get_default(call_default_factory=True)!r}" for k, f in cls.Options.model_fields.items())
+        text = _describe(cls)
+        table.add_row(name, opts, text if len(text) <= 160 else text[:157] + "...")
+    console.print(table)
     return 0
 
 
@@ -131,43 +277,149 @@ def cmd_partition(args, console: Console) -> int:
         table.add_row(str(row["client"]), str(row["train"]), str(row["local_test"]),
                       str(len(row["classes"])), " ".join(f"{c}:{n}" for c, n in row["counts"].items()))
     console.print(table)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else \
+        Path(cfg.out_dir) / f"partition-{cfg.dataset.name}-{cfg.partition.name}-s{cfg.seed}.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
     fed.heatmap(out)
     console.print(f"heatmap written to {out}")
     return 0
 
 
-def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, console: Console) -> int:
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
+        f"{seconds // 60}:{seconds % 60:02d}"
+
+
+class SweepDisplay:
+    """Runs done / running / pending / failed with elapsed time and an ETA (a rich bar on a
+    terminal, numbered plain lines otherwise), and one short line per finished run."""
+
+    def __init__(self, console: Console, total: int, jobs: int):
+        self.console, self.total, self.jobs = console, total, jobs
+        self.t0 = time.perf_counter()
+        self.counts = {"done": 0, "failed": 0, "skipped": 0}
+        self.running: dict[str, float] = {}
+        self.durations: list[float] = []
+        self.progress = None
+        if console.is_terminal:
+            from rich.progress import BarColumn, Progress, TextColumn
+
+            self.progress = Progress(BarColumn(), TextColumn("{task.description}"), console=console,
+                                     refresh_per_second=2)
+            self.task = self.progress.add_task(self.status(), total=total)
+
+    def status(self) -> str:
+        finished = sum(self.counts.values())
+        pending = self.total - finished - len(self.running)
+        now = time.perf_counter()
+        if self.durations:  # runs left x mean run time / parallel workers, minus what the running ones did
+            mean = sum(self.durations) / len(self.durations)
+            left = pending * mean + sum(max(0.0, mean - (now - t)) for t in self.running.values())
+            eta = _clock(left / max(1, min(self.jobs, pending + len(self.running))))
+        else:
+            eta = "?"
+        return (f"{finished}/{self.total} runs: done {self.counts['done'] + self.counts['skipped']}, running "
+                f"{len(self.running)}, pending {pending}, failed {self.counts['failed']}; "
+                f"{_clock(now - self.t0)} elapsed, ETA {eta}")
+
+    def __call__(self, kind: str, r: dict) -> None:
+        name = f"{r['label']}{''.join(f' {k}={v}' for k, v in r['params'].items())} {r['partition']} s{r['seed']}"
+        line = None
+        if kind == "started":
+            self.running[r["run_id"]] = time.perf_counter()
+        elif kind == "skipped":
+            self.counts["skipped"] += 1
+        else:
+            took = time.perf_counter() - self.running.pop(r["run_id"], time.perf_counter())
+            self.counts[kind] += 1
+            if kind == "done":
+                self.durations.append(took)
+                acc = r["summary"].get("global/test_acc_mean_last10")
+                pers = r["summary"].get("personal/final_acc_after")
+                line = (f"{name}: global {_pct(acc)} personal {_pct(pers)} ({took:.0f}s)")
+            else:
+                line = f"{name}: FAILED ({r['error'][:200]})"
+        if self.progress is not None:
+            if line:
+                self.progress.console.print(line, highlight=False, markup=False)
+            self.progress.update(self.task, completed=sum(self.counts.values()), description=self.status())
+        elif line or kind == "skipped":
+            finished = sum(self.counts.values())
+            self.console.print(f"[{finished}/{self.total}] {line or name + ': already done'}", highlight=False,
+                               markup=False, soft_wrap=True)
+
+
+def _pct(v) -> str:
+    return "none" if v is None else f"{100 * v:.2f}%"
+
+
+def _sweep_tables(sweep_dir: Path, console: Console) -> None:
+    """The report's main tables as terminal tables, titled with the metric and its unit."""
+    import yaml
+
+    from fedskew.experiments.report import build_table, metric_title
+    from fedskew.experiments.store import open_sweep, selected_runs
+
+    spec = yaml.safe_load((sweep_dir / "sweep.yaml").read_text()) or {}
+    opts = spec.get("report") or {}
+    metric = opts.get("metric", "global/test_acc_mean_last10")
+    db = open_sweep(sweep_dir)
+    try:
+        res = selected_runs(db, spec)
+    finally:
+        db.close()
+    n = max((len(v) for v in res.runs.values()), default=0)
+    for key in dict.fromkeys([metric, metric.removesuffix("_mean_last10"), "personal/final_acc_after"]):
+        cells = {(p, c): [r.summary.get(key) for r in runs] for (c, p), runs in res.runs.items()}
+        if not any(v is not None for vals in cells.values() for v in vals):
+            continue
+        title, scale, unit = metric_title(key)
+        table = build_table(cells, res.partitions, res.labels, None)
+        console.print(f"\n[bold]{title}{unit}[/bold]: {key}, mean +- std over {n} seeds (bold: the best mean and "
+                      f"those within the seed spread of it)", highlight=False)
+        out = Table()
+        out.add_column("partition")
+        for c in res.labels:
+            out.add_column(c, justify="right")
+        for p in res.partitions:
+            row = []
+            for c in res.labels:
+                st = table[p][c]
+                failed = res.failed.get((c, p), 0)
+                text = (f"failed ({failed})" if failed else "none") if st["mean"] is None else \
+                    f"{scale * st['mean']:.2f} +- {scale * st['std']:.2f}" + (f" ({failed} failed)" if failed else "")
+                row.append(f"[bold]{text}[/bold]" if st.get("top") else text)
+            out.add_row(p, *row)
+        console.print(out)
+
+
+def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, console: Console, args=None) -> int:
     from fedskew.experiments.report import write_report
-    from fedskew.experiments.sweep import default_jobs, default_sweep_dir, run_sweep
+    from fedskew.experiments.sweep import default_jobs, default_sweep_dir, plan, run_sweep
 
     sweep_dir = Path(out) if out else default_sweep_dir(spec)
-    runs = len(spec.methods) * len(spec.partitions) * len(spec.seeds)
+    total = len(plan(spec))
     jobs = jobs or default_jobs()
     console.print(f"fedskew sweep '{spec.name}': {len(spec.methods)} methods x {len(spec.partitions)} partitions x "
-                  f"{len(spec.seeds)} seeds (+ grids) into {sweep_dir}, {jobs} at a time", highlight=False)
-    t0 = time.perf_counter()
-
-    def on_event(kind, r):
-        if kind == "skipped":
-            console.print(f"  {r['label']} {r['partition']} seed {r['seed']}: already done", highlight=False)
-        elif kind == "done":
-            acc = r["summary"].get("global/test_acc_mean_last10")
-            pers = r["summary"].get("personal/final_acc_after")
-            console.print(f"  {r['label']} {r['params'] or ''} {r['partition']} seed {r['seed']}: "
-                          f"global/test_acc_mean_last10 {_fmt(acc)}  personal/final_acc_after {_fmt(pers)}  "
-                          f"({time.perf_counter() - t0:.0f}s)", highlight=False)
-        elif kind == "failed":
-            console.print(f"  {r['label']} {r['partition']} seed {r['seed']}: FAILED: {r['error']}", highlight=False)
-
-    db = run_sweep(spec, sweep_dir, jobs, on_event)
+                  f"{len(spec.seeds)} seeds = {total} runs (grids included) into {sweep_dir}, {jobs} at a time",
+                  highlight=False)
+    if args is not None:
+        args.interrupt_hint = (f"finished runs are kept in {sweep_dir}; the same command again continues the sweep "
+                               f"(interrupted runs resume from their checkpoints).")
+    display = SweepDisplay(console, total, jobs)
+    if display.progress is not None:
+        with display.progress:
+            db = run_sweep(spec, sweep_dir, jobs, display)
+    else:
+        db = run_sweep(spec, sweep_dir, jobs, display)
     failed = db.execute("SELECT COUNT(*) FROM runs WHERE status='failed'").fetchone()[0]
     db.close()
-    console.print(f"{runs} runs planned, {failed} failed; results in {sweep_dir / 'results.sqlite'} "
-                  f"({time.perf_counter() - t0:.0f}s)", highlight=False)
+    console.print(f"{total} runs, {failed} failed; results in {sweep_dir / 'results.sqlite'} "
+                  f"({_clock(time.perf_counter() - display.t0)})", highlight=False)
     if report:
         md, page = write_report(sweep_dir)
-        console.print(md.read_text().split("\n## ", 2)[1].split("\n", 1)[1].strip(), highlight=False)
+        _sweep_tables(sweep_dir, console)
         console.print(f"report: {md} and {page}", highlight=False)
     return 1 if failed else 0
 
@@ -177,7 +429,7 @@ def cmd_sweep(args, console: Console) -> int:
     from fedskew.experiments.sweep import load_spec
 
     spec = load_spec(args.file if args.file else default_comparison())
-    return _run_and_report(spec, args.out, args.jobs, not args.no_report, console)
+    return _run_and_report(spec, args.out, args.jobs, not args.no_report, console, args)
 
 
 def cmd_reproduce(args, console: Console) -> int:
@@ -186,7 +438,7 @@ def cmd_reproduce(args, console: Console) -> int:
 
     spec = load_spec(reproduction(args.name, args.scale, args.data))
     out = args.out or str(Path("runs") / f"reproduce-{args.name}-{args.scale}")
-    return _run_and_report(spec, out, args.jobs, True, console)
+    return _run_and_report(spec, out, args.jobs, True, console, args)
 
 
 def cmd_report(args, console: Console) -> int:
@@ -258,11 +510,16 @@ def build_parser() -> argparse.ArgumentParser:
     p_run = sub.add_parser("run", help="run one experiment", epilog=EPILOG)
     p_run.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value]")
     p_run.add_argument("--resume", metavar="RUN_DIR", help="continue the interrupted run in RUN_DIR")
+    p_run.add_argument("--print-config", action="store_true",
+                       help="print the resolved config (every default, the method's options included) and exit")
+    p_run.add_argument("--jobs", type=int, help="multirun (key=a,b): runs at once (default: min(2, cores))")
     p_res = sub.add_parser("resume", help="continue an interrupted run from its directory")
     p_res.add_argument("run_dir")
     p_part = sub.add_parser("partition", help="print and draw a partition", epilog=EPILOG)
     p_part.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value]")
-    p_part.add_argument("--out", default="partition.png", help="heatmap PNG path (default partition.png)")
+    p_part.add_argument("--out", help="heatmap PNG path (default OUT_DIR/partition-<dataset>-<partition>-s<seed>.png)")
+    p_meth = sub.add_parser("methods", help="every method with its options, defaults and description")
+    p_meth.add_argument("name", nargs="?", help="one method: its options with their descriptions")
     p_sw = sub.add_parser("sweep", help="methods x options x partitions x seeds into a results database and a "
                                          "report (no file: FedAvg vs the four seed methods on digits)")
     p_sw.add_argument("file", nargs="?", help="sweep YAML (see fedskew/experiments/sweep.py)")
@@ -305,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedskew.models import ModelError
 
     commands = {"run": cmd_run, "resume": cmd_resume, "partition": cmd_partition, "sweep": cmd_sweep,
+                "methods": cmd_methods,
                 "report": cmd_report, "reproduce": cmd_reproduce, "flower": cmd_flower}
     if args.command is None:
         parser.print_help()
@@ -314,6 +572,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DatasetError, PartitionError, ModelError, FloatingPointError, ClientFailure) as exc:
         print(f"fedskew: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        hint = getattr(args, "interrupt_hint", None)
+        print(f"\nfedskew: interrupted{'; ' + hint if hint else '.'}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedskew import __version__
+from fedskew.methods import did_you_mean  # noqa: F401  (also used by experiments)
 
 
 class ConfigError(ValueError):
@@ -120,9 +121,14 @@ class RunConfig(_Strict):
     forgetting_stats: bool = Field(False, description="record forgetting/* (FedKA Eq. 1) every round")
     forgetting_test_samples: int | None = Field(None, ge=1, description="forgetting/* on the first n global "
                                                                        "test samples (default: all)")
+    logger: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list, description="also send every round's metrics to these trackers (fedskew.engine.tracking)")
+    logger_group: str | None = Field(None, description="tracker group (a sweep sets its name)")
 
     _coerce = field_validator("method", "dataset", "partition", "model", mode="before")(
         lambda cls, v: _name_or_mapping(v))
+    _loggers = field_validator("logger", mode="before")(  # logger=tensorboard or logger=tensorboard,wandb
+        lambda cls, v: [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v)
 
     @field_validator("device")
     @classmethod
@@ -150,12 +156,25 @@ class RunConfig(_Strict):
         return {"fedskew_version": __version__, **self.model_dump(mode="json")}
 
 
+RECORD_KEYS = ("fedskew_version", "environment", "environment_previous")
+SECTIONS = {"dataset": DatasetConfig, "partition": PartitionConfig, "model": ModelConfig}
+
+
+def yaml_problem(exc: Exception) -> str:
+    """A YAML error as ``line L, column C: problem``."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
+
+
 def _format_error(err: dict) -> str:
     key = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
     value = err.get("input")
     kind = err["type"]
     if kind == "extra_forbidden":
-        return f"config key '{key}' is not known; check its spelling against README's config keys."
+        section = SECTIONS.get(str(err["loc"][0]), RunConfig) if len(err["loc"]) > 1 else RunConfig
+        hint = did_you_mean(str(err["loc"][-1]), section.model_fields)
+        return f"config key '{key}' is not known{hint}; check its spelling against README's config keys."
     msg = err["msg"]
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
@@ -233,11 +252,12 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     try:
         loaded = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file '{path}' is not valid YAML ({str(exc).splitlines()[0]}).") from None
+        raise ConfigError(f"config file '{path}' is not valid YAML ({yaml_problem(exc)}).") from None
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping of keys, not a {type(loaded).__name__}.")
     data = loaded or {}
-    data.pop("fedskew_version", None)
+    for key in RECORD_KEYS:  # what a run directory's config.yaml records beside the config
+        data.pop(key, None)
     return data
 
 

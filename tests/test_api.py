@@ -324,7 +324,7 @@ ALLOWED = {
     "metrics": {"models", "streams"},
     "config": {"methods"},  # the method registry validates method options
     "engine": {"config", "data", "models", "methods", "metrics", "streams"},
-    "experiments": {"engine", "config", "methods", "streams"},
+    "experiments": {"engine", "config", "data", "methods", "streams"},
     "flower": {"engine", "config", "methods", "models"},
     "cli": {"experiments", "flower", "engine", "config", "data", "models", "methods", "streams"},
 }

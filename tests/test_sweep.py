@@ -179,7 +179,7 @@ def swept(tmp_path_factory):
 def test_report_markdown_has_the_papers_layout(swept):
     md = (swept / "report" / "report.md").read_text()
     assert "| partition | fedavg | fedprox |" in md and "| P6C3 |" in md and "| Dir |" in md
-    assert "gain over fedavg" in md and "Rounds to reach fedavg's best accuracy" in md
+    assert "gain over fedavg" in md and "Rounds to reach 95% of fedavg's best accuracy" in md
     assert "Hyper-parameters chosen" in md and '{"mu":' in md
     for png in ("curves_p0.png", "partition_p0.png", "classes_p0.png", "fairness_p0.png"):
         assert (swept / "report" / png).is_file() and f"]({png})" in md

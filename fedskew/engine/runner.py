@@ -28,9 +28,11 @@ import numpy as np
 import torch
 import yaml
 
+from fedskew import __version__
 from fedskew.config import ConfigError, RunConfig, load_config
 from fedskew.data.federated import Federation, load_federation
 from fedskew.engine.local import LocalSettings, SequentialExecutor, federated_state, load_state
+from fedskew.engine.tracking import Trackers, check_available
 from fedskew.methods import FederationInfo, build_method
 from fedskew.methods.base import model_part
 from fedskew.metrics import (classifier_proxy_stats, count_floats, feature_stats, forgetting_degree, global_metrics,
@@ -57,6 +59,31 @@ def make_executor(cfg: RunConfig, model, fed: Federation, method, device):
     return SequentialExecutor(model, fed, method, settings, device)
 
 
+def environment(device: torch.device) -> dict:
+    """What a result depends on beyond its config: library versions, the torch thread count (CPU
+    kernels sum in another order with another count: the last digits move), the device and, in a
+    git checkout of fedskew, the commit (``+dirty`` with uncommitted changes)."""
+    import platform
+    import subprocess
+
+    env = {"fedskew": __version__, "python": platform.python_version(), "torch": str(torch.__version__),
+           "numpy": str(np.__version__), "torch_threads": torch.get_num_threads(), "device": str(device)}
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+    source = Path(__file__).resolve().parents[2]
+    if (source / ".git").exists():
+        try:
+            commit = subprocess.run(["git", "-C", str(source), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                                    text=True, timeout=10).stdout.strip()
+            dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            if commit:
+                env["git_commit"] = commit + ("+dirty" if dirty else "")
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return env
+
+
 def atomic_save(obj, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
@@ -78,7 +105,8 @@ class RunResult:
     - ``history``: one dict per round, as in ``metrics.jsonl`` (:meth:`curve` picks one metric);
     - ``global_state``: the final global model's tensors (parameters and floating-point buffers);
     - ``model``: the ``nn.Module`` holding ``global_state``, in eval mode;
-    - ``run_dir`` and ``config`` (the validated :class:`~fedskew.config.RunConfig`).
+    - ``run_dir`` and ``config`` (the validated :class:`~fedskew.config.RunConfig`);
+    - ``environment``: where it ran (:func:`environment`), also in ``config.yaml``.
     """
 
     run_dir: Path
@@ -87,6 +115,7 @@ class RunResult:
     global_state: dict
     config: RunConfig | None = None
     model: torch.nn.Module | None = None
+    environment: dict | None = None
 
     def curve(self, key: str = "global/test_acc") -> list[tuple[int, float]]:
         """(round, value) of every round that reports ``key``."""
@@ -128,14 +157,34 @@ class Experiment:
         self.x_test = self.fed.data.x_test.to(self.device)
         self.y_test = self.fed.data.y_test.to(self.device)
         self.run_dir = Path(run_dir) if run_dir else default_run_dir(cfg)
+        self.environment = environment(self.device)
+        check_available(cfg.logger)
+        blocked = next((d for d in (self.run_dir, *self.run_dir.parents) if d.exists() and not d.is_dir()), None)
+        if blocked is not None:
+            key = "out_dir" if run_dir is None else "the run directory"
+            raise ConfigError(f"{key} '{self.run_dir if run_dir else cfg.out_dir}' cannot hold a run: '{blocked}' is a "
+                              f"file, not a folder; choose another out_dir.")
         if not resume and (self.run_dir / "metrics.jsonl").exists():
             raise ConfigError(f"run directory '{self.run_dir}' already holds a run; continue it with "
                               f"`fedskew resume {self.run_dir}` or choose another run_name.")
 
     # -- files ---------------------------------------------------------------------------------
     def _prepare_dir(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(yaml.safe_dump(self.cfg.resolved(), sort_keys=False), self.run_dir / "config.yaml")
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the run directory '{self.run_dir}' ({exc.strerror}); choose another "
+                              f"out_dir.") from None
+        record = {**self.cfg.resolved(), "environment": self.environment}
+        old = self.run_dir / "config.yaml"
+        if self.resume and old.is_file():  # a resumed run keeps where its earlier parts ran
+            before = yaml.safe_load(old.read_text()) or {}
+            previous = before.get("environment_previous", [])
+            if before.get("environment") not in (None, self.environment):
+                previous = [*previous, before["environment"]]
+            if previous:
+                record["environment_previous"] = previous
+        atomic_write_text(yaml.safe_dump(record, sort_keys=False), self.run_dir / "config.yaml")
         (self.run_dir / "partition.json").write_text(json.dumps(self.fed.summary_rows()))
         self.fed.heatmap(self.run_dir / "partition.png",
                          f"{self.cfg.dataset.name} / {self.cfg.partition.name}: "
@@ -184,7 +233,23 @@ class Experiment:
             server_state = method.server_init(global_state, self.info)
             client_states, totals = {}, {"up": 0, "down": 0, "up_model": 0, "down_model": 0}
         atomic_write_text("".join(json.dumps(h) + "\n" for h in history), self.run_dir / "metrics.jsonl")
+        trackers = Trackers(cfg, self.run_dir, start)
+        summary = None
+        try:
+            summary, global_state = self._rounds(start, history, global_state, server_state, client_states, totals,
+                                                 trackers, on_round)
+        finally:
+            trackers.finish(summary)
+        names = set(self.model.state_dict())
+        load_state(self.model, {k: v for k, v in global_state.items() if k in names})
+        self.model.eval()
+        return RunResult(self.run_dir, summary, history, global_state, cfg, self.model, self.environment)
 
+    def _rounds(self, start, history, global_state, server_state, client_states, totals, trackers,
+                 on_round) -> tuple[dict, dict]:
+        """Rounds ``start`` .. the last (records appended to ``history``), then the summary; returns
+        (summary, final global state)."""
+        cfg = self.cfg
         for t in range(start, cfg.rounds):
             record = self._round(t, global_state, server_state, client_states, totals)
             global_state, server_state = record.pop("_global"), record.pop("_server")
@@ -194,15 +259,13 @@ class Experiment:
             if (t + 1) % cfg.checkpoint_every == 0 or t == cfg.rounds - 1:
                 self._checkpoint({"next_round": t + 1, "global_state": global_state, "server_state": server_state,
                                   "client_states": client_states, "totals": totals})
+            trackers.log(record)
             if on_round:
                 on_round(record)
 
         summary = self._summary(history, global_state, server_state, client_states, totals)
         atomic_write_text(json.dumps(summary, indent=2), self.run_dir / "summary.json")
-        names = set(self.model.state_dict())
-        load_state(self.model, {k: v for k, v in global_state.items() if k in names})
-        self.model.eval()
-        return RunResult(self.run_dir, summary, history, global_state, cfg, self.model)
+        return summary, global_state
 
     def _round(self, t, global_state, server_state, client_states, totals) -> dict:
         cfg, method = self.cfg, self.method

@@ -19,12 +19,17 @@ def _plt():
     return plt
 
 
-def _finish(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
-    """Label, legend, save as PNG, close."""
+def _finish(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str, legend_below: bool = False) -> Path:
+    """Label, legend (inside at its best place, or below the axes where it would cover data), save
+    as PNG, close."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    if legend_below:
+        n = len(ax.get_legend_handles_labels()[1])
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=min(n, 5), frameon=False)
+    else:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -68,38 +73,56 @@ def plot_class_accuracy(res: Results, partition: str, path: Path) -> Path | None
     if not data:
         return None
     classes = len(next(iter(data.values())))
-    fig, ax = plt.subplots(figsize=(min(3 + 0.5 * classes, 16), 3.8))
+    fig, ax = plt.subplots(figsize=(min(3 + 0.5 * classes, 16), 4.4))
     width = 0.8 / len(data)
     for i, (c, vals) in enumerate(data.items()):
         ax.bar([j + i * width for j in range(classes)], vals, width, label=c)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(classes)], [str(j) for j in range(classes)])
+    ax.set_ylim(0, 100)
     return _finish(plt, fig, ax, path, "class", "global test accuracy (%)",
-                   f"{partition}: per-class accuracy of the final global model (mean over seeds)")
+                   f"{partition}: per-class accuracy of the final global model (mean over seeds)", legend_below=True)
 
 
 def plot_fairness(res: Results, partition: str, baseline: str, path: Path) -> Path | None:
-    plt = _plt()
+    """Per-client change of the final personalised accuracy vs the baseline (MAP Figure 10): one
+    panel per method on shared bins and axes, so no method hides behind another."""
     key = "personal/final_acc_after_per_client"
     base = {r.seed: r.summary.get(key) for r in res.runs.get((baseline, partition), [])}
-    fig, ax = plt.subplots(figsize=(6.5, 3.5))
-    drawn = False
+    diffs: dict[str, list[float]] = {}
     for c in res.labels:
         if c == baseline:
             continue
-        diffs = []
+        values = []
         for r in res.runs.get((c, partition), []):
             mine, theirs = r.summary.get(key), base.get(r.seed)
             if mine and theirs:
-                diffs += [100 * (a - b) for a, b in zip(mine, theirs) if a is not None and b is not None]
-        if diffs:
-            ax.hist(diffs, bins=30, alpha=0.5, label=c)
-            drawn = True
-    if not drawn:
-        plt.close(fig)
+                values += [100 * (a - b) for a, b in zip(mine, theirs) if a is not None and b is not None]
+        if values:
+            diffs[c] = values
+    if not diffs:
         return None
-    ax.axvline(0, color="k", lw=0.8)
-    return _finish(plt, fig, ax, path, f"per-client final personalised accuracy minus {baseline}'s (points)",
-                   "clients x seeds", partition)
+    plt = _plt()
+    lo, hi = min(min(v) for v in diffs.values()), max(max(v) for v in diffs.values())
+    span = max(hi - lo, 1.0)
+    bins = [lo - 0.01 * span + k * 1.02 * span / 30 for k in range(31)]
+    n = len(diffs)
+    cols = min(n, 3)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(max(6.5, 3.2 * cols), 2.4 * rows + 0.8), sharex=True, sharey=True,
+                             squeeze=False)
+    for ax, (c, values) in zip(axes.flat, diffs.items()):
+        ax.hist(values, bins=bins, color="tab:blue")
+        ax.axvline(0, color="k", lw=0.8)
+        ax.set_title(f"{c}: median {sorted(values)[len(values) // 2]:+.1f}", fontsize=9)
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    fig.supxlabel(f"per-client final personalised accuracy minus {baseline}'s (points)", fontsize=9)
+    fig.supylabel("clients x seeds", fontsize=9)
+    fig.suptitle(partition, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 __all__ = ["plot_class_accuracy", "plot_curves", "plot_fairness"]

@@ -19,7 +19,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
   run_id TEXT PRIMARY KEY, label TEXT NOT NULL, method TEXT NOT NULL, params TEXT NOT NULL,
   partition TEXT NOT NULL, seed INTEGER NOT NULL, status TEXT NOT NULL, config TEXT NOT NULL,
-  summary TEXT, run_dir TEXT NOT NULL, started REAL, finished REAL, error TEXT);
+  summary TEXT, run_dir TEXT NOT NULL, started REAL, finished REAL, error TEXT, environment TEXT);
 CREATE TABLE IF NOT EXISTS rounds (
   run_id TEXT NOT NULL, round INTEGER NOT NULL, metrics TEXT NOT NULL, PRIMARY KEY (run_id, round));
 CREATE TABLE IF NOT EXISTS selections (
@@ -32,6 +32,9 @@ def connect(path: Path) -> sqlite3.Connection:
     db = sqlite3.connect(path, timeout=30)
     db.row_factory = sqlite3.Row
     db.executescript(SCHEMA)
+    if "environment" not in {row["name"] for row in db.execute("PRAGMA table_info(runs)")}:  # stores before 0.2
+        with db:
+            db.execute("ALTER TABLE runs ADD COLUMN environment TEXT")
     return db
 
 
@@ -43,6 +46,12 @@ def open_sweep(sweep_dir: str | Path) -> sqlite3.Connection:
 
         raise ConfigError(f"'{sweep_dir}' is not a sweep folder (it holds no results.sqlite).")
     return connect(path)
+
+
+def run_dir_of(db: sqlite3.Connection, run_id: str) -> Path:
+    """A run's directory, found beside the database (``runs/<id>``) wherever the sweep folder is
+    now and whatever the working directory was when it ran."""
+    return Path(db.execute("PRAGMA database_list").fetchone()[2]).parent / "runs" / run_id
 
 
 def scalar_metrics(record: dict) -> dict:
@@ -70,13 +79,16 @@ def mark_running(db: sqlite3.Connection, run_id: str) -> None:
         db.execute("UPDATE runs SET status='running', started=?, error=NULL WHERE run_id=?", (time.time(), run_id))
 
 
-def record_done(db: sqlite3.Connection, run_id: str, summary: dict, history: list[dict]) -> None:
+def record_done(db: sqlite3.Connection, run_id: str, summary: dict, history: list[dict],
+                environment: dict | None = None) -> None:
+    """A finished run: its summary, its per-round scalars and where it ran (versions, threads,
+    device, commit: ``fedskew.engine.runner.environment``)."""
     with db:
         db.execute("DELETE FROM rounds WHERE run_id=?", (run_id,))
         db.executemany("INSERT INTO rounds (run_id, round, metrics) VALUES (?, ?, ?)",
                        [(run_id, h["round"], json.dumps(h)) for h in history])
-        db.execute("UPDATE runs SET status='done', summary=?, finished=? WHERE run_id=?",
-                   (json.dumps(summary), time.time(), run_id))
+        db.execute("UPDATE runs SET status='done', summary=?, finished=?, environment=? WHERE run_id=?",
+                   (json.dumps(summary), time.time(), json.dumps(environment) if environment else None, run_id))
 
 
 def record_failed(db: sqlite3.Connection, run_id: str, error: str) -> None:
@@ -107,6 +119,7 @@ class Results:
     selections: dict[tuple[str, str], dict] = field(default_factory=dict)
     name: str = "sweep"
     spec: dict = field(default_factory=dict)
+    failed: dict[tuple[str, str], int] = field(default_factory=dict)  # (label, partition) -> failed runs
 
 
 def selected_runs(db: sqlite3.Connection, spec: dict | None = None) -> Results:
@@ -119,16 +132,20 @@ def selected_runs(db: sqlite3.Connection, spec: dict | None = None) -> Results:
     partitions = list(spec.get("partitions", {})) or \
         sorted({r["partition"] for r in db.execute("SELECT partition FROM runs")})
     runs: dict[tuple[str, str], list[Run]] = {}
-    for row in db.execute("SELECT * FROM runs WHERE status='done' ORDER BY seed"):
+    failed: dict[tuple[str, str], int] = {}
+    for row in db.execute("SELECT * FROM runs WHERE status IN ('done', 'failed') ORDER BY seed"):
         key = (row["label"], row["partition"])
         chosen = selections.get(key)
         if chosen is not None and chosen["params"] != row["params"]:
             continue
+        if row["status"] == "failed":
+            failed[key] = failed.get(key, 0) + 1
+            continue
         history = [json.loads(m["metrics"]) for m in
                    db.execute("SELECT metrics FROM rounds WHERE run_id=? ORDER BY round", (row["run_id"],))]
         runs.setdefault(key, []).append(Run(row["label"], row["partition"], row["seed"], json.loads(row["params"]),
-                                            json.loads(row["summary"]), history, Path(row["run_dir"])))
-    return Results(labels, partitions, runs, selections, spec.get("name", "sweep"), spec)
+                                            json.loads(row["summary"]), history, run_dir_of(db, row["run_id"])))
+    return Results(labels, partitions, runs, selections, spec.get("name", "sweep"), spec, failed)
 
 
 def results_table(sweep_dir: str | Path, rounds: bool = False) -> list[dict]:
@@ -153,8 +170,9 @@ def results_table(sweep_dir: str | Path, rounds: bool = False) -> list[dict]:
                 continue
             summary = json.loads(row["summary"]) if row["summary"] else {}
             scalars = {k: v for k, v in summary.items() if v is None or isinstance(v, (int, float, str))}
-            rows.append({**base, "error": row["error"], "run_dir": row["run_dir"],
-                         **{k: v for k, v in scalars.items() if k not in base}})
+            env = {f"env/{k}": v for k, v in json.loads(row["environment"] or "{}").items()}
+            rows.append({**base, "error": row["error"], "run_dir": str(run_dir_of(db, row["run_id"])),
+                         **{k: v for k, v in scalars.items() if k not in base}, **env})
         return rows
     finally:
         db.close()

@@ -35,14 +35,14 @@ import itertools
 import json
 import os
 import sqlite3
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fedskew.config import ConfigError, nested, set_key, validate_config
+from fedskew.config import RECORD_KEYS, ConfigError, did_you_mean, nested, set_key, validate_config, yaml_problem
 from fedskew.experiments.store import add_planned, connect, mark_running, record_done, record_failed, scalar_metrics
 
 
@@ -108,7 +108,7 @@ def load_spec(data: dict | str | Path) -> SweepSpec:
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"sweep file '{path}' is not valid YAML ({str(exc).splitlines()[0]}).") from None
+            raise ConfigError(f"sweep file '{path}' is not valid YAML ({yaml_problem(exc)}).") from None
     try:
         return SweepSpec.model_validate(data)
     except ValidationError as exc:
@@ -118,8 +118,9 @@ def load_spec(data: dict | str | Path) -> SweepSpec:
             raise ConfigError(f"sweep key '{key}' is missing; a sweep needs at least 'methods' (a list of method "
                               f"names or mappings).") from None
         if err["type"] == "extra_forbidden":
-            raise ConfigError(f"sweep key '{key}' is not known; allowed: {sorted(SweepSpec.model_fields)} (and in "
-                              f"methods: {sorted(MethodSpec.model_fields)}).") from None
+            fields = MethodSpec.model_fields if err["loc"][0] == "methods" else SweepSpec.model_fields
+            raise ConfigError(f"sweep key '{key}' is not known{did_you_mean(str(err['loc'][-1]), fields)}; allowed: "
+                              f"{sorted(SweepSpec.model_fields)} (and in methods: {sorted(MethodSpec.model_fields)}).") from None
         raise ConfigError(f"sweep key '{key}' = {err.get('input')!r} is not allowed: "
                           f"{err['msg'].removeprefix('Value error, ')}.") from None
 
@@ -154,7 +155,12 @@ def run_config(spec: SweepSpec, method: MethodSpec, params: dict, partition: str
         data["clients_per_round"] = data["partition"].get("num_clients", 20)
     if spec.selection.split == "validation":
         set_key(data, "dataset.validation_fraction", spec.selection.validation_fraction)
+    if data.get("logger") and not data.get("logger_group"):  # one tracked run per sweep run, grouped by sweep
+        data["logger_group"] = spec.name
     return validate_config(data).model_dump(mode="json")
+
+
+NOT_IDENTITY = ("logger", "logger_group")  # where a run is also logged does not change what it computes
 
 
 def plan(spec: SweepSpec) -> list[dict]:
@@ -165,7 +171,8 @@ def plan(spec: SweepSpec) -> list[dict]:
             for partition in spec.partitions:
                 for seed in spec.seeds:
                     cfg = run_config(spec, method, params, partition, seed)
-                    key = json.dumps([method.column, params, partition, seed, cfg], sort_keys=True)
+                    identity = {k: v for k, v in cfg.items() if k not in NOT_IDENTITY}
+                    key = json.dumps([method.column, params, partition, seed, identity], sort_keys=True)
                     runs.append({"run_id": hashlib.sha1(key.encode()).hexdigest()[:12], "label": method.column,
                                  "method": method.name, "params": params, "partition": partition, "seed": seed,
                                  "config": cfg})
@@ -177,10 +184,24 @@ def _execute(config: dict, run_dir: str) -> tuple[dict, list[dict]]:
     from fedskew.engine.runner import Experiment
 
     run_dir_p = Path(run_dir)
-    cfg = validate_config({k: v for k, v in config.items() if k != "fedskew_version"})
+    cfg = validate_config({k: v for k, v in config.items() if k not in RECORD_KEYS})
     resume = (run_dir_p / "config.yaml").is_file()
     result = Experiment(cfg, run_dir_p, resume=resume).run()
-    return result.summary, [scalar_metrics(h) for h in result.history]
+    return result.summary, [scalar_metrics(h) for h in result.history], result.environment
+
+
+def check_data(runs: list[dict]) -> None:
+    """Load every data set the sweep needs once, before anything is planned into the database: a
+    missing or corrupt data set is one error, not one failed run per grid point and seed."""
+    from fedskew.config import DatasetConfig
+    from fedskew.data import load_dataset
+
+    seen = set()
+    for r in runs:
+        key = json.dumps(r["config"]["dataset"], sort_keys=True)
+        if key not in seen and r["config"]["dataset"]["name"] not in ("digits", "synthetic"):
+            seen.add(key)
+            load_dataset(DatasetConfig.model_validate(r["config"]["dataset"]), r["seed"])
 
 
 def _worker_init(external: dict[str, tuple[str, str]]) -> None:
@@ -209,6 +230,11 @@ def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
     """Run every planned run that has not finished; returns the open database. ``jobs`` > 1 runs
     that many runs at once in worker processes with one torch thread each."""
     sweep_dir = Path(sweep_dir)
+    runs = plan(spec)
+    check_data(runs)
+    blocked = next((d for d in (sweep_dir, *sweep_dir.parents) if d.exists() and not d.is_dir()), None)
+    if blocked is not None:
+        raise ConfigError(f"sweep folder '{sweep_dir}' cannot be created: '{blocked}' is a file, not a folder.")
     sweep_dir.mkdir(parents=True, exist_ok=True)
     spec_file = sweep_dir / "sweep.yaml"
     spec_data = spec.model_dump(mode="json")
@@ -219,7 +245,6 @@ def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
                   f"are kept, the others are added.", flush=True)
     spec_file.write_text(yaml.safe_dump(spec_data, sort_keys=False))
     db = connect(sweep_dir / "results.sqlite")
-    runs = plan(spec)
     status = add_planned(db, runs, sweep_dir)
     todo = [r for r in runs if status.get(r["run_id"]) != "done"]
     for r in runs:
@@ -231,9 +256,9 @@ def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
         if on_event:
             on_event("started", r)
 
-    def finished(r, summary, history, error=None):
+    def finished(r, summary, history, error=None, env=None):
         if error is None:
-            record_done(db, r["run_id"], summary, history)
+            record_done(db, r["run_id"], summary, history, env)
         else:
             record_failed(db, r["run_id"], error)
         if on_event:
@@ -244,29 +269,39 @@ def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
         for r in todo:
             started(r)
             try:
-                summary, history = _execute(r["config"], run_dir[r["run_id"]])
+                summary, history, env = _execute(r["config"], run_dir[r["run_id"]])
             except (ConfigError, ValueError, RuntimeError, FloatingPointError) as exc:
                 finished(r, None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
                 continue
-            finished(r, summary, history)
+            finished(r, summary, history, env=env)
     else:
         from fedskew.methods import external_methods
 
         external = external_methods()
-        with ProcessPoolExecutor(jobs, mp_context=_mp_context(external), initializer=_worker_init,
-                                 initargs=(external,)) as pool:
-            futures = {}
-            for r in todo:
-                started(r)
-                futures[pool.submit(_execute, r["config"], run_dir[r["run_id"]])] = r
-            for fut in as_completed(futures):
-                r = futures[fut]
-                try:
-                    summary, history = fut.result()
-                except (ConfigError, ValueError, RuntimeError, FloatingPointError) as exc:
-                    finished(r, None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
-                    continue
-                finished(r, summary, history)
+        pool = ProcessPoolExecutor(jobs, mp_context=_mp_context(external), initializer=_worker_init,
+                                   initargs=(external,))
+        queue, running = list(todo), {}
+        try:
+            while queue or running:
+                while queue and len(running) < jobs:  # a run is marked running when a worker takes it
+                    r = queue.pop(0)
+                    started(r)
+                    running[pool.submit(_execute, r["config"], run_dir[r["run_id"]])] = r
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    r = running.pop(fut)
+                    try:
+                        summary, history, env = fut.result()
+                    except (ConfigError, ValueError, RuntimeError, FloatingPointError) as exc:
+                        finished(r, None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                        continue
+                    finished(r, summary, history, env=env)
+        except BaseException:  # Ctrl-C: stop the workers now; their runs resume from checkpoints next time
+            pool.shutdown(wait=False, cancel_futures=True)
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                proc.terminate()
+            raise
+        pool.shutdown()
     select(db, spec)
     return db
 

@@ -93,6 +93,14 @@ def import_methods(external: dict[str, tuple[str, str]]) -> None:
         register_method(obj, name=key)
 
 
+def did_you_mean(value: str, options) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``options``, or an empty string."""
+    import difflib
+
+    close = difflib.get_close_matches(str(value), [str(o) for o in options], n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
 def _validate(schema: type[BaseModel], data: dict, where: str, what: str) -> BaseModel:
     try:
         return schema.model_validate(data)
@@ -101,14 +109,16 @@ def _validate(schema: type[BaseModel], data: dict, where: str, what: str) -> Bas
         key = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
             allowed = sorted(schema.model_fields) + (sorted(COMPONENTS) if where == "method" else [])
-            raise ValueError(f"{where}.{key} is not an option of {what}; allowed: {allowed}") from None
+            hint = did_you_mean(key, allowed)
+            raise ValueError(f"{where}.{key} is not an option of {what}{hint}; allowed: {allowed}") from None
         raise ValueError(f"{where}.{key} = {err.get('input')!r} is not allowed: {err['msg']}") from None
 
 
 def _parse(cfg):
     cls = METHODS.get(cfg.name)
     if cls is None:
-        raise ValueError(f"method.name '{cfg.name}' is not known; allowed: {sorted(METHODS)}")
+        raise ValueError(f"method.name '{cfg.name}' is not known{did_you_mean(cfg.name, METHODS)}; "
+                         f"allowed: {sorted(METHODS)}")
     options = dict(cfg.options)
     parts = {}
     for name, comp in COMPONENTS.items():
@@ -147,5 +157,5 @@ class _Registry(types.ModuleType):
 sys.modules[__name__].__class__ = _Registry
 
 __all__ = ["ClientReport", "FederationInfo", "Forward", "METHODS", "Method", "State", "build_method",
-           "external_methods", "import_methods", "method_model_defaults", "register_method", "registered",
+           "did_you_mean", "external_methods", "import_methods", "method_model_defaults", "register_method", "registered",
            "validate_method_config"]

@@ -35,6 +35,8 @@ class AdaptiveOptions(ServerOptOptions):
 
 
 class ServerOpt(Method):
+    """A server optimiser over the pseudo-gradient (module docstring)."""
+
     kind: Literal["avgm", "adam", "yogi"] = "avgm"
     Options = ServerOptOptions
 
@@ -65,14 +67,20 @@ class ServerOpt(Method):
 
 
 class FedAvgM(ServerOpt):
+    """FedAvgM (Hsu et al., 2019): server momentum over the pseudo-gradient, m <- beta m + Delta."""
+
     name, kind = "fedavgm", "avgm"
 
 
 class FedAdam(ServerOpt):
+    """FedAdam (Reddi et al., 2021, Algorithm 2): Adam on the server, no bias correction."""
+
     name, kind, Options = "fedadam", "adam", AdaptiveOptions
 
 
 class FedYogi(ServerOpt):
+    """FedYogi (Reddi et al., 2021, Algorithm 2): Yogi's additive second-moment update on the server."""
+
     name, kind, Options = "fedyogi", "yogi", AdaptiveOptions
 
 

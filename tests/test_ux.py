@@ -1,0 +1,299 @@
+"""The first hour and the daily loop, through the real command line: progress, reports that refuse
+to mislead, one-sentence errors, interruptions, multirun, --print-config, `fedskew methods`, and
+the environment every run records."""
+
+import json
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import fedskew
+from fedskew.cli import split_multirun
+from fedskew.config import ConfigError, load_config
+from fedskew.experiments.report import build_table
+from fedskew.methods import METHODS
+
+TINY = ["partition.num_clients=6", "clients_per_round=3", "local_epochs=1", "model.hidden=[16]",
+        "final_personalization=false"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120"}
+
+
+def cli(*args, cwd, timeout=300, env=ENV):
+    return subprocess.run([sys.executable, "-m", "fedskew.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def sweep_with_a_failure(tmp_path_factory):
+    """fedavg and fedprox, 2 seeds; every fedprox run fails (lr so large the loss diverges)."""
+    folder = tmp_path_factory.mktemp("ux") / "sw"
+    spec = {"name": "ux", "base": {"rounds": 3, "partition.num_clients": 6, "clients_per_round": 3,
+                                   "local_epochs": 1, "model.hidden": [16]},
+            "methods": ["fedavg", {"name": "fedprox", "config": {"lr": 1.0e6}}], "seeds": [0, 1]}
+    with pytest.warns(UserWarning, match="2 run"):
+        fedskew.sweep(spec, jobs=1, out=folder)
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# Reports that cannot mislead
+
+
+def test_report_refuses_an_unknown_metric_or_baseline(sweep_with_a_failure, tmp_path):
+    done = cli("report", sweep_with_a_failure, "--metric", "global/test_accc", cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "report metric 'global/test_accc' is in no finished run's summary (did you mean 'global/test_acc'?)" \
+        in done.stderr
+    done = cli("report", sweep_with_a_failure, "--baseline", "fedavgg", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "report baseline 'fedavgg' is not a method of this sweep (did you mean 'fedavg'?)" in done.stderr
+
+
+def test_report_labels_failed_runs_and_titles_from_the_metric(sweep_with_a_failure, tmp_path):
+    assert cli("report", sweep_with_a_failure, "--metric", "train/loss", "--out", tmp_path / "r", cwd=tmp_path
+               ).returncode == 0
+    md = (tmp_path / "r" / "report.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| default |"))
+    assert "failed (2)" in row  # not "none"
+    assert "## train/loss: `train/loss`" in md and "Global accuracy" not in md.split("## ")[1]
+    assert "(%)" not in md.split("## ")[1].splitlines()[0]  # a loss is not a percentage
+    assert cli("report", sweep_with_a_failure, cwd=tmp_path).returncode == 0
+    md = (sweep_with_a_failure / "report" / "report.md").read_text()
+    assert "## Global accuracy, mean of the last 10 evaluations (%)" in md
+    assert "## Global accuracy, final round (%): `global/test_acc`" in md  # beside the mean over rounds
+    assert "Rounds to reach 95% of fedavg's best accuracy" in md
+
+
+def test_bold_marks_the_best_and_every_mean_within_the_seed_spread():
+    cells = {("P", "a"): [0.80, 0.84], ("P", "b"): [0.81, 0.82], ("P", "c"): [0.50, 0.52],
+             ("Q", "a"): [0.9, 0.9], ("Q", "b"): [0.7, 0.7]}
+    t = build_table(cells, ["P", "Q"], ["a", "b", "c"], None)
+    # a 0.82 +- 0.028 is best; b 0.815 is closer than a's std: a tie; c is not
+    assert t["P"]["a"]["top"] and t["P"]["b"]["top"] and not t["P"]["c"]["top"]
+    assert t["P"]["a"]["best"] and not t["P"]["b"]["best"]
+    assert t["Q"]["a"]["top"] and not t["Q"]["b"]["top"]  # no spread: only the best
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors and interruptions
+
+
+def test_bad_input_is_one_sentence(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    done = cli("run", "out_dir=afile", "rounds=1", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == ("fedskew: error: out_dir 'afile' cannot hold a run: 'afile' is a file, not a "
+                                   "folder; choose another out_dir.")
+    (tmp_path / "bad.yaml").write_text("rounds: 3\nmodel: {name: mlp\nlr: 0.1\n")
+    done = cli("run", "bad.yaml", cwd=tmp_path)
+    assert done.returncode == 2 and re.search(r"is not valid YAML \(line \d+, column \d+: ", done.stderr)
+    with pytest.raises(ConfigError, match=r"config key 'rouns' is not known \(did you mean 'rounds'\?\)"):
+        load_config(None, ["rouns=3"])
+    with pytest.raises(ConfigError, match=r"config key 'partition.alpah' is not known \(did you mean 'alpha'\?\)"):
+        load_config(None, ["partition.alpah=0.1"])
+    with pytest.raises(ConfigError, match=r"method.mu11 is not an option of fedmr \(did you mean 'mu1'\?\)"):
+        load_config(None, ["method=fedmr", "method.mu11=1"])
+    with pytest.raises(ConfigError, match=r"method.name 'fedmrr' is not known \(did you mean 'fedmr'\?\)"):
+        load_config(None, ["method=fedmrr"])
+    with pytest.raises(ConfigError, match=r"sweep key 'seed' is not known \(did you mean 'seeds'\?\)"):
+        fedskew.sweep({"methods": ["fedavg"], "seed": [0]}, out=tmp_path / "s")
+
+
+def test_a_sweep_checks_its_data_once_before_planning(tmp_path):
+    spec = {"name": "nodata", "base": {"dataset": {"name": "mnist", "root": str(tmp_path / "none"),
+                                                   "download": False}},
+            "methods": ["fedavg", "fedprox", "scaffold"], "seeds": [0, 1, 2]}
+    (tmp_path / "nodata.yaml").write_text(yaml.safe_dump(spec))
+    done = cli("sweep", "nodata.yaml", "--out", "out", cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.count("fedskew: error: dataset 'mnist' was not found") == 1
+    assert not (tmp_path / "out").exists()  # nothing planned, no 9 failed runs
+
+
+def wait_for(path: Path, lines: int, proc, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.is_file() and len(path.read_text().splitlines()) >= lines:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never reached {lines} lines")
+
+
+def test_ctrl_c_stops_a_run_with_the_resume_hint(tmp_path):
+    args = ["run", "rounds=6", *TINY, "out_dir=.", "run_name=r"]
+    proc = subprocess.Popen([sys.executable, "-m", "fedskew.cli", *args], cwd=tmp_path, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(tmp_path / "r" / "metrics.jsonl", 1, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert "fedskew: interrupted; the run directory keeps the last checkpoint: `fedskew resume r` continues it." in err
+    done = cli("resume", "r", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["round"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(6))
+
+
+def test_ctrl_c_stops_a_parallel_sweep_and_the_same_command_finishes_it(tmp_path):
+    spec = {"name": "int", "base": {"rounds": 4, "partition.num_clients": 6, "clients_per_round": 3,
+                                    "local_epochs": 1, "model.hidden": [16], "final_personalization": False},
+            "methods": ["fedavg", "fedprox"], "seeds": [0, 1, 2]}
+    (tmp_path / "int.yaml").write_text(yaml.safe_dump(spec))
+    cmd = [sys.executable, "-m", "fedskew.cli", "sweep", "int.yaml", "--out", "sw", "--jobs", "2", "--no-report"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((tmp_path / "sw" / "runs").glob("*/metrics.jsonl")):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert "the same command again continues the sweep" in err
+    done = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert {r["status"] for r in fedskew.load_results(tmp_path / "sw", frame=False)} == {"done"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress
+
+
+def test_sweep_progress_lines_count_and_fit(tmp_path):
+    spec = {"name": "prog", "base": {"rounds": 2, "partition.num_clients": 6, "clients_per_round": 3,
+                                     "local_epochs": 1, "model.hidden": [16]},
+            "methods": ["fedavg", {"name": "fedprox", "options": {"mu": [0.01, 0.1]}}], "seeds": [0, 1]}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(spec))
+    done = cli("sweep", "p.yaml", "--out", "sw", "--jobs", "1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    counted = [line for line in lines if line.startswith("[")]
+    assert [int(re.match(r"\[(\d+)/6\]", line).group(1)) for line in counted] == [1, 2, 3, 4, 5, 6]
+    assert all(len(line) <= 120 for line in counted)
+    assert "fedprox mu=0.1 default s1: global" in done.stdout
+    # the final table is a terminal table titled with the metric and its unit
+    assert "Global accuracy, mean of the last 10 evaluations (%): global/test_acc_mean_last10" in done.stdout
+    assert re.search(r"┃ partition ┃ +fedavg ┃ +fedprox ┃", done.stdout)
+    again = cli("sweep", "p.yaml", "--out", "sw", "--jobs", "1", cwd=tmp_path)
+    assert again.stdout.count(": already done") == 6
+
+
+def test_sweep_progress_on_a_terminal_shows_counts_and_eta(tmp_path):
+    spec = {"name": "tty", "base": {"rounds": 2, "partition.num_clients": 6, "clients_per_round": 3,
+                                    "local_epochs": 1, "model.hidden": [16]}, "methods": ["fedavg"],
+            "seeds": [0, 1, 2]}
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(spec))
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "fedskew.cli", "sweep", "t.yaml", "--out", "sw", "--jobs", "1",
+                             "--no-report"], cwd=tmp_path, env={**ENV, "TERM": "xterm"}, stdin=slave, stdout=slave,
+                            stderr=slave)
+    os.close(slave)
+    out = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], 120)
+        if not ready:
+            break
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the process closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    proc.wait(timeout=60)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode(errors="replace"))
+    assert proc.returncode == 0
+    assert re.search(r"\d/3 runs: done \d, running \d, pending \d, failed 0; \d+:\d\d elapsed, ETA (\d+:\d\d|\?)", text)
+    assert "3/3 runs: done 3, running 0, pending 0, failed 0" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Multirun, --print-config, `fedskew methods`, partition
+
+
+def test_split_multirun_keeps_bracketed_lists_whole():
+    single, multi = split_multirun(["method=fedavg,fedmr", "model.hidden=[64,32]", "seed=0,1,2", "lr=0.1",
+                                    "method.mu1=0.01,0.1"])
+    assert single == ["model.hidden=[64,32]", "lr=0.1"]
+    assert multi == {"method": ["fedavg", "fedmr"], "seed": [0, 1, 2], "method.mu1": [0.01, 0.1]}
+
+
+def test_multirun_is_a_sweep_stored_and_reported_like_one(tmp_path):
+    done = cli("run", "method=fedavg,fedprox", "seed=0,1", "lr=0.01,0.05", "rounds=2", *TINY, "--jobs", "2",
+               cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (folder,) = (tmp_path / "runs").glob("multirun-*")
+    rows = fedskew.load_results(folder, frame=False)
+    assert len(rows) == 8 and {r["status"] for r in rows} == {"done"}
+    assert {r["label"] for r in rows} == {"fedavg lr=0.01", "fedavg lr=0.05", "fedprox lr=0.01", "fedprox lr=0.05"}
+    configs = [yaml.safe_load((Path(r["run_dir"]) / "config.yaml").read_text()) for r in rows]
+    assert sorted({(c["method"]["name"], c["lr"], c["seed"]) for c in configs}) == sorted(
+        (m, lr, s) for m in ("fedavg", "fedprox") for lr in (0.01, 0.05) for s in (0, 1))
+    assert all(c["model"]["hidden"] == [16] for c in configs)
+    assert (folder / "report" / "report.md").is_file()
+
+
+def test_print_config_shows_every_default_and_runs_back(tmp_path):
+    done = cli("run", "--print-config", "method=map", "rounds=7", cwd=tmp_path)
+    assert done.returncode == 0 and not list(tmp_path.glob("runs"))  # nothing ran
+    printed = yaml.safe_load(done.stdout)
+    assert printed["rounds"] == 7 and printed["model"]["classifier_bias"] is False
+    assert printed["method"]["alpha"] == 0.9 and printed["method"]["schedule"] == "code"  # the method's defaults
+    (tmp_path / "printed.yaml").write_text(done.stdout)
+    again, direct = load_config(tmp_path / "printed.yaml"), load_config(None, ["method=map", "rounds=7"])
+    assert again.model_dump(exclude={"method"}) == direct.model_dump(exclude={"method"})
+    assert again.method.options == {k: v for k, v in printed["method"].items() if k != "name"}
+
+
+def test_methods_command_lists_every_method_and_its_options(tmp_path):
+    done = cli("methods", cwd=tmp_path, env={**ENV, "COLUMNS": "250"})
+    assert done.returncode == 0
+    for name in METHODS:
+        assert re.search(rf"│ {re.escape(name)} +│", done.stdout), name
+    assert "mu1=0.01" in done.stdout
+    one = cli("methods", "fedmr", cwd=tmp_path, env={**ENV, "COLUMNS": "250"})
+    assert one.returncode == 0 and re.search(r"method\.mu1 +│ 0\.01 +│ weight of L_intra", one.stdout)
+    bad = cli("methods", "fedmrr", cwd=tmp_path)
+    assert bad.returncode == 2 and "(did you mean 'fedmr'?)" in bad.stderr
+
+
+def test_partition_writes_into_the_out_dir(tmp_path):
+    done = cli("partition", "out_dir=out", "seed=3", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "partition-digits-pcdd-s3.png").is_file() and not (tmp_path / "partition.png").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reproducibility record
+
+
+def test_every_run_records_where_it_ran(tmp_path, sweep_with_a_failure):
+    import numpy
+    import torch
+
+    res = fedskew.run(rounds=1, out_dir=str(tmp_path), run_name="e", final_personalization=False)
+    env = yaml.safe_load((tmp_path / "e" / "config.yaml").read_text())["environment"]
+    assert env == res.environment
+    assert env["torch_threads"] == torch.get_num_threads() and env["torch"] == str(torch.__version__)
+    assert env["numpy"] == numpy.__version__ and env["device"] == "cpu" and env["fedskew"] == fedskew.__version__
+    if (Path(fedskew.__file__).parents[1] / ".git").exists():
+        assert re.fullmatch(r"[0-9a-f]{12}(\+dirty)?", env["git_commit"])
+    rows = fedskew.load_results(sweep_with_a_failure, frame=False)
+    done = [r for r in rows if r["status"] == "done"]
+    assert done and all(r["env/torch_threads"] == torch.get_num_threads() for r in done)
+    assert all(r["env/torch"] == env["torch"] for r in done)
+    # a resumed run keeps the record of its earlier part when the environment changed
+    cfg = yaml.safe_load((tmp_path / "e" / "config.yaml").read_text())
+    cfg["environment"]["torch_threads"] = 99
+    (tmp_path / "e" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    fedskew.resume(tmp_path / "e")
+    after = yaml.safe_load((tmp_path / "e" / "config.yaml").read_text())
+    assert after["environment_previous"][0]["torch_threads"] == 99 and after["environment"] == env
