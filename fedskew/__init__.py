@@ -123,12 +123,14 @@ def run(config: Mapping | str | Path | RunConfig | None = None, /,
     return Experiment(load_config(config, overrides, **options)).run(on_round)
 
 
-def resume(run_dir: str | Path, *, on_round: Callable[[dict], None] | None = None) -> RunResult:
+def resume(run_dir: str | Path, *, on_round: Callable[[dict], None] | None = None, **changes: Any) -> RunResult:
     """Continue the interrupted run in ``run_dir`` from its last checkpoint (exactly: the result
-    equals an uninterrupted run's); a finished run is reloaded and summarised again."""
+    equals an uninterrupted run's); a finished run is reloaded and summarised again. ``changes``
+    (``lr=0.005``, ``rounds=100``, ``grad_clip=1.0``, ...) alter how it continues from the next
+    round on, recorded in its config.yaml (``fedskew.engine.runner.RESUMABLE`` lists them)."""
     from fedskew.engine.runner import resume as resume_run
 
-    return resume_run(run_dir, on_round)
+    return resume_run(run_dir, on_round, changes)
 
 
 def sweep(spec: Mapping | str | Path | None = None, /, jobs: int | None = None, out: str | Path | None = None, *,

@@ -7,6 +7,7 @@ the bundled digits data under a PxCy partition) and prints a results table.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -209,10 +210,12 @@ def cmd_resume(args, console: Console) -> int:
     from fedskew.engine.runner import resume
     from fedskew.config import load_config
 
-    cfg = load_config(Path(args.run_dir) / "config.yaml") if (Path(args.run_dir) / "config.yaml").is_file() else None
+    changes = list(getattr(args, "changes", None) or [])
+    cfg = load_config(Path(args.run_dir) / "config.yaml", [c for c in changes if c.startswith("rounds=")]) \
+        if (Path(args.run_dir) / "config.yaml").is_file() else None
     rounds = cfg.rounds if cfg else 0
     args.interrupt_hint = f"`fedskew resume {args.run_dir}` continues it again."
-    return _execute(lambda on_round: resume(args.run_dir, on_round), rounds, console)
+    return _execute(lambda on_round: resume(args.run_dir, on_round, changes), rounds, console)
 
 
 def _execute(fn, rounds: int, console: Console) -> int:
@@ -486,6 +489,13 @@ def cmd_flower(args, console: Console) -> int:
     home = run_dir / "flwr-home"
     fl.write_connection(home, args.superlink, insecure=args.root_certificates is None,
                         root_certificates=args.root_certificates)
+    transport = {"superlink": args.superlink, "tls": args.root_certificates is not None,
+                 "root_certificates": args.root_certificates}
+    (run_dir / "flower-connection.json").write_text(json.dumps(transport, indent=2))
+    if args.root_certificates is None:
+        console.print(f"fedskew: the connection to {args.superlink} is INSECURE (no TLS: models and updates travel in "
+                      f"clear); pass --root-certificates CA.pem for a TLS SuperLink (docs/flower.md, \"Security\"). "
+                      f"Recorded in {run_dir / 'flower-connection.json'}.", highlight=False)
     env = fl.flower_env(FLWR_HOME=str(home.resolve()))
     console.print(f"fedskew {__version__}: {cfg.method.name} on Flower at {args.superlink}, "
                   f"{cfg.partition.num_clients} SuperNodes expected; run directory {run_dir.resolve()}", highlight=False)
@@ -496,8 +506,6 @@ def cmd_flower(args, console: Console) -> int:
                       f"above; no {summary_path} was written here (it is written on the SuperLink's machine).",
                       highlight=False)
         return 1
-    import json
-
     console.print(_results_table(json.loads(summary_path.read_text()), run_dir))
     return 0
 
@@ -515,6 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--jobs", type=int, help="multirun (key=a,b): runs at once (default: min(2, cores))")
     p_res = sub.add_parser("resume", help="continue an interrupted run from its directory")
     p_res.add_argument("run_dir")
+    p_res.add_argument("changes", nargs="*", metavar="key=value",
+                       help="settings to change from the next round on (lr, lr_decay, grad_clip, rounds, ...)")
     p_part = sub.add_parser("partition", help="print and draw a partition", epilog=EPILOG)
     p_part.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value]")
     p_part.add_argument("--out", help="heatmap PNG path (default OUT_DIR/partition-<dataset>-<partition>-s<seed>.png)")
@@ -552,10 +562,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C: the run stops with its last checkpoint and the resume command."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    if before is signal.SIG_DFL:  # not inside a host that handles it
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    console = Console()
+    import os
+
+    # piped output (a log file, CI) gets 120 columns rather than rich's 80, so result tables do not wrap
+    console = Console() if sys.stdout.isatty() or "COLUMNS" in os.environ else Console(width=120)
     from fedskew.config import ConfigError
     from fedskew.data import DatasetError, PartitionError
     from fedskew.engine.runner import ClientFailure
@@ -572,10 +605,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DatasetError, PartitionError, ModelError, FloatingPointError, ClientFailure) as exc:
         print(f"fedskew: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         hint = getattr(args, "interrupt_hint", None)
-        print(f"\nfedskew: interrupted{'; ' + hint if hint else '.'}", file=sys.stderr)
-        return 130
+        what = "terminated" if isinstance(exc, Terminated) else "interrupted"
+        print(f"\nfedskew: {what}{'; ' + hint if hint else '.'}", file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -71,7 +71,7 @@ class ModelConfig(_Strict):
                   "vgg16bn", "resnet18", "resnet20", "resnet56", "wrn28_10", "resnet50", "efficientnet_b0",
                   "lstm"] = "mlp"
     classifier_bias: bool = True
-    hidden: list[int] | None = Field(None, description="hidden widths of mlp (default [200, 200]) and mlpnet "
+    hidden: list[Annotated[int, Field(ge=1, le=1 << 16)]] | None = Field(None, description="hidden widths of mlp (default [200, 200]) and mlpnet "
                                                        "(default [1024, 1024, 128])")
     width: int = Field(32, ge=1, description="cnnbn channel width")
     projection_dim: int | None = Field(None, ge=1, description="add MOON's projection head (d->d->n); features = its output")
@@ -96,10 +96,10 @@ class RunConfig(_Strict):
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
-    rounds: int = Field(50, ge=1)
+    rounds: int = Field(50, ge=1, le=10_000_000)
     clients_per_round: int = Field(10, ge=1)
-    local_epochs: int = Field(5, ge=1)
-    batch_size: int = Field(16, ge=1)
+    local_epochs: int = Field(5, ge=1, le=10_000)
+    batch_size: int = Field(16, ge=1, le=1 << 20)
     lr: float = Field(0.01, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(1e-5, ge=0)
@@ -156,8 +156,33 @@ class RunConfig(_Strict):
         return {"fedskew_version": __version__, **self.model_dump(mode="json")}
 
 
-RECORD_KEYS = ("fedskew_version", "environment", "environment_previous")
+RECORD_KEYS = ("fedskew_version", "environment", "environment_previous", "changes")
 SECTIONS = {"dataset": DatasetConfig, "partition": PartitionConfig, "model": ModelConfig}
+
+
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_ALIASES = 20  # a config needs none; an alias bomb needs many
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses alias bombs (a few hundred bytes expanding to gigabytes)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases_seen = getattr(self, "aliases_seen", 0) + 1
+            if self.aliases_seen > MAX_YAML_ALIASES:
+                raise yaml.YAMLError(f"more than {MAX_YAML_ALIASES} aliases (*name references); a config needs none")
+        return super().compose_node(parent, index)
+
+
+def load_yaml(text: str, what: str):
+    """Parse a config or sweep file's text: size and alias expansion bounded, one-sentence errors."""
+    if len(text) > MAX_YAML_BYTES:
+        raise ConfigError(f"{what} is {len(text):,} bytes; a config or sweep file is at most {MAX_YAML_BYTES:,}.")
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)
+    except (yaml.YAMLError, ValueError) as exc:
+        raise ConfigError(f"{what} is not valid YAML ({yaml_problem(exc)[:200]}).") from None
 
 
 def yaml_problem(exc: Exception) -> str:
@@ -180,15 +205,18 @@ def _format_error(err: dict) -> str:
         msg = msg[len("Value error, "):]
     if not key:
         return f"config: {msg}."
-    shown = value if not isinstance(value, dict) else "{...}"
-    return f"config key '{key}' = {shown!r} is not allowed: {msg}."
+    shown = repr(value) if not isinstance(value, dict) else "{...}"
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return f"config key '{key}' = {shown} is not allowed: {msg[:300]}."
 
 
 def validate_config(data: dict[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(" ".join(_format_error(e) for e in exc.errors())) from None
+        errors = [_format_error(e) for e in exc.errors()]
+        more = f" (and {len(errors) - 5} more problems)" if len(errors) > 5 else ""
+        raise ConfigError(" ".join(errors[:5]) + more) from None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -198,8 +226,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{item}' has an empty key; use dotted keys such as model.name=mlp.")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
+        value = yaml.load(raw, Loader=_BoundedLoader) if raw != "" else ""
+    except (yaml.YAMLError, ValueError):  # not YAML, or a number too long for Python: the text itself
         value = raw
     return key.split("."), value
 
@@ -250,9 +278,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist.")
     try:
-        loaded = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file '{path}' is not valid YAML ({yaml_problem(exc)}).") from None
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file '{path}' cannot be read ({str(exc)[:120]}).") from None
+    loaded = load_yaml(text, f"config file '{path}'")
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping of keys, not a {type(loaded).__name__}.")
     data = loaded or {}

@@ -69,7 +69,7 @@ def test_interrupted_run_resumes_exactly(tmp_path):
 
 def test_divergence_stops_with_a_clear_message(tmp_path):
     cfg = load_config(None, SMALL + ["lr=1e6", "momentum=0"])
-    with pytest.raises(FloatingPointError, match=r"round 0: (client \d+.s local loss is (nan|inf)|the aggregated model holds NaN or inf)"):
+    with pytest.raises(FloatingPointError, match=r"round 1: (client \d+.s local loss is (nan|inf)|the aggregated model holds NaN or inf)"):
         run(cfg, tmp_path)
     assert (tmp_path / "config.yaml").exists()
 

@@ -129,7 +129,7 @@ def test_every_client_failing_stops_with_one_sentence(tmp_path, monkeypatch):
             raise OSError("disk gone")
 
     monkeypatch.setitem(METHODS, AllFail.name, AllFail)
-    with pytest.raises(ClientFailure, match="round 0: every selected client failed; the first error was OSError"):
+    with pytest.raises(ClientFailure, match="round 1: every selected client failed; the first error was OSError"):
         run(load_config(None, SMALL + ["method=all_fail"]), tmp_path)
 
 
@@ -140,7 +140,7 @@ def test_exploding_learning_rate_stops_naming_round_and_client(tmp_path):
     text = (tmp_path / "config.yaml").read_text()
     (tmp_path / "config.yaml").write_text(text.replace("rounds: 2", "rounds: 4").replace("lr: 0.01", "lr: 10000.0"))
     assert "lr: 10000.0" in (tmp_path / "config.yaml").read_text()
-    with pytest.raises(FloatingPointError, match=r"round 2: (client \d+'s local loss|the aggregated model)") as err:
+    with pytest.raises(FloatingPointError, match=r"round 3: (client \d+'s local loss|the aggregated model)") as err:
         resume(tmp_path)
     assert "\n" not in str(err.value)
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["next_round"] == 2

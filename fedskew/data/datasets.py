@@ -12,6 +12,7 @@ names what is wrong and how to fix it.
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import struct
 import urllib.request
@@ -110,23 +111,35 @@ _IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dt
                0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
 
 
+MAX_IDX_BYTES = 8 << 30  # no real IDX data set is larger
+
+
 def read_idx(path: Path) -> np.ndarray:
     """Read an IDX file (optionally gzip-compressed) and check that its length matches its header."""
     try:
         opener = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rb") as fh:
-            raw = fh.read()
+            head = fh.read(4)
+            if len(head) < 4 or head[0] != 0 or head[1] != 0 or head[2] not in _IDX_DTYPES:
+                raise DatasetError(f"IDX file {path} has no valid IDX header; it is not an IDX file or it is corrupt.")
+            dtype, ndim = np.dtype(_IDX_DTYPES[head[2]]), head[3]
+            dims = fh.read(4 * ndim)
+            if len(dims) < 4 * ndim:
+                raise DatasetError(f"IDX file {path} is truncated inside its header.")
+            shape = struct.unpack(">" + "I" * ndim, dims)
+            size = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
+            # Bound what the header may ask for before reading it: gzip inflates real data sets about 4x
+            # (at most about 1000x), so a declared size far beyond the file's is a decompression bomb.
+            limit = min(MAX_IDX_BYTES, (1100 if path.suffix == ".gz" else 1) * path.stat().st_size + 1024)
+            if size > limit:
+                raise DatasetError(f"IDX file {path} declares shape {shape} ({size:,} bytes), more than a "
+                                   f"{path.stat().st_size:,}-byte file can hold; it is corrupt or hostile.")
+            body = fh.read(size + 1)
     except (OSError, EOFError) as exc:
         raise DatasetError(f"IDX file {path} could not be read ({exc}); delete it and fetch it again.") from exc
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
-        raise DatasetError(f"IDX file {path} has no valid IDX header; it is not an IDX file or it is corrupt.")
-    dtype = np.dtype(_IDX_DTYPES[raw[2]])
-    ndim = raw[3]
     header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise DatasetError(f"IDX file {path} is truncated inside its header.")
-    shape = struct.unpack(">" + "I" * ndim, raw[4:header])
-    expected = header + int(np.prod(shape)) * dtype.itemsize
+    raw = head + dims + body
+    expected = header + size
     if len(raw) != expected:
         raise DatasetError(f"IDX file {path} holds {len(raw)} bytes but its header {shape} needs "
                            f"{expected}; the file is truncated or corrupt.")

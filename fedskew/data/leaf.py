@@ -69,8 +69,15 @@ def _read_split(folder: Path, split: str, encode) -> tuple[list[str], list, list
 
 
 def _femnist_encode(x, y, path, user):
-    x = np.asarray(x, dtype=np.float32)
-    y = np.asarray(y, dtype=np.int64)
+    try:
+        x = np.asarray(x, dtype=np.float32)
+        y_raw = np.asarray(y)
+        if y_raw.ndim != 1 or (len(y_raw) and (y_raw.dtype.kind not in "iuf" or np.any(y_raw != np.round(y_raw)))):
+            raise ValueError("labels must be integers")
+        y = y_raw.astype(np.int64)
+    except (ValueError, TypeError) as exc:  # ragged, nested, strings, fractional labels
+        raise DatasetError(f"LEAF file {path}: user {user!r} has x or y that are not numbers of the expected "
+                           f"shape ({str(exc).splitlines()[0][:100]}).") from None
     if x.ndim != 2 or x.shape[1] != 784:
         raise DatasetError(f"LEAF file {path}: user {user!r} has images of shape {x.shape[1:]}, expected 784 values.")
     if len(y) and (y.min() < 0 or y.max() > 61):
@@ -84,8 +91,11 @@ def _shakespeare_encode(x, y, path, user):
         xs = np.array([[table[c] for c in s] for s in x], dtype=np.int64).reshape(len(x), -1)
         ys = np.array([table[c] for c in y], dtype=np.int64)
     except KeyError as exc:
-        raise DatasetError(f"LEAF file {path}: user {user!r} uses the character {exc.args[0]!r}, which is not in "
-                           f"LEAF's 80-character alphabet.") from None
+        raise DatasetError(f"LEAF file {path}: user {user!r} uses the character {str(exc.args[0])[:20]!r}, which is "
+                           f"not in LEAF's 80-character alphabet.") from None
+    except (ValueError, TypeError) as exc:  # ragged sequences, numbers or lists where strings belong
+        raise DatasetError(f"LEAF file {path}: user {user!r} has x or y that are not strings of characters "
+                           f"({str(exc).splitlines()[0][:100]}).") from None
     if len(x) and (xs.shape[1] != SEQ_LEN or any(len(c) != 1 for c in y)):
         raise DatasetError(f"LEAF file {path}: user {user!r} has sequences that are not {SEQ_LEN} characters "
                            f"followed by one next character.")

@@ -130,7 +130,20 @@ def read_cifar_batch(path: Path, label_key: bytes) -> tuple[np.ndarray, np.ndarr
     if not isinstance(batch, dict) or b"data" not in batch or label_key not in batch:
         raise DatasetError(f"CIFAR batch {path} lacks the keys b'data' and {label_key!r}; it is not a CIFAR "
                            f"python batch.")
-    data, labels = np.asarray(batch[b"data"]), np.asarray(batch[label_key], dtype=np.int64)
+    data, raw_labels = batch[b"data"], batch[label_key]
+    # Check types before numpy touches them: a few KB of shared pickle references can describe a
+    # nested list that np.asarray would expand to gigabytes.
+    if not isinstance(data, np.ndarray):
+        raise DatasetError(f"CIFAR batch {path}: b'data' is a {type(data).__name__}, not an array; the file is not "
+                           f"a CIFAR python batch.")
+    if isinstance(raw_labels, np.ndarray):
+        ok = raw_labels.ndim == 1 and raw_labels.dtype.kind in "iu"
+    else:
+        ok = isinstance(raw_labels, list) and len(raw_labels) <= len(data) and \
+            all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in raw_labels)
+    if not ok:
+        raise DatasetError(f"CIFAR batch {path}: {label_key!r} is not a list of integer labels.")
+    labels = np.asarray(raw_labels, dtype=np.int64)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
         raise DatasetError(f"CIFAR batch {path} holds data of shape {data.shape} and type {data.dtype}; "
                            f"expected uint8 [N, 3072].")

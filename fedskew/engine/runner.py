@@ -11,11 +11,13 @@ with ``torch.load(weights_only=True)`` (nothing is unpickled).
 
 Failures. A client whose training raises is reported in the round's ``clients_failed`` and left out
 of the aggregation (``fail_fast=true`` stops instead); a NaN/inf local loss or aggregated model
-stops the run with a message naming the round (and client), keeping the last good checkpoint.
+stops the run with a message naming the round (counted from 1, as the progress lines do) and client,
+and the `fedskew resume DIR lr=...` that continues from the last checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -29,8 +31,9 @@ import torch
 import yaml
 
 from fedskew import __version__
-from fedskew.config import ConfigError, RunConfig, load_config
+from fedskew.config import ConfigError, RunConfig
 from fedskew.data.federated import Federation, load_federation
+from fedskew.engine.durable import FolderLock, append_line, atomic_save, atomic_write_text, read_records
 from fedskew.engine.local import LocalSettings, SequentialExecutor, federated_state, load_state
 from fedskew.engine.tracking import Trackers, check_available
 from fedskew.methods import FederationInfo, build_method
@@ -82,18 +85,6 @@ def environment(device: torch.device) -> dict:
         except (OSError, subprocess.SubprocessError):
             pass
     return env
-
-
-def atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def atomic_write_text(text: str, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 @dataclass(repr=False)
@@ -157,6 +148,7 @@ class Experiment:
         self.x_test = self.fed.data.x_test.to(self.device)
         self.y_test = self.fed.data.y_test.to(self.device)
         self.run_dir = Path(run_dir) if run_dir else default_run_dir(cfg)
+        self.changes: dict = {}  # settings changed at this resume (fedskew resume DIR key=value)
         self.environment = environment(self.device)
         check_available(cfg.logger)
         blocked = next((d for d in (self.run_dir, *self.run_dir.parents) if d.exists() and not d.is_dir()), None)
@@ -164,17 +156,14 @@ class Experiment:
             key = "out_dir" if run_dir is None else "the run directory"
             raise ConfigError(f"{key} '{self.run_dir if run_dir else cfg.out_dir}' cannot hold a run: '{blocked}' is a "
                               f"file, not a folder; choose another out_dir.")
+        if self.run_dir.is_dir() and os.access(self.run_dir, os.W_OK):
+            FolderLock(self.run_dir, "run directory").acquire().release()  # in use by a running process?
         if not resume and (self.run_dir / "metrics.jsonl").exists():
             raise ConfigError(f"run directory '{self.run_dir}' already holds a run; continue it with "
                               f"`fedskew resume {self.run_dir}` or choose another run_name.")
 
     # -- files ---------------------------------------------------------------------------------
     def _prepare_dir(self) -> None:
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"cannot create the run directory '{self.run_dir}' ({exc.strerror}); choose another "
-                              f"out_dir.") from None
         record = {**self.cfg.resolved(), "environment": self.environment}
         old = self.run_dir / "config.yaml"
         if self.resume and old.is_file():  # a resumed run keeps where its earlier parts ran
@@ -184,6 +173,8 @@ class Experiment:
                 previous = [*previous, before["environment"]]
             if previous:
                 record["environment_previous"] = previous
+            if before.get("changes"):
+                record["changes"] = before["changes"]
         atomic_write_text(yaml.safe_dump(record, sort_keys=False), self.run_dir / "config.yaml")
         (self.run_dir / "partition.json").write_text(json.dumps(self.fed.summary_rows()))
         self.fed.heatmap(self.run_dir / "partition.png",
@@ -191,42 +182,108 @@ class Experiment:
                          f"{self.fed.num_clients} clients")
 
     def _checkpoint(self, state: dict) -> None:
+        """Write ``checkpoint.pt`` (atomic, fsynced); the one before becomes ``checkpoint.prev.pt``,
+        but only when it is known to read back: a corrupt one is dropped, never rotated over the
+        good backup."""
         path = self.run_dir / "checkpoint.pt"
         if path.exists():
-            os.replace(path, self.run_dir / "checkpoint.prev.pt")
+            if self._current_checkpoint_ok:
+                os.replace(path, self.run_dir / "checkpoint.prev.pt")
+            else:
+                path.unlink()
         atomic_save(state, path)
+        self._current_checkpoint_ok = True
+        self._checkpoint_round = state["next_round"]
+
+    def _divergence_advice(self) -> str:
+        """What can be done after a divergence, given what is on disk."""
+        if self._checkpoint_round:
+            return (f"the checkpoint after round {self._checkpoint_round} is kept: `fedskew resume {self.run_dir} "
+                    f"lr=<smaller>` (or grad_clip=<norm>) continues from it.")
+        return "no checkpoint was written yet: start again with a smaller lr or with grad_clip set."
 
     def _load_checkpoint(self) -> dict | None:
         """The newest readable checkpoint: ``checkpoint.pt``, else (truncated or corrupt, with a
         notice) ``checkpoint.prev.pt``; None when the run never wrote one."""
         paths = [p for p in (self.run_dir / "checkpoint.pt", self.run_dir / "checkpoint.prev.pt") if p.exists()]
         errors = []
+        expected = {k: v.shape for k, v in federated_state(self.model).items()}
         for path in paths:
             try:
                 ckpt = torch.load(path, map_location=self.device, weights_only=True)
                 if not isinstance(ckpt, dict) or "next_round" not in ckpt:
                     raise ValueError("it is not a fedskew checkpoint")
-            except Exception as exc:  # truncated, corrupt or foreign file: try the previous one
-                errors.append(f"{path.name}: {str(exc).splitlines()[0][:120]}")
-                print(f"fedskew: cannot read {path}; trying the previous checkpoint.", flush=True)
+                if any(expected.get(k) != v.shape for k, v in ckpt["global_state"].items()):
+                    raise ValueError("it holds another model's tensors")
+            except Exception as exc:  # empty, truncated, corrupt or foreign file: try the previous one
+                reason = (str(exc).splitlines() or [""])[0][:120] or type(exc).__name__
+                errors.append(f"{path.name}: {reason}")
+                print(f"fedskew: cannot read {path} ({reason}); trying the previous checkpoint.", flush=True)
                 continue
+            self._current_checkpoint_ok = path.name == "checkpoint.pt"
+            self._checkpoint_round = ckpt["next_round"]
             return ckpt
         if errors:
-            raise ConfigError(f"no readable checkpoint in '{self.run_dir}' ({'; '.join(errors)}); "
-                              f"start the run again without resume.")
+            raise ConfigError(f"no readable checkpoint in '{self.run_dir}' ({'; '.join(errors)}); remove the "
+                              f"directory (or choose another run_name) and start the run again.")
         return None
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self, on_round: Callable[[dict], None] | None = None) -> RunResult:
+        """Execute (or resume) the run; the run directory is locked for this process meanwhile."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the run directory '{self.run_dir}' ({exc.strerror}); choose another "
+                              f"out_dir.") from None
+        try:
+            lock = FolderLock(self.run_dir, "run directory").acquire()
+        except OSError as exc:
+            raise StorageError(f"cannot write in the run directory '{self.run_dir}' ({exc.strerror}); choose another "
+                               f"out_dir.") from None
+        try:
+            if not self.resume and (self.run_dir / "metrics.jsonl").exists():  # checked again under the lock
+                raise ConfigError(f"run directory '{self.run_dir}' already holds a run; continue it with "
+                                  f"`fedskew resume {self.run_dir}` or choose another run_name.")
+            return self._run(on_round)
+        except OSError as exc:  # a full disk, a read-only or vanished folder: nothing written is lost
+            if exc.errno not in STORAGE_ERRNOS:
+                raise
+            raise StorageError(f"writing the run directory '{self.run_dir}' failed ({exc.strerror or exc}); fix that "
+                               f"and `fedskew resume {self.run_dir}` continues from the last checkpoint.") from None
+        finally:
+            lock.release()
+
+    def _history_before(self, start: int) -> list[dict]:
+        """Rounds 0 .. start-1 of ``metrics.jsonl``, each exactly once (a torn last line dropped);
+        anything else means two processes wrote the directory or the file was edited."""
+        history = [h for h in read_records(self.run_dir / "metrics.jsonl") if h["round"] < start]
+        rounds = [h["round"] for h in history]
+        if rounds != list(range(start)):
+            missing = sorted(set(range(start)) - set(rounds))
+            twice = sorted({r for r in rounds if rounds.count(r) > 1})
+            raise ConfigError(f"cannot resume '{self.run_dir}': its checkpoint is after round {start} but "
+                              f"metrics.jsonl "
+                              f"{'lacks rounds ' + str([r + 1 for r in missing[:10]]) if missing else ''}"
+                              f"{' and ' if missing and twice else ''}"
+                              f"{'holds rounds ' + str([r + 1 for r in twice[:10]]) + ' twice' if twice else ''} "
+                              f"(two processes wrote it, or it was edited); start the run again in a new directory.")
+        return history
+
+    def _run(self, on_round) -> RunResult:
         cfg, method = self.cfg, self.method
+        self._current_checkpoint_ok, self._checkpoint_round = False, 0
         self._prepare_dir()
         ckpt = self._load_checkpoint() if self.resume else None
         if ckpt is not None:
             start, global_state = ckpt["next_round"], ckpt["global_state"]
             server_state, client_states, totals = ckpt["server_state"], ckpt["client_states"], ckpt["totals"]
-            history = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()
-                       if line.strip()]
-            history = [h for h in history if h["round"] < start]
+            history = self._history_before(start)
+            if self.changes:  # settings changed at this resume, from round start + 1 (counted from 1)
+                path = self.run_dir / "config.yaml"
+                record = yaml.safe_load(path.read_text())
+                record["changes"] = [*record.get("changes", []), {"from_round": start + 1, **self.changes}]
+                atomic_write_text(yaml.safe_dump(record, sort_keys=False), path)
         else:
             start, history = 0, []
             global_state = federated_state(self.model)
@@ -254,8 +311,7 @@ class Experiment:
             record = self._round(t, global_state, server_state, client_states, totals)
             global_state, server_state = record.pop("_global"), record.pop("_server")
             history.append(record)
-            with open(self.run_dir / "metrics.jsonl", "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+            append_line(record, self.run_dir / "metrics.jsonl")
             if (t + 1) % cfg.checkpoint_every == 0 or t == cfg.rounds - 1:
                 self._checkpoint({"next_round": t + 1, "global_state": global_state, "server_state": server_state,
                                   "client_states": client_states, "totals": totals})
@@ -284,16 +340,15 @@ class Experiment:
         train_s = time.perf_counter() - t1
         for r in results:
             if not math.isfinite(r.train_loss):
-                raise FloatingPointError(f"round {t}: client {r.client_id}'s local loss is {r.train_loss} (training "
-                                         f"diverged); lower lr or set grad_clip. The last good checkpoint is kept "
-                                         f"in {self.run_dir}.")
+                raise FloatingPointError(f"round {t + 1}: client {r.client_id}'s local loss is {r.train_loss} "
+                                         f"(training diverged); {self._divergence_advice()}")
             client_states[r.client_id] = _to(r.client_state, torch.device("cpu"))
         uploads = [r.upload for r in results]
         reports = [r.report for r in results]
         new_global, new_server = method.aggregate(server_state, global_state, uploads, reports)
         if not all(torch.isfinite(v).all() for v in new_global.values() if v.is_floating_point()):
-            raise FloatingPointError(f"round {t}: the aggregated model holds NaN or inf (training diverged); "
-                                     f"lower lr or set grad_clip. The last good checkpoint is kept in {self.run_dir}.")
+            raise FloatingPointError(f"round {t + 1}: the aggregated model holds NaN or inf (training diverged); "
+                                     f"{self._divergence_advice()}")
         down = count_floats(payload) * len(selected)
         if t == 0:  # fixed architecture tensors (the ETF head): counted once, as if sent at setup
             down += sum(v.numel() for k, v in self.model.state_dict().items() if k in self.model.fixed_keys)
@@ -366,10 +421,10 @@ class Experiment:
             except Exception as exc:
                 message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                 failed.append({"client": k, "error": message})
-                print(f"fedskew: round {t}: client {k} failed and is left out of the aggregation ({message})",
+                print(f"fedskew: round {t + 1}: client {k} failed and is left out of the aggregation ({message})",
                       flush=True)
         if not results:
-            raise ClientFailure(f"round {t}: every selected client failed; the first error was "
+            raise ClientFailure(f"round {t + 1}: every selected client failed; the first error was "
                                 f"{failed[0]['error']}")
         return results, failed
 
@@ -476,6 +531,13 @@ class Experiment:
         return summary
 
 
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
+
+
+class StorageError(ConfigError):
+    """The run directory cannot be written (full disk, permissions); one sentence, resumable."""
+
+
 class ClientFailure(RuntimeError):
     """Every selected client of a round failed."""
 
@@ -507,10 +569,32 @@ def run(cfg: RunConfig, run_dir: Path | None = None, on_round=None) -> RunResult
     return Experiment(cfg, run_dir).run(on_round)
 
 
-def resume(run_dir: str | Path, on_round=None) -> RunResult:
-    """Continue an interrupted run from its directory's ``checkpoint.pt`` and ``config.yaml``."""
+# Settings a run may change when resumed (`fedskew resume DIR lr=0.005`): how it is optimised from now
+# on, evaluated and recorded; not what it is (data, partition, model, method, seed).
+RESUMABLE = ("lr", "lr_decay", "grad_clip", "rounds", "eval_every", "checkpoint_every", "fail_fast", "logger",
+             "final_personalization", "device", "executor", "max_parallel_clients", "feature_stats",
+             "classifier_stats", "forgetting_stats", "forgetting_test_samples")
+
+
+def resume(run_dir: str | Path, on_round=None, changes: dict | list[str] | None = None) -> RunResult:
+    """Continue an interrupted run from its directory's ``checkpoint.pt`` and ``config.yaml``;
+    ``changes`` (``{"lr": 0.005}`` or ``["lr=0.005"]``) alters settings of :data:`RESUMABLE` from
+    the next round on, recorded in config.yaml's ``changes``."""
+    from fedskew.config import did_you_mean, parse_override, read_config_file, set_key, validate_config
+
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"'{run_dir}' is not a run directory (it holds no config.yaml).")
-    return Experiment(load_config(run_dir / "config.yaml"), run_dir, resume=True).run(on_round)
-
+    data = read_config_file(run_dir / "config.yaml")
+    if isinstance(changes, list):
+        changes = {".".join(k): v for k, v in map(parse_override, changes)}
+    changes = dict(changes or {})
+    for key, value in changes.items():
+        if key not in RESUMABLE:
+            raise ConfigError(f"'{key}' cannot change when a run resumes (the rounds before and after would be "
+                              f"different experiments){did_you_mean(key, RESUMABLE)}; these can: "
+                              f"{', '.join(RESUMABLE)}.")
+        set_key(data, key, value)
+    exp = Experiment(validate_config(data), run_dir, resume=True)
+    exp.changes = changes
+    return exp.run(on_round)

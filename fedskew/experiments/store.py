@@ -31,7 +31,14 @@ CREATE TABLE IF NOT EXISTS selections (
 def connect(path: Path) -> sqlite3.Connection:
     db = sqlite3.connect(path, timeout=30)
     db.row_factory = sqlite3.Row
-    db.executescript(SCHEMA)
+    try:
+        db.executescript(SCHEMA)
+    except sqlite3.DatabaseError as exc:
+        db.close()
+        from fedskew.config import ConfigError
+
+        raise ConfigError(f"'{path}' is not a fedskew results database ({exc}); move it away or use another sweep "
+                          f"folder.") from None
     if "environment" not in {row["name"] for row in db.execute("PRAGMA table_info(runs)")}:  # stores before 0.2
         with db:
             db.execute("ALTER TABLE runs ADD COLUMN environment TEXT")

@@ -34,15 +34,18 @@ import hashlib
 import itertools
 import json
 import os
+import time
 import sqlite3
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fedskew.config import RECORD_KEYS, ConfigError, did_you_mean, nested, set_key, validate_config, yaml_problem
+from fedskew.config import RECORD_KEYS, ConfigError, did_you_mean, load_yaml, nested, set_key, validate_config
+from fedskew.engine.durable import FolderLock, atomic_write_text
 from fedskew.experiments.store import add_planned, connect, mark_running, record_done, record_failed, scalar_metrics
 
 
@@ -105,10 +108,9 @@ def load_spec(data: dict | str | Path) -> SweepSpec:
         path = Path(data)
         if not path.is_file():
             raise ConfigError(f"sweep file '{path}' does not exist.")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"sweep file '{path}' is not valid YAML ({yaml_problem(exc)}).") from None
+        data = load_yaml(path.read_text(errors="replace"), f"sweep file '{path}'") or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"sweep file '{path}' must hold a mapping of keys, not a {type(data).__name__}.")
     try:
         return SweepSpec.model_validate(data)
     except ValidationError as exc:
@@ -119,8 +121,9 @@ def load_spec(data: dict | str | Path) -> SweepSpec:
                               f"names or mappings).") from None
         if err["type"] == "extra_forbidden":
             fields = MethodSpec.model_fields if err["loc"][0] == "methods" else SweepSpec.model_fields
-            raise ConfigError(f"sweep key '{key}' is not known{did_you_mean(str(err['loc'][-1]), fields)}; allowed: "
-                              f"{sorted(SweepSpec.model_fields)} (and in methods: {sorted(MethodSpec.model_fields)}).") from None
+            hint = did_you_mean(str(err["loc"][-1]), fields)
+            raise ConfigError(f"sweep key '{key}' is not known{hint}; allowed: {sorted(SweepSpec.model_fields)} "
+                              f"(and in methods: {sorted(MethodSpec.model_fields)}).") from None
         raise ConfigError(f"sweep key '{key}' = {err.get('input')!r} is not allowed: "
                           f"{err['msg'].removeprefix('Value error, ')}.") from None
 
@@ -212,6 +215,27 @@ def _worker_init(external: dict[str, tuple[str, str]]) -> None:
 
     torch.set_num_threads(1)
     import_methods(external)
+    _die_with_parent()
+
+
+def _die_with_parent() -> None:
+    """A worker whose sweep process died (SIGKILL, a crash) exits at once instead of finishing its
+    run and writing a directory the next sweep will write too."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="fedskew-parent-watch").start()
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
 
 
 def _mp_context(external: dict[str, tuple[str, str]]):
@@ -236,6 +260,15 @@ def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
     if blocked is not None:
         raise ConfigError(f"sweep folder '{sweep_dir}' cannot be created: '{blocked}' is a file, not a folder.")
     sweep_dir.mkdir(parents=True, exist_ok=True)
+    lock = FolderLock(sweep_dir, "sweep folder").acquire()  # one sweep process per folder, for its life
+    try:
+        db = _run_locked(spec, sweep_dir, runs, jobs, on_event)
+    finally:
+        lock.release()
+    return db
+
+
+def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, on_event) -> sqlite3.Connection:
     spec_file = sweep_dir / "sweep.yaml"
     spec_data = spec.model_dump(mode="json")
     if spec_file.is_file():
@@ -243,7 +276,7 @@ def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
         if previous != spec_data:
             print(f"fedskew: the sweep in {sweep_dir} changes; finished runs whose configuration is unchanged "
                   f"are kept, the others are added.", flush=True)
-    spec_file.write_text(yaml.safe_dump(spec_data, sort_keys=False))
+    atomic_write_text(yaml.safe_dump(spec_data, sort_keys=False), spec_file)
     db = connect(sweep_dir / "results.sqlite")
     status = add_planned(db, runs, sweep_dir)
     todo = [r for r in runs if status.get(r["run_id"]) != "done"]
@@ -270,36 +303,62 @@ def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
             started(r)
             try:
                 summary, history, env = _execute(r["config"], run_dir[r["run_id"]])
-            except (ConfigError, ValueError, RuntimeError, FloatingPointError) as exc:
-                finished(r, None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+            except Exception as exc:  # any run's failure (even a full disk) is recorded; the others go on
+                finished(r, None, None, _error_text(exc))
                 continue
             finished(r, summary, history, env=env)
     else:
         from fedskew.methods import external_methods
 
         external = external_methods()
-        pool = ProcessPoolExecutor(jobs, mp_context=_mp_context(external), initializer=_worker_init,
-                                   initargs=(external,))
-        queue, running = list(todo), {}
+
+        def new_pool():
+            return ProcessPoolExecutor(jobs, mp_context=_mp_context(external), initializer=_worker_init,
+                                       initargs=(external,))
+
+        def stop(pool):
+            pool.shutdown(wait=False, cancel_futures=True)
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                proc.terminate()
+
+        # A run in flight when a worker died is a suspect: it runs again alone, so a run that kills
+        # its worker (out of memory, a crash in native code) fails by itself and no other is lost.
+        pool, queue, running, suspects = new_pool(), list(todo), {}, set()
         try:
             while queue or running:
-                while queue and len(running) < jobs:  # a run is marked running when a worker takes it
+                while queue and len(running) < jobs and not (suspects & {r["run_id"] for r in running.values()}):
+                    if queue[0]["run_id"] in suspects and running:
+                        break
                     r = queue.pop(0)
                     started(r)
                     running[pool.submit(_execute, r["config"], run_dir[r["run_id"]])] = r
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
+                lost = []
                 for fut in done:
                     r = running.pop(fut)
                     try:
                         summary, history, env = fut.result()
-                    except (ConfigError, ValueError, RuntimeError, FloatingPointError) as exc:
-                        finished(r, None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                    except BrokenProcessPool:
+                        lost.append(r)
+                        continue
+                    except Exception as exc:
+                        finished(r, None, None, _error_text(exc))
                         continue
                     finished(r, summary, history, env=env)
+                if lost:  # a worker died: the pool is gone with every run in it
+                    lost += list(running.values())
+                    running.clear()
+                    stop(pool)
+                    for r in reversed(lost):
+                        if r["run_id"] in suspects and len(lost) == 1:  # it ran alone: it is the cause
+                            finished(r, None, None, "its worker process died while running it (killed, or out of "
+                                                    "memory?); run it alone with `fedskew run` to see why")
+                        else:
+                            suspects.add(r["run_id"])
+                            queue.insert(0, r)
+                    pool = new_pool()
         except BaseException:  # Ctrl-C: stop the workers now; their runs resume from checkpoints next time
-            pool.shutdown(wait=False, cancel_futures=True)
-            for proc in list((getattr(pool, "_processes", None) or {}).values()):
-                proc.terminate()
+            stop(pool)
             raise
         pool.shutdown()
     select(db, spec)

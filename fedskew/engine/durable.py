@@ -1,0 +1,126 @@
+"""Files that survive crashes and are never shared: exclusive folder locks, atomic and fsynced
+writes, and a metrics log whose torn last line is detected.
+
+- :class:`FolderLock`: an OS lock (``fcntl.flock``) on ``FOLDER/.fedskew.lock``, held for the life of
+  the process that took it: a second writer is refused with one sentence naming the holder's PID,
+  and a crashed or killed holder releases it with its file descriptors (no stale lock files).
+- :func:`atomic_write_text` / :func:`atomic_save`: write a temporary file, fsync it, rename it
+  over the target, fsync the folder: after a crash the target is the old or the new content,
+  never a prefix.
+- :func:`append_line`: one JSON record per line, flushed and fsynced; :func:`read_records`
+  drops a torn last line (a crash or a full disk mid-append) and refuses corruption elsewhere.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+from pathlib import Path
+
+from fedskew.config import ConfigError
+
+LOCK_NAME = ".fedskew.lock"
+
+
+class FolderLock:
+    """``with FolderLock(folder, what):`` the folder is this process's until the block ends."""
+
+    def __init__(self, folder: Path, what: str):
+        self.path = Path(folder) / LOCK_NAME
+        self.what = what
+        self.fd: int | None = None
+
+    def acquire(self) -> "FolderLock":
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self.fd)
+            self.fd = None
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                raise ConfigError(f"{self.what} '{self.path.parent}' is in use by another fedskew process (pid "
+                                  f"{holder}); wait for it to finish or stop it, or choose another folder.") from None
+            raise
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor releases the flock
+            self.fd = None
+
+    def __enter__(self) -> "FolderLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(data: bytes, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_folder(path.parent)
+
+
+def atomic_write_text(text: str, path: Path) -> None:
+    atomic_write_bytes(text.encode(), path)
+
+
+def atomic_save(obj, path: Path) -> None:
+    """``torch.save`` made durable: the file at ``path`` is complete or absent."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    atomic_write_bytes(buf.getvalue(), path)
+
+
+def append_line(record: dict, path: Path) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a metrics log. A last line without its newline, or the last line not valid
+    JSON, is the trace of an interrupted append and is dropped; a bad line before it is
+    corruption (one sentence)."""
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    *complete, torn = text.split("\n")  # torn: what follows the last newline ("" after a clean append)
+    records = []
+    for i, line in enumerate(complete):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or "round" not in rec:
+                raise ValueError("not a round record")
+        except ValueError:
+            if i == len(complete) - 1 and not torn:
+                break
+            raise ConfigError(f"'{path}' line {i + 1} is not a round record (the file was edited or corrupted); "
+                              f"start the run again in a new run directory.") from None
+        records.append(rec)
+    return records
+
+
+__all__ = ["FolderLock", "append_line", "atomic_save", "atomic_write_bytes", "atomic_write_text", "read_records"]

@@ -1,0 +1,441 @@
+"""Nothing lost, nothing silently wrong: one writer per folder, workers that die with their sweep,
+torn metrics lines, empty and foreign checkpoints, full disks, dead workers, signals, changed
+settings on resume, hostile files. Real processes where the fault is a process."""
+
+import errno
+import gzip
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+import fedskew
+from fedskew.config import ConfigError, load_config
+from fedskew.data.datasets import DatasetError, read_idx
+from fedskew.data.leaf import load_leaf
+from fedskew.engine import runner as runner_module
+from fedskew.engine.durable import FolderLock, read_records
+from fedskew.engine.runner import StorageError
+
+SMALL = {"rounds": 4, "partition.num_clients": 6, "clients_per_round": 3, "local_epochs": 1, "model.hidden": [16],
+         "final_personalization": False}
+SMALL_ARGS = [f"{k}={json.dumps(v)}" for k, v in SMALL.items()]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_records(run_dir / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """The uninterrupted run every interrupted one must equal (one thread, as the CLI runs below)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("full")
+    yield fedskew.run(SMALL, out_dir=str(out), run_name="full")
+    torch.set_num_threads(before)
+
+
+def same_as_full(run_dir: Path, full) -> None:
+    assert records(run_dir) == records(full.run_dir)
+    ckpt = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert all(torch.equal(ckpt["global_state"][k], v) for k, v in full.global_state.items())
+
+
+def crash_after(round_idx):
+    def on_round(record):
+        if record["round"] == round_idx:
+            raise KeyboardInterrupt
+    return on_round
+
+
+def cli_popen(*args, cwd):
+    return subprocess.Popen([sys.executable, "-m", "fedskew.cli", *map(str, args)], cwd=cwd, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for(predicate, proc=None, timeout=120.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(proc.communicate())
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. One writer per folder
+
+
+def test_a_folder_lock_is_exclusive_and_dies_with_its_process(tmp_path):
+    with FolderLock(tmp_path, "run directory"):
+        with pytest.raises(ConfigError, match=rf"run directory '{tmp_path}' is in use by another fedskew process "
+                                              rf"\(pid {os.getpid()}\)"):
+            FolderLock(tmp_path, "run directory").acquire()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from fedskew.engine.durable import FolderLock; "
+                               f"FolderLock(Path({str(tmp_path)!r}), 'x').acquire(); print('held', flush=True); "
+                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(ConfigError, match=rf"pid {holder.pid}"):
+        FolderLock(tmp_path, "run directory").acquire()
+    holder.kill()
+    holder.wait()
+    FolderLock(tmp_path, "run directory").acquire().release()  # a killed holder leaves no stale lock
+
+
+def test_two_runs_with_one_run_name_never_share_the_directory(tmp_path):
+    first = cli_popen("run", *SMALL_ARGS, "rounds=5000", "out_dir=.", "run_name=same", cwd=tmp_path)
+    wait_for(lambda: (tmp_path / "same" / "metrics.jsonl").exists(), first)
+    second = subprocess.run([sys.executable, "-m", "fedskew.cli", "run", *SMALL_ARGS, "out_dir=.", "run_name=same"],
+                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert first.poll() is None  # still running: the refusal below is the lock's
+    assert second.returncode == 2 and "Traceback" not in second.stderr
+    assert f"is in use by another fedskew process (pid {first.pid})" in second.stderr
+    resumed = subprocess.run([sys.executable, "-m", "fedskew.cli", "resume", "same"], cwd=tmp_path, env=ENV,
+                             capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 2 and f"(pid {first.pid})" in resumed.stderr
+    first.send_signal(signal.SIGINT)
+    first.communicate(timeout=60)
+    rounds = [r["round"] for r in read_records(tmp_path / "same" / "metrics.jsonl")]
+    assert rounds == list(range(len(rounds))) and rounds  # one writer: every round once, in order
+
+
+def test_two_sweeps_on_one_folder_one_is_refused(tmp_path):
+    spec = {"name": "lock", "base": {**SMALL, "rounds": 30}, "methods": ["fedavg"], "seeds": [0, 1]}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    first = cli_popen("sweep", "s.yaml", "--out", "sw", "--jobs", "1", "--no-report", cwd=tmp_path)
+    wait_for(lambda: (tmp_path / "sw" / "results.sqlite").exists(), first)
+    second = subprocess.run([sys.executable, "-m", "fedskew.cli", "sweep", "s.yaml", "--out", "sw", "--no-report"],
+                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2 and f"sweep folder 'sw' is in use by another fedskew process (pid {first.pid})" \
+        in second.stderr
+    first.communicate(timeout=600)
+    assert first.returncode == 0
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_workers_die_with_a_killed_sweep(tmp_path):
+    spec = {"name": "orphans", "base": {**SMALL, "rounds": 200}, "methods": ["fedavg"], "seeds": [0, 1, 2, 3]}
+    (tmp_path / "o.yaml").write_text(yaml.safe_dump(spec))
+    parent = cli_popen("sweep", "o.yaml", "--out", "sw", "--jobs", "2", "--no-report", cwd=tmp_path)
+    wait_for(lambda: len(list((tmp_path / "sw" / "runs").glob("*/metrics.jsonl"))) >= 2, parent)
+    workers = [p for p in children(parent.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+    assert len(workers) >= 2
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    wait_for(lambda: not any(alive(p) for p in workers), timeout=10)
+    # nothing started after the parent died: no run beyond the two that were running
+    assert len(list((tmp_path / "sw" / "runs").glob("*"))) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# 2-3. Torn lines, full disks, empty and foreign checkpoints
+
+
+def test_resume_refuses_a_history_with_gaps_or_duplicates(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        fedskew.run(SMALL, out_dir=str(tmp_path), run_name="r", on_round=crash_after(2))
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "r" / "metrics.jsonl").write_text("\n".join([lines[0], lines[1], lines[1], lines[2]]) + "\n")
+    with pytest.raises(ConfigError, match=r"checkpoint is after round 3 but metrics.jsonl holds rounds \[2\] twice"):
+        fedskew.resume(tmp_path / "r")
+    (tmp_path / "r" / "metrics.jsonl").write_text("\n".join([lines[0], lines[2]]) + "\n")
+    with pytest.raises(ConfigError, match=r"lacks rounds \[2\]"):
+        fedskew.resume(tmp_path / "r")
+
+
+def test_a_torn_last_line_is_dropped_and_the_run_resumes_exactly(tmp_path, full):
+    with pytest.raises(KeyboardInterrupt):
+        fedskew.run(SMALL, out_dir=str(tmp_path), run_name="r", on_round=crash_after(1))
+    with open(tmp_path / "r" / "metrics.jsonl", "a") as fh:
+        fh.write('{"round": 2, "train/lo')  # the append a crash or a full disk cut short
+    fedskew.resume(tmp_path / "r")
+    same_as_full(tmp_path / "r", full)
+
+
+def test_a_full_disk_is_one_sentence_and_the_run_resumes_exactly(tmp_path, full, monkeypatch):
+    real = runner_module.append_line
+
+    def append_until_full(record, path):
+        if record["round"] == 2:
+            with open(path, "a") as fh:
+                fh.write(json.dumps(record)[:40])  # half a line, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(record, path)
+
+    monkeypatch.setattr(runner_module, "append_line", append_until_full)
+    with pytest.raises(StorageError, match=r"writing the run directory '.*' failed \(No space left on device\); fix "
+                                           r"that and `fedskew resume .*` continues from the last checkpoint"):
+        fedskew.run(SMALL, out_dir=str(tmp_path), run_name="r")
+    monkeypatch.setattr(runner_module, "append_line", real)
+    fedskew.resume(tmp_path / "r")
+    same_as_full(tmp_path / "r", full)
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "foreign"])
+def test_a_damaged_checkpoint_falls_back_and_never_destroys_the_backup(tmp_path, full, damage, capsys):
+    with pytest.raises(KeyboardInterrupt):
+        fedskew.run(SMALL, out_dir=str(tmp_path), run_name="r", on_round=crash_after(2))
+    ckpt = tmp_path / "r" / "checkpoint.pt"
+    if damage == "empty":
+        ckpt.write_bytes(b"")
+    elif damage == "truncated":
+        ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
+    else:  # a checkpoint of another model
+        other = fedskew.run({**SMALL, "rounds": 1, "model.hidden": [8, 8]}, out_dir=str(tmp_path), run_name="o")
+        ckpt.write_bytes((other.run_dir / "checkpoint.pt").read_bytes())
+    prev = (tmp_path / "r" / "checkpoint.prev.pt").read_bytes()
+    runner = runner_module.Experiment(load_config(tmp_path / "r" / "config.yaml"), tmp_path / "r", resume=True)
+    saved = []
+    original = runner._checkpoint
+
+    def checkpoint_and_look(state):  # the first save after the fallback must not rotate the bad file
+        original(state)
+        saved.append((tmp_path / "r" / "checkpoint.prev.pt").read_bytes())
+    runner._checkpoint = checkpoint_and_look
+    runner.run()
+    assert "trying the previous checkpoint" in capsys.readouterr().out
+    assert saved[0] == prev  # the backup survived the first save
+    assert [r["round"] for r in records(tmp_path / "r")] == [0, 1, 2, 3]
+    same_as_full(tmp_path / "r", full)
+
+
+def test_no_readable_checkpoint_is_one_sentence_that_can_be_followed(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        fedskew.run(SMALL, out_dir=str(tmp_path), run_name="r", on_round=crash_after(0))
+    (tmp_path / "r" / "checkpoint.pt").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"no readable checkpoint in '.*' \(checkpoint.pt: EOFError\); remove the "
+                                          r"directory \(or choose another run_name\) and start the run again"):
+        fedskew.resume(tmp_path / "r")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. A dead worker, a failing run: the sweep goes on
+
+KILLER = '''
+import os, signal
+import fedskew
+
+
+@fedskew.register_method
+class Killer(fedskew.Method):
+    """Seed 1's client process dies as if the kernel's OOM killer struck."""
+
+    name = "killer"
+
+    def client_init(self, client_id, global_state, info):
+        if info.seed == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {}
+
+
+@fedskew.register_method
+class Broken(fedskew.Method):
+    name = "broken"
+
+    def client_init(self, client_id, global_state, info):
+        raise OSError(errno_enospc(), "No space left on device")
+
+
+def errno_enospc():
+    import errno
+    return errno.ENOSPC
+'''
+
+
+def test_a_dead_worker_fails_only_its_run(tmp_path, monkeypatch):
+    from fedskew.methods import METHODS
+
+    before = dict(METHODS)
+    (tmp_path / "killer_mod.py").write_text(KILLER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import killer_mod  # noqa: F401  (registers killer and broken)
+    try:
+        spec = {"name": "dead", "base": SMALL, "methods": ["killer", "broken", "fedavg"], "seeds": [0, 1, 2]}
+        with pytest.warns(UserWarning):
+            folder = fedskew.sweep(spec, jobs=2, out=tmp_path / "sw")
+        rows = {(r["method"], r["seed"]): r for r in fedskew.load_results(folder, frame=False)}
+        assert rows[("killer", 1)]["status"] == "failed" and "worker process died" in rows[("killer", 1)]["error"]
+        assert all(rows[(m, s)]["status"] == "done" for m in ("killer", "fedavg") for s in (0, 2))
+        assert rows[("fedavg", 1)]["status"] == "done"
+        assert all(rows[("broken", s)]["status"] == "failed" and "No space left" in rows[("broken", s)]["error"]
+                   for s in (0, 1, 2))
+    finally:
+        METHODS.clear()
+        METHODS.update(before)
+        sys.modules.pop("killer_mod", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5-6. Signals, and settings changed on resume
+
+
+@pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_a_signal_stops_the_run_with_the_resume_command(tmp_path, full, sig, code, word):
+    proc = cli_popen("run", *SMALL_ARGS, "out_dir=.", "run_name=r", cwd=tmp_path)
+    wait_for(lambda: (tmp_path / "r" / "checkpoint.pt").exists(), proc)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code and "Traceback" not in err
+    assert f"fedskew: {word}; the run directory keeps the last checkpoint: `fedskew resume r` continues it." in err
+    done = subprocess.run([sys.executable, "-m", "fedskew.cli", "resume", "r"], cwd=tmp_path, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    same_as_full(tmp_path / "r", full)
+
+
+def test_resume_with_a_smaller_learning_rate_is_recorded(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        fedskew.run(SMALL, out_dir=str(tmp_path), run_name="r", on_round=crash_after(1))
+    done = subprocess.run([sys.executable, "-m", "fedskew.cli", "resume", "r", "lr=0.005", "rounds=5"],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    recs = read_records(tmp_path / "r" / "metrics.jsonl")
+    assert [r["lr"] for r in recs] == [0.01, 0.01, 0.005, 0.005, 0.005]
+    cfg = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
+    assert cfg["lr"] == 0.005 and cfg["changes"] == [{"from_round": 3, "lr": 0.005, "rounds": 5}]
+    refused = subprocess.run([sys.executable, "-m", "fedskew.cli", "resume", "r", "seed=3"], cwd=tmp_path, env=ENV,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "'seed' cannot change when a run resumes" in refused.stderr
+
+
+def test_divergence_advice_names_what_exists(tmp_path):
+    with pytest.raises(FloatingPointError, match="no checkpoint was written yet: start again with a smaller lr"):
+        fedskew.run(SMALL, lr=1e8, out_dir=str(tmp_path), run_name="a")
+    with pytest.raises(KeyboardInterrupt):
+        fedskew.run(SMALL, out_dir=str(tmp_path), run_name="b", on_round=crash_after(1))
+    with pytest.raises(FloatingPointError, match=rf"round 3: .*the checkpoint after round 2 is kept: `fedskew "
+                                                 rf"resume {tmp_path / 'b'} lr=<smaller>`"):
+        fedskew.resume(tmp_path / "b", lr=1e8)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Hostile and broken files
+
+
+def test_hostile_yaml_is_refused_fast(tmp_path):
+    bomb = "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
+        f"{c}: &{c} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+    (tmp_path / "bomb.yaml").write_text(bomb)
+    t0 = time.time()
+    with pytest.raises(ConfigError, match="aliases"):
+        load_config(tmp_path / "bomb.yaml")
+    (tmp_path / "s.yaml").write_text(bomb)
+    with pytest.raises(ConfigError, match="aliases"):
+        fedskew.sweep(tmp_path / "s.yaml", out=tmp_path / "sw")
+    assert time.time() - t0 < 5
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rounds=" + "9" * 100000])
+    assert len(str(err.value)) < 500
+
+
+def test_absurd_sizes_are_config_errors():
+    with pytest.raises(ConfigError, match="model.hidden.0"):
+        load_config(None, ["model.hidden=[1000000000]"])
+    with pytest.raises(ConfigError, match="local_epochs"):
+        load_config(None, ["local_epochs=1000000000"])
+
+
+def test_an_idx_decompression_bomb_is_refused_before_inflating(tmp_path):
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    with gzip.open(path, "wb") as fh:  # claims 60000 x 28 x 28 x 1000 bytes, holds 1 MB of zeros
+        fh.write(bytes([0, 0, 8, 3]) + struct.pack(">III", 60000 * 1000, 28, 28) + bytes(1 << 20))
+    with pytest.raises(DatasetError, match=r"declares shape .* more than a .*-byte file can hold"):
+        read_idx(path)
+    with gzip.open(path, "wb") as fh:  # a shape whose product overflows int64
+        fh.write(bytes([0, 0, 8, 3]) + struct.pack(">III", 2 ** 32 - 1, 2 ** 32 - 1, 2 ** 32 - 1))
+    with pytest.raises(DatasetError, match="declares shape"):
+        read_idx(path)
+
+
+@pytest.mark.parametrize("bad", [{"x": [[0.0] * 784, [0.0] * 3], "y": [1, 2]},     # ragged images
+                                 {"x": [[0.0] * 784, [0.0] * 784], "y": ["a", "b"]},  # string labels
+                                 {"x": [[0.0] * 784, [0.0] * 784], "y": [1.5, 2.0]},  # fractional labels
+                                 {"x": [[[0.0]] * 784, [[0.0]] * 784], "y": [1, 2]}])  # nested
+def test_broken_leaf_files_are_one_sentence(tmp_path, bad):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "test").mkdir()
+    blob = {"users": ["u"], "num_samples": [2], "user_data": {"u": bad}}
+    for split in ("train", "test"):
+        (tmp_path / split / "d.json").write_text(json.dumps(blob))
+    with pytest.raises(DatasetError, match=r"LEAF file .*d.json: user 'u' has"):
+        load_leaf("femnist", str(tmp_path))
+
+
+def test_a_garbage_results_database_is_one_sentence(tmp_path):
+    (tmp_path / "sw").mkdir()
+    (tmp_path / "sw" / "results.sqlite").write_bytes(os.urandom(4096))
+    with pytest.raises(ConfigError, match="is not a fedskew results database"):
+        fedskew.load_results(tmp_path / "sw")
+    with pytest.raises(ConfigError, match="is not a fedskew results database"):
+        fedskew.sweep({"name": "g", "base": SMALL, "methods": ["fedavg"]}, out=tmp_path / "sw")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_out_dir_is_one_sentence(tmp_path):
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o500)
+    try:
+        with pytest.raises(ConfigError, match="cannot (create|write in) the run directory"):
+            fedskew.run(SMALL, out_dir=str(tmp_path / "ro"), run_name="r")
+    finally:
+        (tmp_path / "ro").chmod(0o700)
+
+
+def test_a_cifar_batch_of_shared_references_is_refused_without_expanding(tmp_path):
+    import pickle
+
+    from fedskew.data.vision import read_cifar_batch
+
+    row = [0] * 1000
+    rows = [row] * 1000  # pickled once, referenced 1000 times: tiny on disk
+    for bad in ({b"data": [rows] * 1000, b"labels": [0]},                       # a nested list, not an array
+                {b"data": np.zeros((2, 3072), "uint8"), b"labels": ["a", "b"]},  # string labels
+                {b"data": np.zeros((2, 3072), "uint8"), b"labels": [rows] * 1000}):
+        (tmp_path / "data_batch_1").write_bytes(pickle.dumps(bad))
+        assert (tmp_path / "data_batch_1").stat().st_size < 20000
+        t0 = time.time()
+        with pytest.raises(DatasetError, match="CIFAR batch .*data_batch_1"):
+            read_cifar_batch(tmp_path / "data_batch_1", b"labels")
+        assert time.time() - t0 < 2
