@@ -68,10 +68,11 @@ def fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(data: bytes, path: Path) -> None:
+def _atomic_write(write, path: Path) -> None:
+    """``write(fh)`` into a temporary file, fsync it, rename it over ``path``, fsync the folder."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
-        fh.write(data)
+        write(fh)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
@@ -79,18 +80,15 @@ def atomic_write_bytes(data: bytes, path: Path) -> None:
 
 
 def atomic_write_text(text: str, path: Path) -> None:
-    atomic_write_bytes(text.encode(), path)
+    _atomic_write(lambda fh: fh.write(text.encode()), path)
 
 
 def atomic_save(obj, path: Path) -> None:
-    """``torch.save`` made durable: the file at ``path`` is complete or absent."""
-    import io
-
+    """``torch.save`` made durable: the file at ``path`` is complete or absent (streamed to disk, so
+    a large checkpoint is never held twice in memory)."""
     import torch
 
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    atomic_write_bytes(buf.getvalue(), path)
+    _atomic_write(lambda fh: torch.save(obj, fh), path)
 
 
 def append_line(record: dict, path: Path) -> None:
@@ -123,4 +121,4 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
-__all__ = ["FolderLock", "append_line", "atomic_save", "atomic_write_bytes", "atomic_write_text", "read_records"]
+__all__ = ["FolderLock", "append_line", "atomic_save", "atomic_write_text", "read_records"]
