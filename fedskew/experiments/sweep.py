@@ -330,8 +330,16 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
                     if queue[0]["run_id"] in suspects and running:
                         break
                     r = queue.pop(0)
+                    try:
+                        fut = pool.submit(_execute, r["config"], run_dir[r["run_id"]])
+                    except BrokenProcessPool:  # a running worker died since the last wait: handled below
+                        queue.insert(0, r)
+                        if not running:
+                            stop(pool)
+                            pool = new_pool()
+                        break
                     started(r)
-                    running[pool.submit(_execute, r["config"], run_dir[r["run_id"]])] = r
+                    running[fut] = r
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 lost = []
                 for fut in done:
