@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -95,13 +96,7 @@ def _results_table(summary: dict, run_dir: Path) -> Table:
 
 
 def _start_line(cfg, exp) -> str:
-    from fedskew.methods import METHODS
-
-    opts = METHODS[cfg.method.name].Options(**{k: v for k, v in cfg.method.options.items()
-                                               if k in METHODS[cfg.method.name].Options.model_fields})
-    shown = ", ".join(f"{k}={v}" for k, v in opts.model_dump().items())
-    extra = [k for k in cfg.method.options if k not in opts.model_fields]  # components (method.prototypes...)
-    shown += "".join(f", {k}={cfg.method.options[k]}" for k in extra)
+    shown = ", ".join(f"{k}={v}" for k, v in full_config(cfg)["method"].items() if k != "name")
     return (f"fedskew {__version__}: {cfg.method.name} ({shown}) on {exp.fed.data.describe()}; "
             f"{cfg.partition.name} partition of {exp.fed.num_clients} clients; model {cfg.model.name}; "
             f"{cfg.rounds} rounds of {cfg.clients_per_round} clients, E={cfg.local_epochs}, B={cfg.batch_size}, "
@@ -361,7 +356,7 @@ def _sweep_tables(sweep_dir: Path, console: Console) -> None:
     """The report's main tables as terminal tables, titled with the metric and its unit."""
     import yaml
 
-    from fedskew.experiments.report import build_table, metric_title
+    from fedskew.experiments.report import build_table, cell_text, metric_title
     from fedskew.experiments.store import open_sweep, selected_runs
 
     spec = yaml.safe_load((sweep_dir / "sweep.yaml").read_text()) or {}
@@ -388,11 +383,8 @@ def _sweep_tables(sweep_dir: Path, console: Console) -> None:
         for p in res.partitions:
             row = []
             for c in res.labels:
-                st = table[p][c]
-                failed = res.failed.get((c, p), 0)
-                text = (f"failed ({failed})" if failed else "none") if st["mean"] is None else \
-                    f"{scale * st['mean']:.2f} +- {scale * st['std']:.2f}" + (f" ({failed} failed)" if failed else "")
-                row.append(f"[bold]{text}[/bold]" if st.get("top") else text)
+                text = cell_text(table[p][c], scale, res.failed.get((c, p), 0))
+                row.append(re.sub(r"\*\*(.+)\*\*", r"[bold]\1[/bold]", text))  # the report's bold, in rich markup
             out.add_row(p, *row)
         console.print(out)
 

@@ -60,6 +60,11 @@ class FolderLock:
         self.release()
 
 
+def blocking_file(folder: Path) -> Path | None:
+    """The file (if any) standing where ``folder`` or one of its parents must be a folder."""
+    return next((d for d in (folder, *folder.parents) if d.exists() and not d.is_dir()), None)
+
+
 def fsync_folder(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
@@ -121,4 +126,4 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
-__all__ = ["FolderLock", "append_line", "atomic_save", "atomic_write_text", "read_records"]
+__all__ = ["FolderLock", "append_line", "blocking_file", "atomic_save", "atomic_write_text", "read_records"]

@@ -33,7 +33,8 @@ import yaml
 from fedskew import __version__
 from fedskew.config import ConfigError, RunConfig
 from fedskew.data.federated import Federation, load_federation
-from fedskew.engine.durable import FolderLock, append_line, atomic_save, atomic_write_text, read_records
+from fedskew.engine.durable import (FolderLock, append_line, atomic_save, atomic_write_text, blocking_file,
+                                    read_records)
 from fedskew.engine.local import LocalSettings, SequentialExecutor, federated_state, load_state
 from fedskew.engine.tracking import Trackers, check_available
 from fedskew.methods import FederationInfo, build_method
@@ -151,7 +152,7 @@ class Experiment:
         self.changes: dict = {}  # settings changed at this resume (fedskew resume DIR key=value)
         self.environment = environment(self.device)
         check_available(cfg.logger)
-        blocked = next((d for d in (self.run_dir, *self.run_dir.parents) if d.exists() and not d.is_dir()), None)
+        blocked = blocking_file(self.run_dir)
         if blocked is not None:
             key = "out_dir" if run_dir is None else "the run directory"
             raise ConfigError(f"{key} '{self.run_dir if run_dir else cfg.out_dir}' cannot hold a run: '{blocked}' is a "

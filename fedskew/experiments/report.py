@@ -96,7 +96,8 @@ def _pct(v: float | None, digits: int = 2) -> str:
     return "-" if v is None else f"{100 * v:.{digits}f}"
 
 
-def _cell(s: dict, scale: float = 100.0, failed: int = 0) -> str:
+def cell_text(s: dict, scale: float = 100.0, failed: int = 0) -> str:
+    """A table cell: mean +- std (``**bold**`` when among the row's top), ``none`` or ``failed (n)``."""
     if s["mean"] is None:
         return f"failed ({failed})" if failed else "none"
     text = f"{scale * s['mean']:.2f} +- {scale * s['std']:.2f}"
@@ -138,7 +139,7 @@ def metric_sections(res: Results, metric: str, baseline: str | None) -> list[Sec
                    "`none`: the method has no model for this metric (e.g. no global model); `failed (n)`: every run "
                    "of the cell failed (n runs; the errors are in the results database).",
                    ["partition", *res.labels],
-                   [[p, *(_cell(table[p][c], scale, failed.get((p, c), 0)) for c in res.labels)] for p in res.partitions])
+                   [[p, *(cell_text(table[p][c], scale, failed.get((p, c), 0)) for c in res.labels)] for p in res.partitions])
     gains = Section(f"{title}: gain over {baseline or '-'} / over the best other method"
                     f"{' (points)' if unit else ''}",
                     "Each cell: the method's mean minus the baseline's, then minus the best other method's mean "

@@ -45,7 +45,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fedskew.config import RECORD_KEYS, ConfigError, did_you_mean, load_yaml, nested, set_key, validate_config
-from fedskew.engine.durable import FolderLock, atomic_write_text
+from fedskew.engine.durable import FolderLock, atomic_write_text, blocking_file
 from fedskew.experiments.store import add_planned, connect, mark_running, record_done, record_failed, scalar_metrics
 
 
@@ -256,7 +256,7 @@ def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
     sweep_dir = Path(sweep_dir)
     runs = plan(spec)
     check_data(runs)
-    blocked = next((d for d in (sweep_dir, *sweep_dir.parents) if d.exists() and not d.is_dir()), None)
+    blocked = blocking_file(sweep_dir)
     if blocked is not None:
         raise ConfigError(f"sweep folder '{sweep_dir}' cannot be created: '{blocked}' is a file, not a folder.")
     sweep_dir.mkdir(parents=True, exist_ok=True)
