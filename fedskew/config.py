@@ -115,6 +115,10 @@ class RunConfig(_Strict):
                                                "report it and aggregate the others)")
     executor: Literal["sequential", "vectorized"] = "sequential"
     max_parallel_clients: int | None = Field(None, ge=1, description="vectorized: clients per chunk")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="training forward's compute dtype (fp32 master weights; fp16 with dynamic loss scaling)")
+    pad_batches: bool = Field(True, description="vectorized: pad a step's batches to one size (one call per step) "
+                                                "where the method declares it exact and the model has no BatchNorm")
     final_personalization: bool = Field(True, description="train every client once from the final model")
     feature_stats: bool = Field(False, description="record features/eig_var_top50 at every evaluation")
     classifier_stats: bool = Field(False, description="record proxy/* (MAP Figure 6) every round")

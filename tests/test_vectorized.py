@@ -15,7 +15,10 @@ standardisation divides by sqrt(var + 1e-8), which for features with almost no w
 variance (small classes in a batch, dead ReLUs) multiplies rounding differences by up to 1e4. With
 the BatchNorm CNN even mu1 = 1e-5 moves the two executors 1e-2 apart within one round (measured),
 while its single-step loss and gradient agree exactly (``tests/test_fedmr.py``), so the BN case
-checks the prototype term alone.
+checks the prototype term alone. The paper-form intra case is held to 5e-5: the vectorised
+executor keeps stacked linear weights in their gradients' memory layout (a different GEMM path
+than contiguous weights), which this term amplifies from 1.1e-6 to 2.8e-5 after 2 rounds (measured);
+every other case stays within 1e-5.
 FedMMD's bandwidth is the (detached) mean pairwise distance, so its gradient scales as 1 / feature
 scale; an untrained projection head has features of size ~0.1 and at lam = 0.1 the MMD term jumps
 from 0 to ~5 within three steps on these batches of 7, amplifying rounding to 1e-2 (measured).
@@ -24,6 +27,7 @@ The case uses lam = 0.01, where the term stays a term.
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fedskew.config import load_config
 from fedskew.engine.runner import Experiment, run
@@ -53,12 +57,16 @@ def both(tmp_path, extra, expect_fallback=False):
     b = vec.run()
     if not expect_fallback:  # really vectorised, not the sequential fallback compared with itself
         assert vec.executor.fallback_reason is None, vec.executor.fallback_reason
+        # a method that declares padding exact really ran padded steps here (BASE's clients differ)
+        stages = vec.executor.padded["upload"] or (vec.executor.padded["personal"] and
+                                                   vec.method.split_steps(100, 0.01)[1] > 0)
+        assert bool(vec.executor._verified) == stages
     return a, b
 
 
-def assert_same(a, b):
+def assert_same(a, b, tol=TOL):
     for k in a.global_state:
-        assert torch.allclose(a.global_state[k], b.global_state[k], atol=TOL, rtol=0), k
+        assert torch.allclose(a.global_state[k], b.global_state[k], atol=tol, rtol=0), k
     for ha, hb in zip(a.history, b.history):
         assert ha["clients"] == hb["clients"]
         assert ha["train/loss"] == pytest.approx(hb["train/loss"], abs=1e-5)
@@ -109,9 +117,19 @@ def assert_same(a, b):
     ["method=perfedavg", "model=cnnbn", "model.width=4"],
     # crop/flip augmentation drawn per (round, client, stage, position): identical in both executors
     ["method=fedphp", "model=cnnbn", "model.width=4", "dataset.augment=true"],
+    # the grouped path for models and methods that would pad
+    ["pad_batches=false"],
+    ["method=map", "method.kt_lambda=0.1", "pad_batches=false"],
+    ["method=etf_gmv", "method.gmv_warmup_rounds=1"],
+    ["method=fedprox", "method.mu=0.1"],
+    ["method=feddyn"],
+    ["method=fedproc"],
+    ["method=fednova"],
+    ["method=fedavgm"],
+    ["method=fedrs"],
 ])
 def test_vectorized_matches_sequential(tmp_path, extra):
-    assert_same(*both(tmp_path, extra))
+    assert_same(*both(tmp_path, extra), tol=5e-5 if "method.intra_form=paper" in extra else TOL)
 
 
 def test_unequal_clients_really_are_unequal():
@@ -151,3 +169,219 @@ def test_chunk_size_shrinks_under_a_small_memory_budget(monkeypatch):
     monkeypatch.setattr(V, "_device_memory", lambda device: 4 * 3 * per_client)
     assert exp.executor.chunk_size(8) == 3
     assert exp.executor.chunk_size(2) == 2
+
+
+# -- padding (one call per step) ------------------------------------------------------------------
+
+
+def test_forward_mean_and_cross_entropy_ignore_padding_rows():
+    from fedskew.methods.base import Forward
+
+    values = torch.tensor([[1.0, 3.0], [2.0, 2.0], [3.0, 7.0], [100.0, -50.0]])  # last row: padding
+    fwd = Forward(None, None, weights=torch.tensor([1 / 3, 1 / 3, 1 / 3, 0.0]))
+    assert fwd.mean(values).item() == pytest.approx((1 + 3 + 2 + 2 + 3 + 7) / 6)  # as values[:3].mean()
+    logits, y = torch.randn(4, 5), torch.tensor([0, 4, 2, 1])
+    assert fwd.cross_entropy(logits, y).item() == pytest.approx(F.cross_entropy(logits[:3], y[:3]).item(), abs=1e-6)
+    plain = Forward(None, None)
+    assert torch.equal(plain.cross_entropy(logits, y), F.cross_entropy(logits, y))  # unpadded: unchanged
+    assert torch.equal(plain.mean(values), values.mean())
+
+
+class _Override(Method):
+    name = "override_test"
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):  # inherits the flag, not the promise
+        _, logits = fwd(x)
+        return F.cross_entropy(logits, y), {}
+
+
+class _Misdeclared(Method):
+    """Declares padding exact, but averages with F.cross_entropy's own mean (padding rows counted)."""
+    name = "misdeclared_test"
+    per_sample_loss = True
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        _, logits = fwd(x)
+        return F.cross_entropy(logits, y), {}
+
+
+def test_padding_is_declared_by_the_class_that_defines_the_loss():
+    from fedskew.methods import build_method
+
+    assert Method().padding_exact("upload") and Method().padding_exact("personal")
+    assert not _Override().padding_exact("upload") and _Override().padding_exact("personal")
+    assert _Misdeclared().padding_exact("upload")
+    exp = Experiment(load_config(None, BASE + ["executor=vectorized"]))
+    info = exp.method.info
+    cases = {"fedmr": False, "perfedavg": False, "pfedme": False, "fedmmd": False, "map": True, "fedntd": True,
+             "moon": True, "scaffold": True}
+    for name, padded in cases.items():
+        assert build_method(load_config(None, [f"method={name}"]).method, info).padding_exact("upload") == padded, name
+    hpm_mmd = build_method(load_config(None, ["method=fedphp", "method.kt=mmd"]).method, info)
+    assert not hpm_mmd.padding_exact("personal")
+    assert build_method(load_config(None, ["method=fedphp"]).method, info).padding_exact("personal")
+    # a component whose loss reads batch statistics (prototype margin) turns padding off
+    assert not build_method(load_config(None, ["method.prototypes.mu2=0.01"]).method, info).padding_exact("upload")
+    # BatchNorm models are never padded
+    assert Experiment(load_config(None, BASE + ["executor=vectorized", "model=cnnbn"])).executor.padded == \
+        {"upload": False, "personal": False}
+
+
+def test_a_misdeclared_loss_is_caught_and_falls_back(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(METHODS, _Misdeclared.name, _Misdeclared)
+    a, b = both(tmp_path, [f"method={_Misdeclared.name}"], expect_fallback=True)
+    assert "declares per_sample_loss" in capsys.readouterr().out
+    for k in a.global_state:
+        assert torch.equal(a.global_state[k], b.global_state[k])
+
+
+class _Counting:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.fn(*args)
+
+
+def _round_inputs(exp, clients):
+    from fedskew.engine.local import federated_state
+
+    g = federated_state(exp.model)
+    payload = exp.method.broadcast(g, exp.method.server_init(g, exp.method.info))
+    return payload, {k: exp.method.client_init(k, g, exp.method.info) for k in clients}
+
+
+def test_padding_makes_one_call_per_step():
+    """BASE's clients have different sizes and last batches: grouped needs several calls per step,
+    padded exactly one per step that any client trains."""
+    calls, clients = {}, list(range(5))
+    for pad in (True, False):
+        exp = Experiment(load_config(None, BASE + ["executor=vectorized", f"pad_batches={str(pad).lower()}"]))
+        ex = exp.executor
+        plain, padded = _Counting(ex._losses), _Counting(ex._padded_losses[ex._losses])
+        ex._losses, ex._padded_losses = plain, {plain: padded}
+        ex.train_round(0, clients, *_round_inputs(exp, clients), 0.01)
+        calls[pad] = plain.calls + padded.calls
+    from fedskew.engine.local import batch_schedule
+
+    sizes = [[len(b) for b in batch_schedule(ex.settings, 0, k, len(exp.fed.train_idx[k]))] for k in clients]
+    steps = max(map(len, sizes))
+    distinct = sum(len({sz[t] for sz in sizes if t < len(sz)}) for t in range(steps))
+    assert calls[True] == steps + 1  # + the one check of padding against the unpadded client
+    assert calls[False] == distinct > steps
+
+
+# -- host synchronisation, precision, device memory ----------------------------------------------
+
+
+def test_no_host_round_trip_inside_the_step_loop(monkeypatch):
+    """Reads of device values (.item, .tolist, .cpu, bool/float/int of a tensor) per round must not
+    grow with the number of local steps: all per-step control is host-side."""
+    counts = {}
+    for epochs in (1, 4):
+        exp = Experiment(load_config(None, BASE + ["executor=vectorized", f"local_epochs={epochs}",
+                                                   "method=scaffold"]))
+        clients = list(range(5))
+        payload, states = _round_inputs(exp, clients)
+        exp.executor.train_round(0, clients, payload, states, 0.01)  # warm-up: the one padding check
+        n = [0]
+        for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"):
+            orig = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, (lambda o: lambda self, *a, **k: (n.__setitem__(0, n[0] + 1),
+                                                                                      o(self, *a, **k))[1])(orig))
+        exp.executor.train_round(1, clients, payload, states, 0.01)
+        monkeypatch.undo()
+        counts[epochs] = n[0]
+    assert counts[1] == counts[4], counts
+
+
+def _first_linear_dtypes(model):
+    seen = set()
+    first = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    first.register_forward_pre_hook(lambda mod, inp: seen.add(inp[0].dtype))
+    return seen
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_both_executors(tmp_path, precision):
+    """Both executors run the training forward in the low precision (seen at the first layer) and
+    agree to 2e-3 after 2 rounds: the precision's own rounding (bf16 moves this run's weights 4e-4
+    from fp32, measured) rather than fp32's 1e-5."""
+    out = {}
+    for ex in ("sequential", "vectorized"):
+        exp = Experiment(load_config(None, BASE + [f"executor={ex}", f"precision={precision}"]), tmp_path / ex)
+        seen = _first_linear_dtypes(exp.model)
+        out[ex] = exp.run()
+        assert {"bf16": torch.bfloat16, "fp16": torch.float16}[precision] in seen, seen  # (evaluation: fp32)
+    for k, v in out["sequential"].global_state.items():
+        assert torch.allclose(v, out["vectorized"].global_state[k], atol=2e-3, rtol=0), k
+
+
+def test_fp16_loss_scale_follows_grad_scaler():
+    """Per client: unscaled by its own scale; a non-finite gradient skips that client's step and
+    halves its scale; 2000 good steps double it (torch.amp.GradScaler's defaults)."""
+    from fedskew.engine.vectorized import VectorizedExecutor
+
+    grads = [torch.tensor([[65536.0, 131072.0], [1.0, float("inf")], [2.0, 4.0]])]
+    scaler = {"scale": torch.tensor([65536.0, 65536.0, 2.0]), "good": torch.tensor([3, 7, 1999])}
+    unscaled, ok = VectorizedExecutor._unscale(grads, scaler)
+    assert ok.tolist() == [True, False, True]
+    assert unscaled[0][0].tolist() == [1.0, 2.0] and unscaled[0][2].tolist() == [1.0, 2.0]
+    assert scaler["scale"].tolist() == [65536.0, 32768.0, 4.0] and scaler["good"].tolist() == [4, 0, 0]
+    # against torch.amp.GradScaler on one client that overflows
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    gs = torch.amp.GradScaler("cpu", init_scale=65536.0)
+    gs.scale((p * torch.tensor([1.0, float("inf")])).sum()).backward()
+    gs.step(opt)
+    gs.update()
+    assert p.tolist() == [1.0, 1.0] and gs.get_scale() == 32768.0
+
+
+class _FakeCuda:
+    """A device that reports memory like CUDA's allocator: budget, and a peak proportional to the
+    clients stacked (set by the wrapped chunk trainer)."""
+
+    def __init__(self, budget, per_client):
+        self.budget_bytes, self.per_client, self.last = budget, per_client, 0
+
+    def budget(self):
+        return self.budget_bytes
+
+    def allocated(self):
+        return 1000
+
+    def reset_peak(self):
+        self.last = 0
+
+    def peak(self):
+        return 1000 + self.last * self.per_client
+
+
+def test_device_memory_logic_with_a_fake_device(tmp_path, capsys):
+    """Chunks that run out of memory are retried at half the size with unchanged results; the
+    measured peak per client sizes later chunks; the round's peak is recorded."""
+    ref = Experiment(load_config(None, BASE + ["executor=vectorized", "clients_per_round=8"]), tmp_path / "ref").run()
+    exp = Experiment(load_config(None, BASE + ["executor=vectorized", "clients_per_round=8"]), tmp_path / "fake")
+    ex = exp.executor
+    ex.memory = _FakeCuda(budget=10 ** 12, per_client=10 ** 9)
+    train_chunk, sizes = ex._train_chunk, []
+
+    def chunk(round_idx, clients, *a):
+        sizes.append(len(clients))
+        if len(clients) > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+        ex.memory.last = len(clients)
+        return train_chunk(round_idx, clients, *a)
+    ex._train_chunk = chunk
+    res = exp.run()
+    assert sizes[:4] == [8, 4, 2, 2] and set(sizes[4:]) == {2}  # halved twice, then kept
+    assert "out of device memory with 8 clients" in capsys.readouterr().out
+    for k, v in ref.global_state.items():
+        assert torch.allclose(v, res.global_state[k], atol=TOL, rtol=0), k
+    assert [h["memory/peak_device_bytes"] for h in res.history] == [1000 + 2 * 10 ** 9] * 2
+    assert ex._client_bytes == 10 ** 9
+    ex.max_parallel_clients = None  # sized by the measurement: 0.8 * budget / bytes per client
+    ex.memory.budget_bytes = 5 * 10 ** 9
+    assert ex.chunk_size(8) == 4

@@ -30,6 +30,7 @@ class LocalSettings:
     grad_clip: float | None = None
     seed: int = 0
     augment_pad: int = 0  # > 0: random crop with this zero padding + horizontal flip of training batches
+    precision: str = "fp32"  # fp32 | bf16 | fp16: the training forward's compute dtype (low_precision)
 
     def augmentation(self, round_idx: int, client_id: int, stage: int, n: int) -> torch.Tensor | None:
         """The crop/flip draws of a stage's n samples (None: augmentation off); stage 0 is the
@@ -105,15 +106,18 @@ def snapshot(buffers: State) -> State:
     return {k: v.clone() for k, v in buffers.items()}
 
 
-def bn_recalibration_fn(model: nn.Module, x: torch.Tensor, batch_size: int):
+def bn_recalibration_fn(model: nn.Module, x: torch.Tensor, batch_size: int, rows: torch.Tensor | None = None):
     """``state -> state`` with every BatchNorm's running statistics recomputed as the plain average
-    over one pass of ``x`` in batches of ``batch_size`` (train-mode forward, no gradient); None
-    when the model has no BatchNorm (``ClientReport.recalibrate_bn``)."""
+    over one pass of ``x`` (or its ``rows``) in batches of ``batch_size`` (train-mode forward, no
+    gradient); None when the model has no BatchNorm (``ClientReport.recalibrate_bn``)."""
     bns = {name: m for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
     if not bns:
         return None
 
     def run(state: State) -> State:
+        nonlocal x
+        if rows is not None:
+            x = x[rows]
         new = {k: v.clone() for k, v in state.items()}
         for name in bns:
             new[f"{name}.running_mean"].zero_()
@@ -151,9 +155,49 @@ def frozen_forward(model: nn.Module):
     return run
 
 
-def module_forward(model: nn.Module) -> Forward:
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP16_INIT_SCALE, FP16_GROWTH_INTERVAL = 2.0 ** 16, 2000  # torch.amp.GradScaler's defaults
+
+
+def low_precision(model: nn.Module, precision: str):
+    """Mixed precision for ``precision=bf16|fp16`` (None for fp32): ``(cast, dtype)``, where
+    ``cast(state)`` gives the copies of parameters and float buffers the training forward runs on.
+
+    The forward runs in ``dtype`` on the input and on every tensor but the normalisation layers'
+    (BatchNorm keeps fp32 weights and running statistics, which its kernels take with
+    low-precision inputs, and updates them in place as usual); features and logits come back as
+    fp32, so every loss term is computed in fp32. Master weights, gradients and optimizer state
+    stay fp32. Not ``torch.autocast``: autocast does not reach inside ``torch.func.vmap``
+    (``F.linear`` of batched weights stays fp32 there), so the two executors would not compute in
+    the same precision."""
+    if precision == "fp32":
+        return None
+    dtype = PRECISIONS[precision]
+    norms = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+    keep = {f"{name}.{k}" if name else k for name, m in model.named_modules() if isinstance(m, norms)
+            for k, _ in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]}
+
+    def cast(state: State) -> State:
+        return {k: v.to(dtype) if v.is_floating_point() and k not in keep else v for k, v in state.items()}
+    return cast, dtype
+
+
+def cast_forward(model: nn.Module, precision: str, state_fn):
+    """The training forward ``x -> (z, logits)`` of ``model`` on ``state_fn()`` (parameters and
+    buffers), in ``precision`` (:func:`low_precision`), outputs in fp32."""
+    cast, dtype = low_precision(model, precision)
+
+    def run(x):
+        z, logits = functional_call(model, cast(state_fn()), (x.to(dtype),), {"return_features": True})
+        return z.float(), logits.float()
+    return run
+
+
+def module_forward(model: nn.Module, precision: str = "fp32") -> Forward:
     """The :class:`Forward` of an ``nn.Module`` trained in place (the sequential executor's)."""
-    return Forward(lambda x: model(x, return_features=True), frozen_forward(model), model.classifier,
+    train = (lambda x: model(x, return_features=True)) if precision == "fp32" else \
+        cast_forward(model, precision, lambda: {**dict(model.named_parameters()), **dict(model.named_buffers())})
+    return Forward(train, frozen_forward(model), model.classifier,
                    lambda state, x: functional_call(model, state, (x,), {"return_features": True}),
                    dict(model.named_buffers()),
                    lambda x: in_eval_mode(model, lambda: functional_call(
@@ -194,6 +238,8 @@ class SequentialExecutor:
 
     def prepare(self, round_idx: int, client_id: int, payload: State, client_state: State) -> State:
         """``Method.prepare`` with the client's local training data."""
+        if type(self.method).prepare is Method.prepare:  # unchanged: no need to gather the data
+            return client_state
         idx = self.train_idx[client_id]
         return self.method.prepare(payload, client_state, ClientData(client_id, round_idx, self.x[idx], self.y[idx],
                                                                      frozen_forward(self.model)))
@@ -215,7 +261,9 @@ class SequentialExecutor:
         updated = [p for k, p in params.items() if trainable is None or k in trainable]
         frozen = [p for k, p in params.items() if trainable is not None and k not in trainable]
         opt = torch.optim.SGD(updated, lr=lr, momentum=s.momentum, weight_decay=s.weight_decay)
-        fwd = module_forward(model)
+        fwd = module_forward(model, s.precision)
+        scaler = torch.amp.GradScaler(self.device.type, init_scale=FP16_INIT_SCALE,
+                                      growth_interval=FP16_GROWTH_INTERVAL) if s.precision == "fp16" else None
         sums: dict = {}
         for p in frozen:
             p.requires_grad_(False)
@@ -229,10 +277,18 @@ class SequentialExecutor:
                     at += len(rows)
                 loss, aux = loss_fn(fwd, params, x, self.y[rows], payload, client_state)
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if s.grad_clip is not None:
-                    nn.utils.clip_grad_norm_(updated, s.grad_clip)
-                opt.step()
+                if scaler is None:
+                    loss.backward()
+                    if s.grad_clip is not None:
+                        nn.utils.clip_grad_norm_(updated, s.grad_clip)
+                    opt.step()
+                else:  # fp16: dynamic loss scaling; a step with non-finite gradients is skipped
+                    scaler.scale(loss).backward()
+                    scaler.unscale_(opt)
+                    if s.grad_clip is not None:
+                        nn.utils.clip_grad_norm_(updated, s.grad_clip)
+                    scaler.step(opt)
+                    scaler.update()
                 if correction:
                     with torch.no_grad():
                         for k, d in correction.items():
@@ -254,8 +310,8 @@ class SequentialExecutor:
         idx = self.train_idx[client_id]
         batches, personal_batches, lr_b = stage_schedules(s, method, round_idx, client_id, len(idx), lr)
         report = ClientReport(client_id, len(idx), len(batches), lr, s.momentum,
-                              feature_fn(model, self.x[idx], self.y[idx]),
-                              bn_recalibration_fn(model, self.x[idx], s.batch_size))
+                              feature_fn(model, self.x, self.y, rows=idx),
+                              bn_recalibration_fn(model, self.x, s.batch_size, idx))
         means: dict = {}
 
         def personal_stage(trained, state):

@@ -55,11 +55,11 @@ def resolve_device(name: str) -> torch.device:
 
 def make_executor(cfg: RunConfig, model, fed: Federation, method, device):
     settings = LocalSettings(cfg.local_epochs, cfg.batch_size, cfg.momentum, cfg.weight_decay,
-                             cfg.grad_clip, cfg.seed, 4 if cfg.dataset.augment else 0)
+                             cfg.grad_clip, cfg.seed, 4 if cfg.dataset.augment else 0, cfg.precision)
     if cfg.executor == "vectorized":
         from fedskew.engine.vectorized import VectorizedExecutor
 
-        return VectorizedExecutor(model, fed, method, settings, device, cfg.max_parallel_clients)
+        return VectorizedExecutor(model, fed, method, settings, device, cfg.max_parallel_clients, cfg.pad_batches)
     return SequentialExecutor(model, fed, method, settings, device)
 
 
@@ -396,6 +396,8 @@ class Experiment:
         peak = getattr(self.executor, "peak_state_bytes", 0)
         if peak:
             record["memory/peak_state_bytes"] = peak
+        if getattr(self.executor, "round_peak_bytes", None) is not None:  # the device allocator's peak (CUDA)
+            record["memory/peak_device_bytes"] = self.executor.round_peak_bytes
         record["time/round_s"] = time.perf_counter() - t0
         record["_global"], record["_server"] = new_global, new_server
         return record
@@ -573,7 +575,7 @@ def run(cfg: RunConfig, run_dir: Path | None = None, on_round=None) -> RunResult
 # Settings a run may change when resumed (`fedskew resume DIR lr=0.005`): how it is optimised from now
 # on, evaluated and recorded; not what it is (data, partition, model, method, seed).
 RESUMABLE = ("lr", "lr_decay", "grad_clip", "rounds", "eval_every", "checkpoint_every", "fail_fast", "logger",
-             "final_personalization", "device", "executor", "max_parallel_clients", "feature_stats",
+             "final_personalization", "device", "executor", "max_parallel_clients", "pad_batches", "precision", "feature_stats",
              "classifier_stats", "forgetting_stats", "forgetting_test_samples")
 
 

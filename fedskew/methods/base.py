@@ -112,17 +112,36 @@ class Forward:
     no buffer update), differentiable in its parameters (FedKA's anchors, compared with eval-mode global logits)."""
 
     def __init__(self, train_fn: Callable, frozen_fn: Callable, head_fn: Callable | None = None,
-                 call_fn: Callable | None = None, buffers: State | None = None, eval_fn: Callable | None = None):
+                 call_fn: Callable | None = None, buffers: State | None = None, eval_fn: Callable | None = None,
+                 weights: torch.Tensor | None = None):
         self._train_fn = train_fn
         self._frozen_fn = frozen_fn
         self._head_fn = head_fn
         self._call_fn = call_fn
         self._eval_fn = eval_fn
         self.buffers = buffers if buffers is not None else {}
+        # Per-sample weights of a padded batch (real rows 1/b, padding 0; None: no padding). Only
+        # ``mean`` and ``cross_entropy`` read them, so only losses written with them may declare
+        # ``per_sample_loss`` (Method.padding_exact).
+        self.weights = weights
 
     def wrapping(self, fwd: "Forward") -> None:
         """Take every function of ``fwd`` (for subclasses that wrap a Forward)."""
-        Forward.__init__(self, fwd._train_fn, fwd._frozen_fn, fwd._head_fn, fwd._call_fn, fwd.buffers, fwd._eval_fn)
+        Forward.__init__(self, fwd._train_fn, fwd._frozen_fn, fwd._head_fn, fwd._call_fn, fwd.buffers, fwd._eval_fn,
+                         fwd.weights)
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """The batch mean of per-sample ``values`` (dim 0: samples; further dims are averaged
+        too, as ``values.mean()`` does for equal batch sizes); padding rows weigh nothing."""
+        if self.weights is None:
+            return values.mean()
+        return (values.reshape(values.shape[0], -1).mean(1) * self.weights).sum()
+
+    def cross_entropy(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``F.cross_entropy(logits, y)`` over the batch's real samples."""
+        if self.weights is None:
+            return F.cross_entropy(logits, y)
+        return (F.cross_entropy(logits, y, reduction="none") * self.weights).sum()
 
     def __call__(self, x: torch.Tensor):
         return self._train_fn(x)
@@ -138,6 +157,15 @@ class Forward:
 
     def evaluate(self, x: torch.Tensor):
         return self._eval_fn(x)
+
+
+def declares_per_sample(obj, fn: str) -> bool:
+    """Whether the class that defines ``obj.<fn>`` itself sets ``per_sample_loss = True``. A
+    subclass that overrides a loss without repeating the declaration is not trusted with padding."""
+    for cls in type(obj).__mro__:
+        if fn in cls.__dict__:
+            return cls.__dict__.get("per_sample_loss", False) is True
+    return False
 
 
 def reference_tensor(state: State) -> torch.Tensor:
@@ -191,6 +219,9 @@ class Method:
     # (``method=map`` -> a bias-free classifier; ``method=etf_gmv`` -> the fixed ETF head)
     model_defaults: dict = {}
     personal_first = False  # True: the personalisation stage runs before the uploaded model's training
+    # The losses below are batch means of per-sample terms, written with ``fwd.mean`` and
+    # ``fwd.cross_entropy`` (plus terms of the parameters alone): see ``padding_exact``.
+    per_sample_loss = True
 
     def __init__(self, options: BaseModel | None = None, info: FederationInfo | None = None):
         self.opt = options if options is not None else self.Options()
@@ -220,7 +251,17 @@ class Method:
                    payload: State, client_state: State) -> tuple[torch.Tensor, State]:
         """Cross-entropy of the local model on the batch (FedAvg's local objective)."""
         _, logits = fwd(x)
-        return F.cross_entropy(logits, y), {}
+        return fwd.cross_entropy(logits, y), {}
+
+    def padding_exact(self, stage: Literal["upload", "personal"]) -> bool:
+        """Whether the stage's loss is a batch mean of per-sample terms (plus terms that do not
+        depend on the batch), computed with ``fwd.mean`` / ``fwd.cross_entropy``, so that the
+        vectorised executor may pad the clients of a step to one batch size with zero-weight rows
+        and train them in one call. True when the class that defines the stage's loss declares
+        ``per_sample_loss = True``; a loss that reads batch statistics (FedMR's intra-class
+        standardisation, prototype means, MMD, inner steps on batch halves) must not declare it.
+        BatchNorm models are never padded (the executor checks the model)."""
+        return declares_per_sample(self, "local_loss" if stage == "upload" else "personal_loss")
 
     def after_training(self, trained: State, payload: State, client_state: State,
                        report: ClientReport) -> tuple[State, State]:
@@ -257,7 +298,7 @@ class Method:
     def personal_loss(self, fwd: Forward, params: State, x: torch.Tensor, y: torch.Tensor,
                       payload: State, client_state: State) -> tuple[torch.Tensor, State]:
         _, logits = fwd(x)
-        return F.cross_entropy(logits, y), {}
+        return fwd.cross_entropy(logits, y), {}
 
     def after_personal(self, personal: State, payload: State, client_state: State,
                        report: ClientReport) -> State:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel
 
-from fedskew.methods.base import ClientReport, FederationInfo, Forward, Method, State
+from fedskew.methods.base import ClientReport, FederationInfo, Forward, Method, State, declares_per_sample
 
 
 class SharedForward(Forward):
@@ -44,6 +44,7 @@ class Component:
     Options: type[BaseModel]
     personalizes = False
     personal_first = False
+    per_sample_loss = True  # no loss term, logits as they are (Method.padding_exact)
 
     def __init__(self, options: BaseModel):
         self.opt = options
@@ -62,6 +63,13 @@ class Component:
 
     def trained_params(self, stage: str) -> frozenset[str] | None:
         return None
+
+    def padding_exact(self, stage: str) -> bool:
+        """As :meth:`Method.padding_exact`, for this component's loss term and forward wrapper
+        (upload) or its personalisation loss."""
+        if stage == "personal":
+            return declares_per_sample(self, "personal_loss")
+        return declares_per_sample(self, "loss") and declares_per_sample(self, "wrap_forward")
 
     def wrap_forward(self, fwd: Forward, client_state: State) -> Forward:
         """The forward the uploaded model's training sees (e.g. restricted logits). Default: as is."""
@@ -152,6 +160,11 @@ class Composite(Method):
                 loss = loss + term
             aux.update(extra)
         return loss, aux
+
+    def padding_exact(self, stage):
+        if stage == "personal":
+            return (self._personal or self.base).padding_exact("personal")
+        return self.base.padding_exact("upload") and all(c.padding_exact("upload") for c in self.components)
 
     def step_correction(self, payload, client_state):
         return self.base.step_correction(payload, _others(client_state, self._prefixes))

@@ -31,6 +31,7 @@ class FedProx(Method):
 
     name = "fedprox"
     Options = FedProxOptions
+    per_sample_loss = True  # Method.padding_exact
 
     def local_loss(self, fwd, params, x, y, payload, client_state):
         loss, aux = super().local_loss(fwd, params, x, y, payload, client_state)
@@ -88,6 +89,7 @@ class Scaffold(Method):
 
     name = "scaffold"
     Options = ScaffoldOptions
+    per_sample_loss = True  # Method.padding_exact
 
     def server_init(self, global_state, info):
         return {k: torch.zeros_like(v) for k, v in _params(info.param_names, global_state, "c.").items()}
@@ -149,6 +151,7 @@ class FedDyn(Method):
 
     name = "feddyn"
     Options = FedDynOptions
+    per_sample_loss = True  # Method.padding_exact
 
     def server_init(self, global_state, info):
         return {k: torch.zeros_like(v) for k, v in _params(info.param_names, global_state, "h.").items()}
@@ -255,6 +258,7 @@ class FedDC(Method):
 
     name = "feddc"
     Options = FedDCOptions
+    per_sample_loss = True  # Method.padding_exact
 
     def server_init(self, global_state, info):
         state = {k: torch.zeros_like(v) for k, v in _params(info.param_names, global_state, "c.").items()}

@@ -31,13 +31,13 @@ def not_true_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def ntd_loss(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor, tau: float = 1.0,
-             tau_squared: bool = False) -> torch.Tensor:
+             tau_squared: bool = False, mean=torch.mean) -> torch.Tensor:
     """KL(softmax(gz~ / T) || softmax(z~ / T)), batch mean, ~ = true class removed, times T^2 when
     ``tau_squared`` (the usual distillation scaling; the official FedNTD code has no T^2)."""
     z, g = not_true_logits(logits, y) / tau, not_true_logits(global_logits, y) / tau
     p_g = F.softmax(g, dim=-1)
     kl = (p_g * (F.log_softmax(g, dim=-1) - F.log_softmax(z, dim=-1))).sum(-1)
-    return kl.mean() * (tau ** 2 if tau_squared else 1.0)
+    return mean(kl) * (tau ** 2 if tau_squared else 1.0)
 
 
 class FedNTDOptions(FedAvgOptions):
@@ -53,12 +53,13 @@ class FedNTD(Method):
 
     name = "fedntd"
     Options = FedNTDOptions
+    per_sample_loss = True  # Method.padding_exact
 
     def local_loss(self, fwd, params, x, y, payload, client_state):
         _, logits = fwd(x)
         _, global_logits = fwd.frozen(model_part(payload), x)
-        ntd = ntd_loss(logits, global_logits, y, self.opt.ntd_tau, self.opt.tau_squared)
-        return F.cross_entropy(logits, y) + self.opt.ntd_beta * ntd, {"fedntd/ntd": ntd.detach()}
+        ntd = ntd_loss(logits, global_logits, y, self.opt.ntd_tau, self.opt.tau_squared, fwd.mean)
+        return fwd.cross_entropy(logits, y) + self.opt.ntd_beta * ntd, {"fedntd/ntd": ntd.detach()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,6 +137,7 @@ class FedKA(Method):
 
     name = "fedka"
     Options = FedKAOptions
+    per_sample_loss = True  # CE per sample; the anchor term does not depend on the batch
 
     def __init__(self, options=None, info=None):
         super().__init__(options, info)
@@ -180,7 +182,7 @@ class FedKA(Method):
         # anchors first: the batch's train-mode pass below moves BatchNorm's running statistics
         _, anchor_logits = fwd.evaluate(client_state["ka.x"])
         _, logits = fwd(x)
-        ce = F.cross_entropy(logits, y)
+        ce = fwd.cross_entropy(logits, y)
         ka = knowledge_anchor_loss(anchor_logits, client_state["ka.global_logits"], client_state["ka.keep"],
                                    client_state["ka.valid"])
         return ce + self.opt.ka_beta * ka, {"fedka/anchor": ka.detach()}

@@ -88,6 +88,7 @@ class RestrictedSoftmax(Component):
 
     prefix = "rs."
     Options = RSOptions
+    per_sample_loss = True  # logits scaled per sample (Component.padding_exact)
 
     def client_init(self, client_id, global_state, info):
         device = reference_tensor(global_state).device
@@ -109,7 +110,7 @@ def hpm_momentum(visits: torch.Tensor, expected_visits: float, mu_max: float = 0
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 4.0,
-            form: str = "paper") -> torch.Tensor:
+            form: str = "paper", mean=torch.mean) -> torch.Tensor:
     """Knowledge distillation from the HPM (teacher) to the model being trained.
 
     paper: KL(softmax(g_p / T) || softmax(g / T)) * T^2, mean over the batch.
@@ -119,8 +120,8 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
     if form == "paper":
         log_student = F.log_softmax(student_logits / temperature, dim=-1)
         kl = (p_teacher * (torch.log(p_teacher.clamp(min=1e-12)) - log_student)).sum(-1)
-        return kl.mean() * temperature ** 2
-    return -(p_teacher * F.log_softmax(student_logits, dim=-1)).sum(-1).mean()
+        return mean(kl) * temperature ** 2
+    return mean(-(p_teacher * F.log_softmax(student_logits, dim=-1)).sum(-1))
 
 
 class HPMOptions(_Strict):
@@ -151,6 +152,10 @@ class InheritedPrivateModel(Component):
     prefix = "hpm."
     Options = HPMOptions
     personalizes = True
+    per_sample_loss = True  # with kt=kd; MMD compares batch feature distributions
+
+    def padding_exact(self, stage):
+        return self.opt.kt == "kd" and super().padding_exact(stage)
 
     def client_init(self, client_id, global_state, info):
         ref = reference_tensor(global_state)
@@ -172,7 +177,8 @@ class InheritedPrivateModel(Component):
         """L_kt from the HPM (frozen teacher, eval mode) to the model being trained, and the logits."""
         z, logits = fwd(x)
         z_p, logits_p = fwd.frozen(_hpm(client_state), x)
-        kt = kd_loss(logits, logits_p, self.opt.temperature, self.opt.kd_form) if self.opt.kt == "kd" else mmd2(z, z_p)
+        kt = (kd_loss(logits, logits_p, self.opt.temperature, self.opt.kd_form, fwd.mean) if self.opt.kt == "kd"
+              else mmd2(z, z_p))
         return kt, logits
 
     def loss(self, fwd, params, x, y, payload, client_state):
@@ -182,7 +188,7 @@ class InheritedPrivateModel(Component):
             return None, {}
         kt, logits = self._transfer(fwd, x, client_state)
         lam = self.opt.kt_lambda
-        return lam * (kt - F.cross_entropy(logits, y)), {f"hpm/{self.opt.kt}": kt.detach()}
+        return lam * (kt - fwd.cross_entropy(logits, y)), {f"hpm/{self.opt.kt}": kt.detach()}
 
     def after_training(self, trained, payload, client_state, report):
         if self.opt.schedule != "fedphp":
@@ -195,7 +201,7 @@ class InheritedPrivateModel(Component):
     def personal_loss(self, fwd, params, x, y, payload, client_state):
         kt, logits = self._transfer(fwd, x, client_state)
         lam = self.opt.kt_lambda
-        return (1 - lam) * F.cross_entropy(logits, y) + lam * kt, {f"hpm/{self.opt.kt}": kt.detach()}
+        return (1 - lam) * fwd.cross_entropy(logits, y) + lam * kt, {f"hpm/{self.opt.kt}": kt.detach()}
 
     def after_personal(self, personal, payload, client_state, report: ClientReport):
         return self._update(personal, client_state, report)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 
 from fedskew.methods.base import ClientReport, FedAvgOptions, Method, reference_tensor
@@ -53,6 +52,7 @@ class EtfGmv(Method):
     Options = EtfGmvOptions
     requires_classifier = "etf"
     model_defaults = {"classifier": "etf"}
+    per_sample_loss = True  # Method.padding_exact
 
     @property
     def warmup(self) -> int:
@@ -75,7 +75,7 @@ class EtfGmv(Method):
         z, logits = fwd(x)
         if "gmv.mu" in payload:
             logits = fwd.head(memory_features(z, y, payload["gmv.mu"], self.opt.gmv_alpha))
-        return F.cross_entropy(logits, y), {}
+        return fwd.cross_entropy(logits, y), {}
 
     def after_training(self, trained, payload, client_state, report: ClientReport):
         upload, state = super().after_training(trained, payload, client_state, report)

@@ -70,6 +70,7 @@ class Ditto(Method):
 
     name = "ditto"
     Options = DittoOptions
+    per_sample_loss = True  # Method.padding_exact
 
     def client_init(self, client_id, global_state, info):
         return add_prefix({k: v.clone() for k, v in global_state.items()}, "ditto.")
@@ -82,7 +83,7 @@ class Ditto(Method):
 
     def personal_loss(self, fwd, params, x, y, payload, client_state):
         _, logits = fwd(x)
-        ce = F.cross_entropy(logits, y)
+        ce = fwd.cross_entropy(logits, y)
         prox = sum((p - payload["model." + k]).pow(2).sum() for k, p in params.items())
         return ce + 0.5 * self.opt.lam * prox, {"ditto/prox": prox.detach()}
 
@@ -216,10 +217,11 @@ class FedBABU(Method):
 # FedROD
 
 
-def balanced_softmax_loss(logits: torch.Tensor, y: torch.Tensor, class_counts: torch.Tensor) -> torch.Tensor:
+def balanced_softmax_loss(logits: torch.Tensor, y: torch.Tensor, class_counts: torch.Tensor,
+                          ce=F.cross_entropy) -> torch.Tensor:
     """Balanced softmax (FedROD Eq. 5, after Ren et al. 2020): CE(logits + log n_c, y) with the
     client's class counts n_c; a class it lacks gets log(1e-12), numerically removed."""
-    return F.cross_entropy(logits + torch.log(class_counts.clamp(min=1e-12)), y)
+    return ce(logits + torch.log(class_counts.clamp(min=1e-12)), y)
 
 
 class FedROD(Method):
@@ -241,6 +243,7 @@ class FedROD(Method):
 
     name = "fedrod"
     Options = FedAvgOptions
+    per_sample_loss = True  # Method.padding_exact
     requires_classifier = "linear"
 
     def client_init(self, client_id, global_state, info):
@@ -251,7 +254,7 @@ class FedROD(Method):
 
     def local_loss(self, fwd, params, x, y, payload, client_state):
         _, logits = fwd(x)
-        return balanced_softmax_loss(logits, y, client_state["rod.counts"]), {}
+        return balanced_softmax_loss(logits, y, client_state["rod.counts"], fwd.cross_entropy), {}
 
     def after_training(self, trained, payload, client_state, report):
         state = {**client_state, **{"rod.g." + k: v for k, v in trained.items() if k.startswith(HEAD)}}
@@ -285,14 +288,14 @@ class FedProtoOptions(FedAvgOptions):
                                "code, default) or weighted by their counts (paper Eq. 8)")
 
 
-def prototype_regularizer(z: torch.Tensor, y: torch.Tensor, prototypes: torch.Tensor) -> torch.Tensor:
+def prototype_regularizer(z: torch.Tensor, y: torch.Tensor, prototypes: torch.Tensor, mean=torch.mean) -> torch.Tensor:
     """FedProto's R = mean squared distance between each feature z and the global prototype of
     its class (reference code: MSE over samples and dimensions); samples of a class without a
     global prototype (NaN row) contribute 0, as in the reference, which keeps them in the mean."""
     target = prototypes[y]
     known = ~torch.isnan(target[:, :1])
     diff = torch.where(known, z - torch.nan_to_num(target), torch.zeros_like(z))
-    return diff.pow(2).mean()
+    return mean(diff.pow(2))
 
 
 def nearest_prototype_head(prototypes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,6 +329,7 @@ class FedProto(Method):
     Options = FedProtoOptions
     requires_classifier = "linear"
     has_global_model = False
+    per_sample_loss = True  # Method.padding_exact
 
     def __init__(self, options=None, info=None):
         super().__init__(options, info)
@@ -353,8 +357,8 @@ class FedProto(Method):
 
     def local_loss(self, fwd, params, x, y, payload, client_state):
         z, logits = fwd(x)
-        reg = prototype_regularizer(z, y, payload["fedproto.g"])
-        return F.cross_entropy(logits, y) + self.opt.lam * reg, {"fedproto/reg": reg.detach()}
+        reg = prototype_regularizer(z, y, payload["fedproto.g"], fwd.mean)
+        return fwd.cross_entropy(logits, y) + self.opt.lam * reg, {"fedproto/reg": reg.detach()}
 
     def after_training(self, trained, payload, client_state, report: ClientReport):
         z, y = report.local_features(trained)
@@ -385,12 +389,13 @@ class FedLCOptions(FedAvgOptions):
     tau: float = Field(1.0, ge=0, description="calibration strength")
 
 
-def calibrated_loss(logits: torch.Tensor, y: torch.Tensor, class_counts: torch.Tensor, tau: float) -> torch.Tensor:
+def calibrated_loss(logits: torch.Tensor, y: torch.Tensor, class_counts: torch.Tensor, tau: float,
+                    ce=F.cross_entropy) -> torch.Tensor:
     """FedLC (Zhang et al., ICML 2022, Eq. 10): CE of the calibrated logits f_c - tau n_c^(-1/4),
     n_c the client's count of class c; a class it lacks (n_c = 0, an infinite shift in the paper)
     is shifted by tau * 1e3, numerically removed."""
     shift = tau * class_counts.clamp(min=1e-12).pow(-0.25)
-    return F.cross_entropy(logits - shift, y)
+    return ce(logits - shift, y)
 
 
 class FedLC(Method):
@@ -399,13 +404,14 @@ class FedLC(Method):
 
     name = "fedlc"
     Options = FedLCOptions
+    per_sample_loss = True  # Method.padding_exact
 
     def client_init(self, client_id, global_state, info):
         return {"lc.counts": info.class_counts[client_id].to(reference_tensor(global_state))}
 
     def local_loss(self, fwd, params, x, y, payload, client_state):
         _, logits = fwd(x)
-        return calibrated_loss(logits, y, client_state["lc.counts"], self.opt.tau), {}
+        return calibrated_loss(logits, y, client_state["lc.counts"], self.opt.tau, fwd.cross_entropy), {}
 
 
 __all__ = ["Ditto", "DittoRS", "FedBABU", "FedLC", "FedProto", "FedROD", "FedRep", "balanced_softmax_loss",

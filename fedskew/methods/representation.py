@@ -13,11 +13,12 @@ from pydantic import Field
 from fedskew.methods.base import FedAvgOptions, Method, model_part
 
 
-def moon_contrastive(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch.Tensor, temperature: float) -> torch.Tensor:
+def moon_contrastive(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch.Tensor, temperature: float,
+                     mean=torch.mean) -> torch.Tensor:
     """MOON's model-contrastive loss (Li et al., 2021, Eq. 3), batch mean:
     -log( exp(cos(z, z_glob)/tau) / (exp(cos(z, z_glob)/tau) + exp(cos(z, z_prev)/tau)) )."""
     sims = torch.stack([F.cosine_similarity(z, z_global, dim=-1), F.cosine_similarity(z, z_prev, dim=-1)], -1)
-    return -F.log_softmax(sims / temperature, dim=-1)[..., 0].mean()
+    return mean(-F.log_softmax(sims / temperature, dim=-1)[..., 0])
 
 
 def mmd2(x: torch.Tensor, y: torch.Tensor, scales=(0.25, 0.5, 1.0, 2.0, 4.0)) -> torch.Tensor:
@@ -59,6 +60,7 @@ class Moon(Method):
 
     name = "moon"
     Options = MoonOptions
+    per_sample_loss = True  # Method.padding_exact
 
     def client_init(self, client_id, global_state, info):
         state = {"prev." + k: torch.zeros_like(v) for k, v in global_state.items()}
@@ -67,10 +69,10 @@ class Moon(Method):
 
     def local_loss(self, fwd, params, x, y, payload, client_state):
         z, logits = fwd(x)
-        ce = F.cross_entropy(logits, y)
+        ce = fwd.cross_entropy(logits, y)
         z_glob, _ = fwd.frozen(model_part(payload), x)
         z_prev, _ = fwd.frozen({k[5:]: v for k, v in client_state.items() if k.startswith("prev.")}, x)
-        con = moon_contrastive(z, z_glob, z_prev, self.opt.temperature)
+        con = moon_contrastive(z, z_glob, z_prev, self.opt.temperature, fwd.mean)
         return ce + self.opt.mu * client_state["has_prev"] * con, {"moon/contrastive": con.detach()}
 
     def after_training(self, trained, payload, client_state, report):
@@ -125,6 +127,7 @@ class FedProcBase(Method):
 
     name = "fedproc"
     Options = FedProcOptions
+    per_sample_loss = True  # Method.padding_exact
 
     def server_init(self, global_state, info):
         return {"fedproc.t": torch.zeros((), device=next(iter(global_state.values())).device)}
@@ -138,7 +141,7 @@ class FedProcBase(Method):
         ce = F.cross_entropy(logits, y, reduction="none")
         pc, usable = proto_contrastive(z, y, payload["proto.g"], self.opt.temperature)
         a = payload["fedproc.a"] * usable.to(z.dtype)
-        return ((1 - a) * ce + a * pc).mean(), {"fedproc/contrastive": pc.mean().detach()}
+        return fwd.mean((1 - a) * ce + a * pc), {"fedproc/contrastive": fwd.mean(pc).detach()}
 
     def aggregate(self, server_state, global_state, uploads, reports):
         new, _ = super().aggregate(server_state, global_state, uploads, reports)
