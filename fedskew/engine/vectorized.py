@@ -1,11 +1,12 @@
 """The vectorised executor: all selected clients of a round train as one ``torch.func`` program.
 
 Parameters, buffers (BatchNorm statistics included), momentum buffers and per-client method state
-of the selected clients are stacked on a leading client dimension. Each local step is one call of
-``vmap(grad_and_value(loss))`` over the clients, followed by SGD with momentum and weight decay as
-batched ``torch._foreach_*`` ops, with torch.optim.SGD's exact semantics (weight decay added to the
-gradient, then ``buf = m * buf + g``, ``p -= lr * buf``; clipping of each client's global grad norm
-as ``clip_grad_norm_`` does it).
+of the selected clients are stacked on a leading client dimension. Each local step is the vmapped
+loss of the clients and one ``torch.autograd.grad`` of its sum (client k's loss depends only on row
+k), followed by torch.optim.SGD's fused kernel on the stacked tensors, with its exact semantics
+(weight decay added to the gradient, then ``buf = m * buf + g``, ``p -= lr * buf``; clipping of
+each client's global grad norm as ``clip_grad_norm_`` does it). Stacked linear weights live in the
+memory layout of their vmapped gradients, where the fused kernel runs on contiguous memory.
 
 Unequal clients. Every client keeps exactly the batch schedule of the sequential executor (one
 permutation per epoch, last batch of an epoch smaller); clients that have finished take no part in
