@@ -385,3 +385,23 @@ def test_device_memory_logic_with_a_fake_device(tmp_path, capsys):
     ex.max_parallel_clients = None  # sized by the measurement: 0.8 * budget / bytes per client
     ex.memory.budget_bytes = 5 * 10 ** 9
     assert ex.chunk_size(8) == 4
+
+
+def test_lazy_client_closures_can_be_called_again():
+    """ClientReport's feature and BN-recalibration closures gather the client's rows when called;
+    a second call (two components reading the features) must see the same rows."""
+    from fedskew.engine.local import bn_recalibration_fn, federated_state
+    from fedskew.models.functional import feature_fn
+
+    exp = Experiment(load_config(None, BASE + ["model=cnnbn", "model.width=4"]))
+    x, y, rows = exp.executor.x, exp.executor.y, exp.executor.train_idx[2]
+    state = federated_state(exp.model)
+    run = feature_fn(exp.model, x, y, rows=rows)
+    z1, y1 = run(state)
+    z2, y2 = run(state)
+    assert torch.equal(z1, z2) and torch.equal(y1, y[rows]) and torch.equal(y2, y[rows])
+    recal = bn_recalibration_fn(exp.model, x, 7, rows)
+    a, b = recal(state), recal(state)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    direct = bn_recalibration_fn(exp.model, x[rows], 7)(state)
+    assert all(torch.equal(a[k], direct[k]) for k in a)

@@ -115,9 +115,7 @@ def bn_recalibration_fn(model: nn.Module, x: torch.Tensor, batch_size: int, rows
         return None
 
     def run(state: State) -> State:
-        nonlocal x
-        if rows is not None:
-            x = x[rows]
+        xs = x if rows is None else x[rows]
         new = {k: v.clone() for k, v in state.items()}
         for name in bns:
             new[f"{name}.running_mean"].zero_()
@@ -130,8 +128,8 @@ def bn_recalibration_fn(model: nn.Module, x: torch.Tensor, batch_size: int, rows
                 m.momentum = None  # cumulative moving average = plain mean over the pass
             model.train()
             with torch.no_grad():
-                for i in range(0, len(x), batch_size):
-                    functional_call(model, {**new, **counters}, (x[i:i + batch_size],))
+                for i in range(0, len(xs), batch_size):
+                    functional_call(model, {**new, **counters}, (xs[i:i + batch_size],))
         finally:
             for name, m in bns.items():
                 m.momentum = momenta[name]
@@ -182,10 +180,11 @@ def low_precision(model: nn.Module, precision: str):
     return cast, dtype
 
 
-def cast_forward(model: nn.Module, precision: str, state_fn):
+def cast_forward(model: nn.Module, cast_dtype, state_fn):
     """The training forward ``x -> (z, logits)`` of ``model`` on ``state_fn()`` (parameters and
-    buffers), in ``precision`` (:func:`low_precision`), outputs in fp32."""
-    cast, dtype = low_precision(model, precision)
+    buffers) in low precision (``cast_dtype``: :func:`low_precision`'s result), outputs in fp32;
+    both executors' training forward under ``precision=bf16|fp16``."""
+    cast, dtype = cast_dtype
 
     def run(x):
         z, logits = functional_call(model, cast(state_fn()), (x.to(dtype),), {"return_features": True})
@@ -196,7 +195,8 @@ def cast_forward(model: nn.Module, precision: str, state_fn):
 def module_forward(model: nn.Module, precision: str = "fp32") -> Forward:
     """The :class:`Forward` of an ``nn.Module`` trained in place (the sequential executor's)."""
     train = (lambda x: model(x, return_features=True)) if precision == "fp32" else \
-        cast_forward(model, precision, lambda: {**dict(model.named_parameters()), **dict(model.named_buffers())})
+        cast_forward(model, low_precision(model, precision),
+                     lambda: {**dict(model.named_parameters()), **dict(model.named_buffers())})
     return Forward(train, frozen_forward(model), model.classifier,
                    lambda state, x: functional_call(model, state, (x,), {"return_features": True}),
                    dict(model.named_buffers()),
@@ -262,8 +262,9 @@ class SequentialExecutor:
         frozen = [p for k, p in params.items() if trainable is not None and k not in trainable]
         opt = torch.optim.SGD(updated, lr=lr, momentum=s.momentum, weight_decay=s.weight_decay)
         fwd = module_forward(model, s.precision)
-        scaler = torch.amp.GradScaler(self.device.type, init_scale=FP16_INIT_SCALE,
-                                      growth_interval=FP16_GROWTH_INTERVAL) if s.precision == "fp16" else None
+        # fp16: dynamic loss scaling, a step with non-finite gradients skipped; else a pass-through
+        scaler = torch.amp.GradScaler(self.device.type, init_scale=FP16_INIT_SCALE, growth_interval=FP16_GROWTH_INTERVAL,
+                                      enabled=s.precision == "fp16")
         sums: dict = {}
         for p in frozen:
             p.requires_grad_(False)
@@ -277,18 +278,12 @@ class SequentialExecutor:
                     at += len(rows)
                 loss, aux = loss_fn(fwd, params, x, self.y[rows], payload, client_state)
                 opt.zero_grad(set_to_none=True)
-                if scaler is None:
-                    loss.backward()
-                    if s.grad_clip is not None:
-                        nn.utils.clip_grad_norm_(updated, s.grad_clip)
-                    opt.step()
-                else:  # fp16: dynamic loss scaling; a step with non-finite gradients is skipped
-                    scaler.scale(loss).backward()
-                    scaler.unscale_(opt)
-                    if s.grad_clip is not None:
-                        nn.utils.clip_grad_norm_(updated, s.grad_clip)
-                    scaler.step(opt)
-                    scaler.update()
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                if s.grad_clip is not None:
+                    nn.utils.clip_grad_norm_(updated, s.grad_clip)
+                scaler.step(opt)
+                scaler.update()
                 if correction:
                     with torch.no_grad():
                         for k, d in correction.items():

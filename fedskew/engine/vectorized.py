@@ -52,7 +52,8 @@ from torch.func import functional_call, vmap
 from fedskew.data.augment import crop_flip
 from fedskew.data.federated import Federation
 from fedskew.engine.local import (FP16_GROWTH_INTERVAL, FP16_INIT_SCALE, ClientResult, LocalSettings,
-                                  SequentialExecutor, bn_recalibration_fn, frozen_forward, low_precision, snapshot,
+                                  SequentialExecutor, bn_recalibration_fn, cast_forward, frozen_forward, low_precision,
+                                  snapshot,
                                   stage_schedules)
 from fedskew.methods.base import ClientReport, Forward, Method, State
 from fedskew.models.functional import feature_fn, in_eval_mode
@@ -209,10 +210,7 @@ class VectorizedExecutor:
             def train_fn(inp):
                 if self._cast is None:
                     return functional_call(self.model, {**params, **buffers}, (inp,), {"return_features": True})
-                cast, dtype = self._cast  # mixed precision, as the sequential executor's cast_forward
-                z, logits = functional_call(self.model, cast({**params, **buffers}), (inp.to(dtype),),
-                                            {"return_features": True})
-                return z.float(), logits.float()
+                return cast_forward(self.model, self._cast, lambda: {**params, **buffers})(inp)
 
             def head_fn(h):
                 own = {k[len("classifier."):]: v for k, v in {**params, **buffers}.items() if k.startswith("classifier.")}

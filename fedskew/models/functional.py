@@ -38,13 +38,11 @@ def feature_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None, batch:
     """``state -> (z, y)`` over all of ``x`` (or its ``rows``, gathered only when called) in eval
     mode without gradient (``ClientReport.local_features``)."""
     def run(state: State):  # (no decorator: building one per client and round costs 60 us)
-        nonlocal x, y
-        if rows is not None:
-            x, y = x[rows], y[rows]
+        xs, ys = (x, y) if rows is None else (x[rows], y[rows])
         with torch.no_grad():
-            z = in_eval_mode(model, lambda: [functional_call(model, state, (x[i:i + batch],), {"return_features": True})[0]
-                                             for i in range(0, len(x), batch)])
-        return torch.cat(z), y
+            z = in_eval_mode(model, lambda: [functional_call(model, state, (xs[i:i + batch],), {"return_features": True})[0]
+                                             for i in range(0, len(xs), batch)])
+        return torch.cat(z), ys
     return run
 
 
