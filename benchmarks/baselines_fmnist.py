@@ -25,7 +25,7 @@ from fedskew.engine.runner import run
 METHODS = ["fedavg", "fedprox", "scaffold", "scaffold-sgd", "scaffold-steps", "scaffold-loss", "feddyn", "feddc",
            "feddc-paper", "fednova", "fedavgm", "fedadam", "fedyogi", "fedaws", "moon", "fedmmd", "fedproc", "fedmr",
            # issue 22 (FedBN is FedAvg on this BN-free SimpleCNN; FedPer, LG-FedAvg, FedFOMO have no global model)
-           "feddecorr", "ccvr", "fednh", "feddf", "fedala", "apfl", "fedetf"]
+           "feddecorr", "ccvr", "fednh", "feddf", "fedala", "apfl", "fedetf", "fedgen", "flda"]
 # A label is a method name (its defaults) or "<method>-<variant>"; its options follow the shared settings.
 METHOD_ARGS = {
     "scaffold-sgd": ["momentum=0"],  # the paper's plain SGD
@@ -34,6 +34,8 @@ METHOD_ARGS = {
     "feddc-paper": ["method.aggregation=paper", "method.by_data_size=false", "method.control_steps=steps"],
     "moon": ["method.mu=1.0"],
     "feddf-steps100": ["method.distill_steps=100"],  # a fifth of the default server distillation
+    "fedgen-uniform": ["method.noise=uniform"],  # the official code's torch.rand noise
+    "fedgen-beta10": ["method.generative_beta=10"],  # the official MNIST latent weight
 }
 
 

@@ -49,7 +49,7 @@ METHODS = {"fedavg": [], "fedrs": [], "fedphp": [], "map": [],
            "perfedavg": ["method.alpha=0.01"],
            # issue 22's baselines, each at its defaults (FedBN is FedAvg on this BN-free MLP)
            "fedper": [], "lgfedavg": [], "apfl": [], "fedala": [], "feddecorr": [], "ccvr": [], "fednh": [],
-           "feddf": [], "fedetf": [], "fedfomo": [], "fedpac": []}
+           "feddf": [], "fedetf": [], "fedfomo": [], "fedpac": [], "fedgen": [], "flda": []}
 BASE_METHODS = ["fedavg", "fedrs", "fedphp", "map"]
 
 

@@ -82,6 +82,8 @@ class ModelConfig(_Strict):
                                                    "normalisation and the head (FedETF)")
     etf_learn_scale: bool = Field(False, description="etf: beta is a trainable parameter starting at etf_scale "
                                                      "(FedETF's learnable temperature)")
+    private_expert: bool = Field(False, description="FLDA's architecture: a private copy of the model and a "
+                                                    "gate mixing its logits with the model's (method flda)")
 
 
 class MethodConfig(BaseModel):

@@ -1,5 +1,5 @@
 """The baselines of issue 22 (FedBN, FedPer, LG-FedAvg, APFL, FedALA, FedDecorr, CCVR, FedNH,
-FedDF): each checked against a hand computation, a known identity, or an independent replay with
+FedDF, FedETF, FedFOMO, FedPAC, FedGen): each checked against a hand computation, a known identity, or an independent replay with
 plain torch (torch.optim.SGD / Adam on an nn.Module, numpy)."""
 
 import copy
@@ -10,12 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from fedskew.config import load_config
-from fedskew.engine.local import federated_state, load_state
+from fedskew.engine.local import federated_state, load_state, module_forward
 from fedskew.engine.runner import Experiment
 from fedskew.methods.base import ClientData, ClientReport
 from fedskew.methods.classifier import class_statistics, cosine_logits, pooled_statistics, sample_virtual
-from fedskew.methods.distillation import ensemble_distillation_loss
+from fedskew.methods.distillation import (GEN, FedGen, diversity_loss, ensemble_distillation_loss, generate,
+                                          generator_teacher_loss, init_generator)
 from fedskew.methods.representation import decorrelation_loss
+from fedskew.streams import torch_seed
 from test_personalized import ce, close, is_head, local_test_acc, one_round, own, replay, stages
 
 
@@ -320,6 +322,202 @@ def test_feddf_public_set_is_seeded_and_capped_at_half_the_test_set(tmp_path):
     assert len(exp.method.public()) == min(500, n_test // 2)
     assert torch.equal(exp.method.public(), again.method.public())
     assert not torch.equal(exp.method.public(), other.method.public())
+
+
+# -- FedGen ----------------------------------------------------------------------------------------
+
+
+def generator_module(gen, noise_dim, num_classes):
+    """The official code's generator as an nn.Module carrying ``gen``'s values."""
+    hidden, d = gen["fc.weight"].shape[0], gen["out.weight"].shape[0]
+    net = torch.nn.Sequential(torch.nn.Linear(noise_dim + num_classes, hidden), torch.nn.BatchNorm1d(hidden),
+                              torch.nn.ReLU(), torch.nn.Linear(hidden, d))
+    names = {"0.weight": "fc.weight", "0.bias": "fc.bias", "1.weight": "bn.weight", "1.bias": "bn.bias",
+             "1.running_mean": "bn.running_mean", "1.running_var": "bn.running_var", "3.weight": "out.weight",
+             "3.bias": "out.bias"}
+    net.load_state_dict({k: gen[v].clone() for k, v in names.items()}, strict=False)
+    return net, names
+
+
+def test_fedgen_generator_is_the_official_network_in_both_modes():
+    info = type("I", (), {"seed": 0, "num_classes": 4, "feature_dim": 6})()
+    gen = init_generator(info, FedGen.Options(hidden_dim=5, noise_dim=3))
+    net, names = generator_module(gen, 3, 4)
+    y, eps = torch.tensor([0, 3, 1, 1]), torch.rand(4, 3, generator=torch.Generator().manual_seed(1))
+    x = torch.cat([eps, F.one_hot(y, 4).float()], 1)
+    net.train()
+    trained = {k: v.clone() for k, v in gen.items()}
+    assert torch.allclose(generate(trained, y, eps, 4, train=True), net(x), atol=1e-6)
+    for k, v in names.items():  # the running statistics move as BatchNorm1d's do
+        assert torch.allclose(trained[v], net.state_dict()[k], atol=1e-6), v
+    net.eval()
+    assert torch.allclose(generate(trained, y, eps, 4, train=False), net(x), atol=1e-6)
+
+
+def test_fedgen_diversity_and_teacher_losses_by_hand():
+    g = np.random.default_rng(0)
+    eps, z = g.random((5, 3)), g.normal(size=(5, 4))
+    pairs = [((eps[i] - eps[j]) ** 2).mean() * np.abs(z[i] - z[j]).mean() for i in range(5) for j in range(5)]
+    got = diversity_loss(torch.tensor(eps), torch.tensor(z)).item()
+    assert got == pytest.approx(np.exp(-np.mean(pairs)), rel=1e-9)
+    logits = [torch.tensor(g.normal(size=(5, 3))) for _ in range(2)]
+    y = torch.tensor([0, 2, 1, 2, 0])
+    weights = torch.tensor([[0.25, 0.75], [1.0, 0.0], [0.5, 0.5]], dtype=torch.float64)  # [class, client]
+    want = 0.0
+    for k, lk in enumerate(logits):
+        p = np.exp(lk.numpy()) / np.exp(lk.numpy()).sum(1, keepdims=True)
+        want += np.mean([-np.log(p[i, y[i]]) * weights[y[i], k].item() for i in range(5)])
+    assert generator_teacher_loss(logits, y, weights).item() == pytest.approx(want, rel=1e-9)
+
+
+def test_fedgen_generator_training_is_adam_continued_across_rounds(tmp_path):
+    """Two rounds of the server's generator training equal one torch.optim.Adam on the module kept
+    across rounds with ExponentialLR(0.98), the noise and labels the method draws replayed: the
+    moments stored in the server state continue exactly."""
+    cfg = load_config(None, ["method=fedgen", "method.ensemble_steps=3", "method.ensemble_lr=0.01",
+                             "method.hidden_dim=16"])
+    exp = Experiment(cfg, tmp_path / "g")
+    method, info, o = exp.method, exp.info, exp.method.opt
+    init = federated_state(exp.model)
+    rng = torch.Generator().manual_seed(0)
+    heads = [{n: t + 0.5 * torch.randn(t.shape, generator=rng) for n, t in init.items() if is_head(n)}
+             for _ in range(3)]
+    counts = torch.tensor([[5.0, 0, 3] + [0] * 7, [0, 2, 3] + [0] * 7, [1.0, 0, 0] + [0] * 7])
+    server = method.server_init(init, info)
+    net, names = generator_module({k[len(GEN):]: v for k, v in server.items() if k.startswith(GEN)},
+                                  o.noise_dim, info.num_classes)
+    adam = torch.optim.Adam(net.parameters(), lr=o.ensemble_lr, weight_decay=o.ensemble_weight_decay)
+    sched = torch.optim.lr_scheduler.ExponentialLR(adam, gamma=o.coef_decay)
+    weights = counts.T / counts.sum(0).clamp_min(1e-12)[:, None]
+    for t in range(2):
+        server = method.train_generator(server, heads, counts, t)
+        draws = method.noise  # the method's own stream, replayed
+        rng_t = torch.Generator().manual_seed(torch_seed(info.seed, "fedgen_server", t))
+        net.train()
+        for _ in range(o.ensemble_steps):
+            y = torch.tensor([0, 1, 2])[torch.randint(3, (info.batch_size,), generator=rng_t)]
+            eps = draws(len(y), rng_t)
+            z = net(torch.cat([eps, F.one_hot(y, info.num_classes).float()], 1))
+            loss = sum((F.cross_entropy(F.linear(z, h["classifier.weight"], h["classifier.bias"]), y,
+                                        reduction="none") * weights[y, k]).mean() for k, h in enumerate(heads))
+            loss = loss + o.ensemble_eta * diversity_loss(eps, z)
+            adam.zero_grad()
+            loss.backward()
+            adam.step()
+        sched.step()
+        for k, v in names.items():
+            assert torch.allclose(server[GEN + v], net.state_dict()[k], atol=1e-6), (t, v)
+
+
+def test_fedgen_local_loss_is_the_expected_official_loss_over_the_bank(tmp_path):
+    """The client's loss on a round > 0: its gradient equals the mean, over the bank's draws, of the
+    official per-draw loss CE + beta KL(softmax h(G(eps, y)) || softmax f(x)) + alpha * ratio *
+    CE(h(G(eps', y')), y') (the KL's gradient is linear in its target)."""
+    cfg = load_config(None, ["method=fedgen", "method.bank_per_class=3", "method.gen_batch_size=8"])
+    exp = Experiment(cfg, tmp_path / "l")
+    method, info, model = exp.method, exp.info, exp.model
+    init = federated_state(model)
+    server = {**method.server_init(init, info), "fedgen.round": torch.tensor(4.0)}
+    payload = method.broadcast(init, server)
+    alpha, beta = 10 * 0.98 ** 4, 1 * 0.98 ** 4
+    assert payload["fedgen.alpha"].item() == pytest.approx(alpha) and payload["fedgen.beta"].item() == pytest.approx(beta)
+    assert method.coefficients(0) == (0.0, 0.0)  # the first round's generator is untrained: no regulariser
+    k = 2
+    idx = exp.fed.train_idx[k]
+    x, y = exp.fed.data.x_train[idx[:16]], exp.fed.data.y_train[idx[:16]]
+    data = ClientData(k, 4, exp.fed.data.x_train[idx], exp.fed.data.y_train[idx], None)
+    state = method.prepare(payload, {}, data)
+    assert torch.equal(state["fedgen.counts"], torch.bincount(data.y, minlength=10).float())
+    bank = state["fedgen.bank"].reshape(10, 3, -1)  # classes x draws x d (digits: all ten classes present)
+    load_state(model, init)
+    model.train()
+    params = dict(model.named_parameters())
+    loss, _ = method.local_loss(module_forward(model), params, x, y, payload, state)
+    got = torch.autograd.grad(loss, list(params.values()))
+    ratio = 8 / info.batch_size
+    per_draw = []
+    for j in range(3):
+        logits = model(x)
+        target = F.softmax(model.classifier(bank[y, j]).detach(), -1)
+        kl = F.kl_div(F.log_softmax(logits, -1), target, reduction="batchmean")
+        teacher = F.cross_entropy(model.classifier(bank[:, j]), torch.arange(10))
+        per_draw.append(F.cross_entropy(logits, y) + beta * kl + alpha * ratio * teacher)
+    want = torch.autograd.grad(torch.stack(per_draw).mean(), list(params.values()))
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_fedgen_first_round_is_fedavg_and_counts_what_it_sends(tmp_path):
+    exp, init, res, k, state = one_round(tmp_path, ["method=fedgen"])
+    batches, _, _ = stages(exp, k)
+    trained = replay(exp, k, init, batches, exp.cfg.lr, ce)  # round 0: no regulariser
+    close(res.global_state, trained)
+    assert not any(key.startswith("fedgen.") for key in state)  # the bank is not kept
+    gen = init_generator(exp.info, exp.method.opt)
+    model = sum(v.numel() for v in init.values())
+    assert res.history[0]["comm/down_floats"] == model + sum(v.numel() for v in gen.values()) + 2
+    assert res.history[0]["comm/up_floats"] == model + exp.info.num_classes
+
+
+# -- FLDA ------------------------------------------------------------------------------------------
+
+
+def test_flda_architecture_mixes_by_the_gate_and_is_the_global_model_with_the_gate_off(tmp_path):
+    exp = Experiment(load_config(None, ["method=flda"]), tmp_path / "a")
+    model = exp.model
+    assert exp.cfg.model.private_expert  # the method's model default
+    x = exp.fed.data.x_test[:7]
+    with torch.no_grad():
+        z = model.backbone(x)
+        g, p = model.classifier(z), model.private(x)
+        alpha = torch.sigmoid(z @ model.gate.weight.T + model.gate.bias)
+        assert not torch.allclose(g, p)  # the private model has its own initialisation
+        assert torch.equal(model(x), g)  # gate_on = 0: the global model alone
+        model.gate_on.fill_(1.0)
+        assert torch.allclose(model(x), alpha * g + (1 - alpha) * p, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["code", "both"])
+def test_flda_trains_the_mixture_keeps_private_parts_and_shares_the_global_model(tmp_path, loss):
+    exp, init, res, k, state = one_round(tmp_path, ["method=flda", f"method.loss={loss}"])
+    batches, _, _ = stages(exp, k)
+    start = {**init, "gate_on": torch.tensor(1.0)}
+
+    def mixture_loss(model, x, y):
+        z, logits = model(x, return_features=True)
+        if loss == "code":
+            return 2 * F.cross_entropy(logits, y)  # the MAP code's FLDANet returns the mixture twice
+        return F.cross_entropy(logits, y) + F.cross_entropy(model.classifier(z), y)
+
+    trained = replay(exp, k, start, batches, exp.cfg.lr, mixture_loss)
+    private = [n for n in init if n.startswith(("private.", "gate"))]
+    shared = [n for n in init if n not in private]
+    close(own(state, "flda."), trained, private)  # the client keeps its private model, gate and gate_on = 1
+    assert own(state, "flda.")["gate_on"].item() == 1.0
+    close(res.global_state, trained, shared)  # one client: the global model is its trained g
+    close(res.global_state, init, private, atol=0)  # the server never receives the private parts
+    assert res.global_state["gate_on"].item() == 0.0
+    sent = sum(init[n].numel() for n in shared)
+    assert res.history[0]["comm/up_floats"] == sent == res.history[0]["comm/down_floats"]
+    assert res.history[0]["personal/acc_after"] == pytest.approx(local_test_acc(exp, k, trained))  # the mixture
+    g_only = {**trained, "gate_on": torch.tensor(0.0)}
+    load_state(exp.model, g_only)
+    exp.model.eval()
+    with torch.no_grad():
+        acc = (exp.model(exp.fed.data.x_test).argmax(1) == exp.fed.data.y_test).float().mean().item()
+    assert res.history[0]["global/test_acc"] == pytest.approx(acc)  # scored without the private parts
+
+
+def test_private_expert_belongs_to_flda_and_flda_needs_it(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "fedskew.cli", "run", "model.private_expert=true", "rounds=1",
+                          f"out_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "model.private_expert = true is FLDA's architecture" in out.stderr
+    with pytest.raises(ValueError, match="method flda needs model.private_expert = true"):
+        Experiment(load_config(None, ["method=flda", "model.private_expert=false"]), tmp_path / "b")
 
 
 # -- FedETF ----------------------------------------------------------------------------------------

@@ -143,6 +143,9 @@ def assert_same(a, b, tol=TOL):
     ["method=fedetf"],
     ["method=fedfomo", "rounds=3", "method.M=3"],
     ["method=fedpac", "rounds=3"],
+    ["method=fedgen", "rounds=3", "method.ensemble_steps=5"],
+    ["method=flda"],  # a second model and a gate in the architecture (model.private_expert)
+    ["method=flda", "method.loss=both", "model=cnnbn", "model.width=4"],
 ])
 def test_vectorized_matches_sequential(tmp_path, extra):
     # FedMR's paper form amplifies GEMM rounding (docs/benchmarks.md); FedDF's server Adam divides

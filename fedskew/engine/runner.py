@@ -37,7 +37,7 @@ from fedskew.engine.durable import (FolderLock, append_line, atomic_save, atomic
                                     read_records)
 from fedskew.engine.local import LocalSettings, SequentialExecutor, federated_state, load_state, norm_names
 from fedskew.engine.tracking import Trackers, check_available
-from fedskew.methods import FederationInfo, build_method, method_validation_fraction
+from fedskew.methods import FederationInfo, build_method, method_model_defaults, method_validation_fraction
 from fedskew.methods.base import model_part
 from fedskew.metrics import (classifier_proxy_stats, count_floats, feature_stats, forgetting_degree, global_metrics,
                              mean_std)
@@ -150,6 +150,10 @@ class Experiment:
         if need is not None and need != cfg.model.classifier:
             raise ConfigError(f"method '{cfg.method.name}' needs model.classifier = '{need}', not "
                               f"'{cfg.model.classifier}'.")
+        if cfg.model.private_expert and method_model_defaults(cfg.method).get("private_expert") is not True:
+            raise ConfigError(f"model.private_expert = true is FLDA's architecture, whose private model and gate only "
+                              f"method flda keeps on the clients; method '{cfg.method.name}' would send and average "
+                              f"them: use method=flda or model.private_expert=false.")
         self.executor = make_executor(cfg, self.model, self.fed, self.method, self.device)
         self.x_test = self.fed.data.x_test.to(self.device)
         self.y_test = self.fed.data.y_test.to(self.device)

@@ -31,8 +31,8 @@ from fedskew.methods.neural_collapse import EtfGmv, FedETF
 from fedskew.methods.personalized import Ditto, DittoRS, FedBABU, FedLC, FedProto, FedRep, FedROD
 from fedskew.methods.representation import Decorrelation, FedDecorr, FedMMD, Moon, fedproc
 from fedskew.methods.classifier import CCVR, FedNH, FedPAC
-from fedskew.methods.distillation import FedDF
-from fedskew.methods.sharing import APFL, FedALA, FedBN, FedFOMO, FedPer, LGFedAvg
+from fedskew.methods.distillation import FedDF, FedGen
+from fedskew.methods.sharing import APFL, FLDA, FedALA, FedBN, FedFOMO, FedPer, LGFedAvg
 from fedskew.methods.server_opt import FedAdam, FedAvgM, FedAwS, FedYogi
 
 METHODS: dict[str, type[Method]] = {
@@ -44,8 +44,8 @@ METHODS: dict[str, type[Method]] = {
     "ditto": Ditto, "dittors": DittoRS, "fedrep": FedRep, "fedbabu": FedBABU, "fedrod": FedROD,
     "fedproto": FedProto, "fedlc": FedLC, "pfedme": PFedMe, "perfedavg": PerFedAvg,
     "fedbn": FedBN, "fedper": FedPer, "lgfedavg": LGFedAvg, "apfl": APFL, "fedala": FedALA,
-    "feddecorr": FedDecorr, "ccvr": CCVR, "fednh": FedNH, "feddf": FedDF, "fedetf": FedETF,
-    "fedfomo": FedFOMO, "fedpac": FedPAC,
+    "feddecorr": FedDecorr, "ccvr": CCVR, "fednh": FedNH, "feddf": FedDF, "fedgen": FedGen, "fedetf": FedETF,
+    "fedfomo": FedFOMO, "fedpac": FedPAC, "flda": FLDA,
 }
 COMPONENTS = {**FEDMR_COMPONENTS, **MAP_COMPONENTS, "feddecorr": Decorrelation}
 BUILTIN = frozenset(METHODS)

@@ -13,6 +13,7 @@ lgfedavg   the body (all but the last layers)     the last ``global_layers`` lay
 apfl       a personal model v and the mixture     the global model w (FedAvg's)          FedAvg's
 fedala     the local model                        the locally trained model (FedAvg's)   FedAvg's
 fedfomo    its own model                          its model + weights (server keeps all) none
+flda       a private model and the gate           the model (FedAvg's)                   FedAvg's
 =========  =====================================  =====================================  ==============
 
 A method without a global model reports ``global/*`` as none (``has_global_model``); FedBN has one
@@ -20,6 +21,8 @@ only when the model has no normalisation layer (its BN layers never leave the cl
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import numpy as np
 import torch
@@ -393,4 +396,56 @@ class FedFOMO(Method):
         return global_state, {**models, "fomo.P": P}
 
 
-__all__ = ["APFL", "FedALA", "FedBN", "FedFOMO", "FedPer", "LGFedAvg", "PartialSharing", "layer_names"]
+class FLDAOptions(FedAvgOptions):
+    loss: Literal["code", "single", "both"] = Field(
+        "code", description="code: CE of the mixture counted twice, as the MAP authors' FLDANet returns it as both "
+                            "of its outputs (their MAP Table II runs); single: CE of the mixture once; both: CE of the "
+                            "mixture + CE of the global model's own logits (the two-output form of that code's template)")
+
+
+class FLDA(PartialSharing):
+    """FLDA, federated learning with domain adaptation (Peterson, Kanani and Marathe, 2019), in the
+    form of the MAP authors' code (the implementation behind MAP Table II): each client mixes the
+    global model's logits with those of a private model of the same architecture through a gate on
+    the global model's features, logits = alpha(z) g(x) + (1 - alpha(z)) p_k(x) with
+    alpha(z) = sigmoid(w_k^T z + b_k) (``model.private_expert``, :class:`PrivateExpertNet`), and
+    trains the three jointly on the mixture's cross-entropy (``loss=code``: counted twice, see the
+    option; ``loss=both`` adds the global model's own cross-entropy, so that g also learns as a
+    classifier by itself rather than only through alpha). Only the global model is sent and averaged (FedAvg weights); the private model and the
+    gate stay on the client (the private model starts from its own initialisation, the same for
+    every client). Personalised model: the mixture; global model: the averaged g alone. The MAP code
+    tests the personalised model on 0.5 (softmax + softmax) of the mixture, the same argmax.
+
+    Sends what FedAvg does; keeps a second model and d + 1 gate weights per client."""
+
+    name = "flda"
+    Options = FLDAOptions
+    keep = "flda."
+    model_defaults = {"private_expert": True}
+    per_sample_loss = True  # Method.padding_exact
+
+    def __init__(self, options=None, info=None):
+        super().__init__(options, info)
+        if info is not None and info.param_names and "gate.weight" not in info.param_names:
+            raise ValueError("method flda needs model.private_expert = true (its defaults set it; a config set "
+                             "it to false).")
+
+    def shared(self, key):
+        return not key.startswith(("private.", "gate"))
+
+    def client_init(self, client_id, global_state, info):
+        state = super().client_init(client_id, global_state, info)
+        return {**state, self.keep + "gate_on": torch.ones_like(state[self.keep + "gate_on"])}
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        z, logits = fwd(x)  # the mixture (the client's gate is on)
+        ce = fwd.cross_entropy(logits, y)
+        if self.opt.loss == "single":
+            return ce, {}
+        if self.opt.loss == "code":
+            return 2 * ce, {}
+        own = fwd.cross_entropy(fwd.head(z), y)  # the global model's classifier on its own features
+        return ce + own, {"flda/global_ce": own.detach()}
+
+
+__all__ = ["APFL", "FLDA", "FedALA", "FedBN", "FedFOMO", "FedPer", "LGFedAvg", "PartialSharing", "layer_names"]

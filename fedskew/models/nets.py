@@ -182,7 +182,35 @@ def build_model(cfg, input_shape: tuple[int, ...], num_classes: int, seed: int =
         model.classifier = ETFClassifier(model.feature_dim, num_classes, gen, cfg.etf_scale, cfg.etf_normalize,
                                          cfg.etf_projector, cfg.etf_learn_scale)
         model.fixed_keys = frozenset({"classifier.weight"})
+    if getattr(cfg, "private_expert", False):  # a second model of the same configuration, drawn next
+        model = PrivateExpertNet(model, build_model(cfg.model_copy(update={"private_expert": False}), input_shape,
+                                                    num_classes, seed))
     return model
+
+
+class PrivateExpertNet(SkewNet):
+    """FLDA's architecture (Peterson et al., 2019, as the MAP authors' code builds it): the model
+    (``backbone``, ``classifier``: the global model), a private model of the same configuration
+    with its own initialisation (``private.*``) and a gate alpha(x) = sigmoid(w^T z + b) on the
+    model's features z (``gate.*``). Logits: alpha * model logits + (1 - alpha) * private logits
+    when the buffer ``gate_on`` is 1; the model's logits alone when it is 0 (the server's state
+    keeps it 0, so the global model scores without the private parts it never receives)."""
+
+    def __init__(self, model: SkewNet, private: SkewNet):
+        nn.Module.__init__(self)
+        self.backbone, self.classifier, self.feature_dim = model.backbone, model.classifier, model.feature_dim
+        self.private = private
+        self.gate = nn.Linear(model.feature_dim, 1)
+        self.register_buffer("gate_on", torch.zeros(()))
+        self.fixed_keys = model.fixed_keys | {"private." + k for k in private.fixed_keys}
+
+    def forward(self, x: torch.Tensor, return_features: bool = False):
+        z = self.backbone(x)
+        logits = self.classifier(z)
+        alpha = torch.sigmoid(self.gate(z))
+        mixed = alpha * logits + (1 - alpha) * self.private(x)
+        logits = self.gate_on * mixed + (1 - self.gate_on) * logits  # (no branch: vmap-able)
+        return (z, logits) if return_features else logits
 
 
 def with_projection_head(model: SkewNet, out_dim: int, num_classes: int, bias: bool = True) -> SkewNet:
