@@ -134,14 +134,16 @@ def resume(run_dir: str | Path, *, on_round: Callable[[dict], None] | None = Non
 
 
 def sweep(spec: Mapping | str | Path | None = None, /, jobs: int | None = None, out: str | Path | None = None, *,
-          on_event: Callable[[str, dict], None] | None = None) -> Path:
+          on_event: Callable[[str, dict], None] | None = None, ray: str | None = None) -> Path:
     """Run a sweep (methods x option grids x partitions x seeds) into a folder with a SQLite results
     store and one run directory per run; returns the folder (default ``runs/sweep-<name>``).
 
     ``spec``: a mapping or a YAML file in the format of :mod:`fedskew.experiments.sweep`; None is
     ``fedskew sweep``'s default comparison. ``jobs`` runs at once (default min(2, cores)), one torch
     thread each. Running it again skips finished runs and resumes interrupted ones. ``on_event`` is
-    called with ``("skipped" | "started" | "done" | "failed", run)``. Failed runs are listed by
+    called with ``("skipped" | "started" | "done" | "failed", run)``. ``ray``: run on Ray instead
+    (``"local"`` starts an instance; ``"auto"``, ``"host:port"``, ``"ray://host:10001"`` join a
+    cluster; per-run resources from the spec's ``resources``; docs/scaling.md). Failed runs are listed by
     :func:`load_results` (``status``, ``error``) and announced with a warning."""
     import warnings
 
@@ -150,7 +152,7 @@ def sweep(spec: Mapping | str | Path | None = None, /, jobs: int | None = None, 
 
     parsed = load_spec(dict(spec) if isinstance(spec, Mapping) else spec if spec is not None else default_comparison())
     sweep_dir = Path(out) if out is not None else default_sweep_dir(parsed)
-    db = run_sweep(parsed, sweep_dir, jobs or default_jobs(), on_event)
+    db = run_sweep(parsed, sweep_dir, jobs or default_jobs(), on_event, ray)
     try:
         failed = db.execute("SELECT COUNT(*) FROM runs WHERE status='failed'").fetchone()[0]
     finally:

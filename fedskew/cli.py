@@ -131,6 +131,9 @@ def cmd_run(args, console: Console) -> int:
         print(yaml.safe_dump(full_config(cfg), sort_keys=False), end="")
         return 0
     exp = Experiment(cfg)
+    if exp.worker:  # a rank > 0 of `torchrun ... distributed=true`: trains for rank 0, prints nothing
+        exp.run()
+        return 0
     console.print(_start_line(cfg, exp), highlight=False)
     args.interrupt_hint = f"the run directory keeps the last checkpoint: `fedskew resume {exp.run_dir}` continues it."
     return _execute(exp.run, cfg.rounds, console)
@@ -220,7 +223,8 @@ def _execute(fn, rounds: int, console: Console) -> int:
             result = fn(on_round)
     else:
         result = fn(on_round)
-    console.print(_results_table(result.summary, result.run_dir))
+    if result is not None:  # (None: a worker rank of a distributed run)
+        console.print(_results_table(result.summary, result.run_dir))
     return 0
 
 
@@ -314,7 +318,7 @@ class SweepDisplay:
         if self.durations:  # runs left x mean run time / parallel workers, minus what the running ones did
             mean = sum(self.durations) / len(self.durations)
             left = pending * mean + sum(max(0.0, mean - (now - t)) for t in self.running.values())
-            eta = _clock(left / max(1, min(self.jobs, pending + len(self.running))))
+            eta = _clock(left / max(1, min(self.jobs or len(self.running), pending + len(self.running))))
         else:
             eta = "?"
         return (f"{finished}/{self.total} runs: done {self.counts['done'] + self.counts['skipped']}, running "
@@ -389,25 +393,29 @@ def _sweep_tables(sweep_dir: Path, console: Console) -> None:
         console.print(out)
 
 
-def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, console: Console, args=None) -> int:
+def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, console: Console, args=None,
+                    ray: str | None = None) -> int:
     from fedskew.experiments.report import write_report
     from fedskew.experiments.sweep import default_jobs, default_sweep_dir, plan, run_sweep
 
     sweep_dir = Path(out) if out else default_sweep_dir(spec)
     total = len(plan(spec))
     jobs = jobs or default_jobs()
+    where = (f"{jobs} at a time" if ray is None else
+             f"on Ray ({'a local instance' if ray == 'local' else ray}; {spec.resources.num_cpus:g} CPU, "
+             f"{spec.resources.num_gpus:g} GPU per run)")
     console.print(f"fedskew sweep '{spec.name}': {len(spec.methods)} methods x {len(spec.partitions)} partitions x "
-                  f"{len(spec.seeds)} seeds = {total} runs (grids included) into {sweep_dir}, {jobs} at a time",
+                  f"{len(spec.seeds)} seeds = {total} runs (grids included) into {sweep_dir}, {where}",
                   highlight=False)
     if args is not None:
         args.interrupt_hint = (f"finished runs are kept in {sweep_dir}; the same command again continues the sweep "
                                f"(interrupted runs resume from their checkpoints).")
-    display = SweepDisplay(console, total, jobs)
+    display = SweepDisplay(console, total, jobs if ray is None else 0)  # (0: as many at once as are running)
     if display.progress is not None:
         with display.progress:
-            db = run_sweep(spec, sweep_dir, jobs, display)
+            db = run_sweep(spec, sweep_dir, jobs, display, ray)
     else:
-        db = run_sweep(spec, sweep_dir, jobs, display)
+        db = run_sweep(spec, sweep_dir, jobs, display, ray)
     failed = db.execute("SELECT COUNT(*) FROM runs WHERE status='failed'").fetchone()[0]
     db.close()
     console.print(f"{total} runs, {failed} failed; results in {sweep_dir / 'results.sqlite'} "
@@ -423,8 +431,18 @@ def cmd_sweep(args, console: Console) -> int:
     from fedskew.experiments.presets import default_comparison
     from fedskew.experiments.sweep import load_spec
 
+    from fedskew.config import ConfigError
+
     spec = load_spec(args.file if args.file else default_comparison())
-    return _run_and_report(spec, args.out, args.jobs, not args.no_report, console, args)
+    if args.ray_cpus is not None or args.ray_gpus is not None:
+        if args.ray is None:
+            raise ConfigError("--ray-cpus and --ray-gpus ask Ray for resources; add --ray [ADDRESS].")
+        update = {k: v for k, v in (("num_cpus", args.ray_cpus), ("num_gpus", args.ray_gpus)) if v is not None}
+        spec = load_spec({**spec.model_dump(), "resources": {**spec.resources.model_dump(), **update}})
+    if args.ray is not None and args.jobs:
+        raise ConfigError("--jobs sets local worker processes; with --ray the cluster's resources decide "
+                          "(--ray-cpus, --ray-gpus).")
+    return _run_and_report(spec, args.out, args.jobs, not args.no_report, console, args, args.ray)
 
 
 def cmd_reproduce(args, console: Console) -> int:
@@ -529,6 +547,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_sw.add_argument("--out", help="sweep folder (default runs/sweep-<name>); running again resumes it")
     p_sw.add_argument("--jobs", type=int, help="runs at once, one torch thread each (default: min(2, cores))")
     p_sw.add_argument("--no-report", action="store_true", help="skip the report at the end")
+    p_sw.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                      help="run on Ray: no address starts a local instance; auto, host:port or ray://host:10001 "
+                           "joins a cluster (docs/scaling.md)")
+    p_sw.add_argument("--ray-cpus", type=float, help="CPUs per run on Ray (default 1; sweep key resources.num_cpus)")
+    p_sw.add_argument("--ray-gpus", type=float, help="GPUs per run on Ray, fractions allowed (default 0)")
     p_rep = sub.add_parser("report", help="tables and plots of a sweep folder as Markdown and HTML")
     p_rep.add_argument("sweep_dir")
     p_rep.add_argument("--out", help="report folder (default SWEEP_DIR/report)")

@@ -120,6 +120,8 @@ class RunConfig(_Strict):
     fail_fast: bool = Field(False, description="stop the run when a client's training raises (default: "
                                                "report it and aggregate the others)")
     executor: Literal["sequential", "vectorized"] = "sequential"
+    distributed: bool = Field(False, description="spread each round's clients over the ranks of a torchrun "
+                                                 "launch (rank 0 writes the run; docs/scaling.md)")
     max_parallel_clients: int | None = Field(None, ge=1, description="vectorized: clients per chunk")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="training forward's compute dtype (fp32 master weights; fp16 with dynamic loss scaling)")

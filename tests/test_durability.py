@@ -312,11 +312,15 @@ def test_a_dead_worker_fails_only_its_run(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
-def test_a_signal_stops_the_run_with_the_resume_command(tmp_path, full, sig, code, word):
-    proc = cli_popen("run", *SMALL_ARGS, "out_dir=.", "run_name=r", cwd=tmp_path)
-    wait_for(lambda: (tmp_path / "r" / "checkpoint.pt").exists(), proc)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+def test_a_signal_stops_the_run_with_the_resume_command(tmp_path_factory, full, sig, code, word):
+    for _ in range(3):  # a loaded machine may let the 4-round run finish before the signal lands
+        tmp_path = tmp_path_factory.mktemp("signal")
+        proc = cli_popen("run", *SMALL_ARGS, "out_dir=.", "run_name=r", cwd=tmp_path)
+        wait_for(lambda: (tmp_path / "r" / "checkpoint.pt").exists(), proc)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        if not (tmp_path / "r" / "summary.json").exists():  # the signal reached the run mid-way: the case tested
+            break
     assert proc.returncode == code and "Traceback" not in err
     assert f"fedskew: {word}; the run directory keeps the last checkpoint: `fedskew resume r` continues it." in err
     done = subprocess.run([sys.executable, "-m", "fedskew.cli", "resume", "r"], cwd=tmp_path, env=ENV,

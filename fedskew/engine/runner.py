@@ -127,6 +127,11 @@ class Experiment:
     def __init__(self, cfg: RunConfig, run_dir: Path | None = None, resume: bool = False):
         self.cfg = cfg
         self.resume = resume
+        self.group = None  # torch.distributed: this process's rank (distributed=true), else None
+        if cfg.distributed:
+            from fedskew.engine.distributed import setup
+
+            self.group = setup(cfg.device)
         self.device = resolve_device(cfg.device)
         self.fed = load_federation(cfg)
         val_fraction = method_validation_fraction(cfg.method)
@@ -155,6 +160,12 @@ class Experiment:
                               f"method flda keeps on the clients; method '{cfg.method.name}' would send and average "
                               f"them: use method=flda or model.private_expert=false.")
         self.executor = make_executor(cfg, self.model, self.fed, self.method, self.device)
+        if self.group is not None:
+            if self.group.rank > 0:
+                return  # a worker rank: it trains what rank 0 sends (run) and writes nothing
+            from fedskew.engine.distributed import DistributedExecutor
+
+            self.executor = DistributedExecutor(self.executor, self.group, self.device)
         self.x_test = self.fed.data.x_test.to(self.device)
         self.y_test = self.fed.data.y_test.to(self.device)
         self.run_dir = Path(run_dir) if run_dir else default_run_dir(cfg)
@@ -239,8 +250,27 @@ class Experiment:
         return None
 
     # -- the loop ------------------------------------------------------------------------------
-    def run(self, on_round: Callable[[dict], None] | None = None) -> RunResult:
+    @property
+    def worker(self) -> bool:
+        """A rank > 0 of a distributed run: it trains shards for rank 0 and returns no result."""
+        return self.group is not None and self.group.rank > 0
+
+    def run(self, on_round: Callable[[dict], None] | None = None) -> RunResult | None:
         """Execute (or resume) the run; the run directory is locked for this process meanwhile."""
+        if self.group is not None:
+            from fedskew.engine.distributed import serve, teardown
+
+            try:
+                if self.worker:
+                    return serve(self.executor, self.group, self.device)
+                return self._run_locked(on_round)
+            finally:
+                if not self.worker:
+                    self.executor.stop()
+                teardown()
+        return self._run_locked(on_round)
+
+    def _run_locked(self, on_round) -> RunResult:
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -617,7 +647,7 @@ def run(cfg: RunConfig, run_dir: Path | None = None, on_round=None) -> RunResult
 # Settings a run may change when resumed (`fedskew resume DIR lr=0.005`): how it is optimised from now
 # on, evaluated and recorded; not what it is (data, partition, model, method, seed).
 RESUMABLE = ("lr", "lr_decay", "grad_clip", "rounds", "eval_every", "checkpoint_every", "fail_fast", "logger",
-             "final_personalization", "device", "executor", "max_parallel_clients", "pad_batches", "precision", "feature_stats",
+             "final_personalization", "device", "executor", "distributed", "max_parallel_clients", "pad_batches", "precision", "feature_stats",
              "classifier_stats", "forgetting_stats", "forgetting_test_samples")
 
 

@@ -15,6 +15,7 @@ A sweep file::
       Dir0.5: {name: dirichlet, alpha: 0.5}
     seeds: [0, 1, 2]
     selection: {split: test, metric: global/test_acc_mean_last10}  # or split: validation
+    resources: {num_cpus: 1, num_gpus: 0}          # per run, with --ray (docs/scaling.md)
 
 The sweep folder holds ``sweep.yaml`` (the spec as run), ``results.sqlite`` (the results store,
 :mod:`fedskew.experiments.store`) and ``runs/<id>/`` (ordinary run directories). Running the sweep
@@ -76,6 +77,13 @@ class SelectionSpec(_Strict):
                                "global/test_acc_mean_last10")
 
 
+class ResourcesSpec(_Strict):
+    """What one run asks of a Ray node (``fedskew sweep FILE --ray``); fractions share a GPU."""
+
+    num_cpus: float = Field(1.0, gt=0, description="CPUs per run (its torch threads: the integer part, at least 1)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per run; 0.5 puts two runs on one GPU")
+
+
 class SweepSpec(_Strict):
     name: str = "sweep"
     base: dict[str, Any] = Field(default_factory=dict)
@@ -84,6 +92,7 @@ class SweepSpec(_Strict):
     seeds: list[int] = Field(default_factory=lambda: [0])
     selection: SelectionSpec = Field(default_factory=SelectionSpec)
     report: dict[str, Any] = Field(default_factory=dict, description="options of fedskew report (metric, baseline)")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="per run, on Ray (--ray)")
 
     @field_validator("methods", mode="before")
     @classmethod
@@ -250,10 +259,16 @@ def _mp_context(external: dict[str, tuple[str, str]]):
 
 
 def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
-              on_event: Callable[[str, dict], None] | None = None) -> sqlite3.Connection:
+              on_event: Callable[[str, dict], None] | None = None, ray: str | None = None) -> sqlite3.Connection:
     """Run every planned run that has not finished; returns the open database. ``jobs`` > 1 runs
-    that many runs at once in worker processes with one torch thread each."""
+    that many runs at once in worker processes with one torch thread each; ``ray`` (``"local"``: a
+    Ray instance started for the sweep, else a cluster address such as ``auto`` or
+    ``ray://host:10001``) submits them as Ray tasks with ``spec.resources`` instead."""
     sweep_dir = Path(sweep_dir)
+    if ray is not None:
+        from fedskew.experiments.on_ray import check_address
+
+        check_address(ray)
     runs = plan(spec)
     check_data(runs)
     blocked = blocking_file(sweep_dir)
@@ -262,18 +277,20 @@ def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
     sweep_dir.mkdir(parents=True, exist_ok=True)
     lock = FolderLock(sweep_dir, "sweep folder").acquire()  # one sweep process per folder, for its life
     try:
-        db = _run_locked(spec, sweep_dir, runs, jobs, on_event)
+        db = _run_locked(spec, sweep_dir, runs, jobs, on_event, ray)
     finally:
         lock.release()
     return db
 
 
-def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, on_event) -> sqlite3.Connection:
+def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, on_event,
+                ray: str | None = None) -> sqlite3.Connection:
     spec_file = sweep_dir / "sweep.yaml"
     spec_data = spec.model_dump(mode="json")
     if spec_file.is_file():
         previous = yaml.safe_load(spec_file.read_text())
-        if previous != spec_data:
+        what = lambda d: {k: v for k, v in (d or {}).items() if k != "resources"}  # (where runs run, not what)
+        if what(previous) != what(spec_data):
             print(f"fedskew: the sweep in {sweep_dir} changes; finished runs whose configuration is unchanged "
                   f"are kept, the others are added.", flush=True)
     atomic_write_text(yaml.safe_dump(spec_data, sort_keys=False), spec_file)
@@ -298,7 +315,12 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
             on_event("failed" if error else "done", {**r, "summary": summary, "error": error})
 
     run_dir = {r["run_id"]: str(sweep_dir / "runs" / r["run_id"]) for r in runs}
-    if jobs <= 1:
+    if ray is not None:
+        from fedskew.experiments.on_ray import run_on_ray
+
+        run_on_ray(todo, {k: str(Path(v).resolve()) for k, v in run_dir.items()}, ray, spec.resources, started,
+                   finished)
+    elif jobs <= 1:
         for r in todo:
             started(r)
             try:
@@ -410,4 +432,4 @@ def default_jobs() -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-__all__ = ["MethodSpec", "SweepSpec", "default_jobs", "default_sweep_dir", "grid_points", "load_spec", "plan", "run_sweep", "select"]
+__all__ = ["MethodSpec", "ResourcesSpec", "SweepSpec", "default_jobs", "default_sweep_dir", "grid_points", "load_spec", "plan", "run_sweep", "select"]

@@ -54,6 +54,9 @@ def check_supported(cfg: RunConfig) -> None:
     from fedskew.methods import Method, build_method
     from fedskew.methods.compose import Composite
 
+    if cfg.distributed:
+        raise ConfigError("distributed = true spreads a run's clients over torchrun ranks; on Flower each SuperNode "
+                          "already trains its own clients: leave it false.")
     method = build_method(cfg.method)
     while isinstance(method, Composite):  # (a composite forwards download to its base)
         method = method.base
