@@ -428,10 +428,9 @@ def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, conso
 
 
 def cmd_sweep(args, console: Console) -> int:
+    from fedskew.config import ConfigError
     from fedskew.experiments.presets import default_comparison
     from fedskew.experiments.sweep import load_spec
-
-    from fedskew.config import ConfigError
 
     spec = load_spec(args.file if args.file else default_comparison())
     if args.ray_cpus is not None or args.ray_gpus is not None:

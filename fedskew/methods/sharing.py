@@ -411,9 +411,9 @@ class FLDA(PartialSharing):
     alpha(z) = sigmoid(w_k^T z + b_k) (``model.private_expert``, :class:`PrivateExpertNet`), and
     trains the three jointly on the mixture's cross-entropy (``loss=code``: counted twice, see the
     option; ``loss=both`` adds the global model's own cross-entropy, so that g also learns as a
-    classifier by itself rather than only through alpha). Only the global model is sent and averaged (FedAvg weights); the private model and the
-    gate stay on the client (the private model starts from its own initialisation, the same for
-    every client). Personalised model: the mixture; global model: the averaged g alone. The MAP code
+    classifier by itself rather than only through alpha). Only the global model is sent and
+    averaged (FedAvg weights); the private model and the gate stay on the client (the private model
+    starts from its own initialisation, the same for every client). Personalised model: the mixture; global model: the averaged g alone. The MAP code
     tests the personalised model on 0.5 (softmax + softmax) of the mixture, the same argmax.
 
     Sends what FedAvg does; keeps a second model and d + 1 gate weights per client."""
