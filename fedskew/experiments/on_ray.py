@@ -78,11 +78,11 @@ def run_on_ray(todo: list[dict], run_dir: dict[str, str], address: str, resource
     """Run ``todo`` on Ray at ``address`` ("local": a new local instance), reporting each run to
     ``started`` and ``finished`` (the sweep's database writers) in the driver."""
     ray = _ray()
+    from fedskew.experiments.sweep import interactive_methods
     from fedskew.methods import external_methods
 
     external = external_methods()
-    main = __import__("sys").modules.get("__main__")
-    if any(module == "__main__" and not getattr(main, "__file__", None) for module, _ in external.values()):
+    if interactive_methods(external):
         raise ConfigError("methods registered in an interactive session cannot be sent to Ray workers; define them in "
                           "a module the workers can import (fedskew.register_method in a .py file).")
     import warnings

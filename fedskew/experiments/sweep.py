@@ -247,15 +247,21 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
 
 
-def _mp_context(external: dict[str, tuple[str, str]]):
-    """spawn (a clean interpreter per worker), unless a registered method lives in a ``__main__``
-    that a new interpreter cannot import (a notebook, ``python -c``): then fork, which inherits it."""
-    import multiprocessing
+def interactive_methods(external: dict[str, tuple[str, str]]) -> bool:
+    """Whether a method registered from outside the package lives in a ``__main__`` that a new
+    interpreter cannot import (a notebook, ``python -c``)."""
     import sys
 
     main = sys.modules.get("__main__")
-    unimportable = any(module == "__main__" and not getattr(main, "__file__", None) for module, _ in external.values())
-    return multiprocessing.get_context("fork" if unimportable else "spawn")
+    return any(module == "__main__" and not getattr(main, "__file__", None) for module, _ in external.values())
+
+
+def _mp_context(external: dict[str, tuple[str, str]]):
+    """spawn (a clean interpreter per worker), unless a registered method cannot be imported by a
+    new interpreter (:func:`interactive_methods`): then fork, which inherits it."""
+    import multiprocessing
+
+    return multiprocessing.get_context("fork" if interactive_methods(external) else "spawn")
 
 
 def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,

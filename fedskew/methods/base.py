@@ -252,10 +252,16 @@ class Method:
     # The losses below are batch means of per-sample terms, written with ``fwd.mean`` and
     # ``fwd.cross_entropy`` (plus terms of the parameters alone): see ``padding_exact``.
     per_sample_loss = True
+    # parameters the built model must have (True) or lack (False), with what gives them: when a
+    # config overrode the option the method's defaults set, ``__init__`` says so in one sentence
+    model_requires: dict[str, tuple[bool, str]] = {}
 
     def __init__(self, options: BaseModel | None = None, info: FederationInfo | None = None):
         self.opt = options if options is not None else self.Options()
         self.info = info  # static facts of the federation (numbers of clients, parameter names)
+        for name, (present, what) in self.model_requires.items():
+            if info is not None and info.param_names and (name in info.param_names) != present:
+                raise ValueError(f"method {self.name} needs {what}.")
 
     # -- state ---------------------------------------------------------------------------------
     def server_init(self, global_state: State, info: FederationInfo) -> State:

@@ -179,11 +179,7 @@ class FedNH(Method):
     requires_classifier = "linear"
     model_defaults = {"classifier_bias": False}
     per_sample_loss = True  # Method.padding_exact
-
-    def __init__(self, options=None, info=None):
-        super().__init__(options, info)
-        if info is not None and info.param_names and HEAD + "bias" in info.param_names:
-            raise ValueError("method fednh needs model.classifier_bias = false: the head is the prototypes alone.")
+    model_requires = {HEAD + "bias": (False, "model.classifier_bias = false: the head is the prototypes alone")}
 
     def server_init(self, global_state, info):
         w = global_state[HEAD + "weight"]

@@ -10,6 +10,7 @@ uploaded classifiers, and the clients use its samples as a regulariser.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -218,6 +219,7 @@ class FedGen(Method):
         return {**as_model_part(global_state), **{k: v for k, v in server_state.items() if k.startswith(GEN)},
                 "fedgen.alpha": torch.tensor(alpha, device=ref.device), "fedgen.beta": torch.tensor(beta, device=ref.device)}
 
+    @functools.cached_property
     def classes(self) -> torch.Tensor:
         """The federation's classes (those with a training sample), the support of y'."""
         return torch.nonzero(self.info.class_counts.sum(0) > 0).flatten()
@@ -226,7 +228,7 @@ class FedGen(Method):
         gen = strip_prefix(payload, GEN)
         ref = reference_tensor(payload)
         gen_rng = torch.Generator().manual_seed(torch_seed(self.info.seed, "fedgen_bank", data.round_idx, data.client_id))
-        y = self.classes().repeat_interleave(self.opt.bank_per_class)
+        y = self.classes.repeat_interleave(self.opt.bank_per_class)
         eps = self.noise(len(y), gen_rng).to(ref.device)
         with torch.no_grad():
             bank = generate(gen, y.to(ref.device), eps, self.info.num_classes, train=False)
@@ -241,12 +243,12 @@ class FedGen(Method):
         _, logits = fwd(x)
         ce = fwd.cross_entropy(logits, y)
         bank = client_state["fedgen.bank"]
-        y_bank = self.classes().to(y.device).repeat_interleave(self.opt.bank_per_class)
+        y_bank = self.classes.to(y.device).repeat_interleave(self.opt.bank_per_class)
         bank_logits = fwd.head(bank)
         # beta term: KL(p_G(y) || softmax f(x)), p_G(y) the bank's mean probability of class y
         probs = F.softmax(bank_logits.detach(), -1).reshape(-1, self.opt.bank_per_class, self.info.num_classes).mean(1)
         target = torch.zeros(self.info.num_classes, self.info.num_classes, device=y.device, dtype=probs.dtype)
-        target = target.index_copy(0, self.classes().to(y.device), probs)[y]
+        target = target.index_copy(0, self.classes.to(y.device), probs)[y]
         kl = fwd.mean((target * (torch.log(target.clamp_min(1e-12)) - F.log_softmax(logits, -1))).sum(-1))
         teacher = F.cross_entropy(bank_logits, y_bank)
         ratio = self.opt.gen_batch_size / self.info.batch_size

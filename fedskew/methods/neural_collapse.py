@@ -129,12 +129,8 @@ class FedETF(Method):
     model_defaults = {"classifier": "etf", "etf_projector": True, "etf_normalize": True, "etf_learn_scale": True,
                       "etf_scale": 10.0}
     per_sample_loss = True  # Method.padding_exact
-
-    def __init__(self, options=None, info=None):
-        super().__init__(options, info)
-        if info is not None and info.param_names and "classifier.projector.weight" not in info.param_names:
-            raise ValueError("method fedetf needs model.etf_projector = true (its defaults set it; a config "
-                             "set it to false).")
+    model_requires = {"classifier.projector.weight": (True, "model.etf_projector = true (its defaults set it; a "
+                                                            "config set it to false)")}
 
     def client_init(self, client_id, global_state, info):
         head = {k: v.clone() for k, v in global_state.items() if k in head_names(self.info)}

@@ -304,12 +304,8 @@ class FedProto(Method):
     requires_classifier = "linear"
     has_global_model = False
     per_sample_loss = True  # Method.padding_exact
-
-    def __init__(self, options=None, info=None):
-        super().__init__(options, info)
-        if info is not None and info.param_names and HEAD + "bias" not in info.param_names:
-            raise ValueError("method fedproto needs model.classifier_bias = true: prediction by nearest "
-                             "prototype is a linear head with a bias.")
+    model_requires = {HEAD + "bias": (True, "model.classifier_bias = true: prediction by nearest prototype is a "
+                                            "linear head with a bias")}
 
     def server_init(self, global_state, info):
         ref = reference_tensor(global_state)

@@ -423,12 +423,8 @@ class FLDA(PartialSharing):
     keep = "flda."
     model_defaults = {"private_expert": True}
     per_sample_loss = True  # Method.padding_exact
-
-    def __init__(self, options=None, info=None):
-        super().__init__(options, info)
-        if info is not None and info.param_names and "gate.weight" not in info.param_names:
-            raise ValueError("method flda needs model.private_expert = true (its defaults set it; a config set "
-                             "it to false).")
+    model_requires = {"gate.weight": (True, "model.private_expert = true (its defaults set it; a config set it to "
+                                            "false)")}
 
     def shared(self, key):
         return not key.startswith(("private.", "gate"))
