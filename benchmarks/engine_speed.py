@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from fedskew.config import load_config
-from fedskew.engine.local import batch_schedule, federated_state
+from fedskew.engine.local import federated_state
+from fedskew.engine.protocol import batch_schedule
 from fedskew.engine.runner import Experiment
 from fedskew.streams import sample_clients
 
@@ -161,7 +162,7 @@ def flower_round_seconds(cfg, rounds: int) -> float | None:
         return None
     import logging
 
-    from fedskew.methods.base import as_model_part
+    from fedskew.algorithms.base import as_model_part
 
     logging.getLogger("flwr").setLevel(logging.ERROR)
     cfg_json = cfg.model_dump(mode="json")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from common import mean_std, parser
 
-from fedskew.methods import METHODS
+from fedskew.algorithms import METHODS
 from fedskew.experiments.sweep import load_spec, run_sweep
 
 SETTING = {"dataset": {"name": "fmnist", "train_subsample": 0.1}, "model": "simplecnn",

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 import fedskew
-from fedskew.methods.base import FedAvgOptions
+from fedskew.algorithms.base import FedAvgOptions
 
 
 class LogitNormOptions(FedAvgOptions):

@@ -41,11 +41,11 @@ sweep under ``if __name__ == "__main__":``. The Flower runtime does not see regi
 
 Names (looked up on first use, so ``import fedskew`` stays light): :class:`Method`,
 :class:`FederationInfo`, :class:`Forward`, :class:`ClientReport` (the method interface,
-``fedskew.methods.base``), :class:`RunConfig`, :class:`ConfigError` (``fedskew.config``),
+``fedskew.algorithms.base``), :class:`RunConfig`, :class:`ConfigError` (``fedskew.config``),
 :class:`RunResult` (``fedskew.engine.runner``).
 
 Layout: ``fedskew.config`` (run schema), ``fedskew.data`` / ``fedskew.models`` (data sets,
-partitions, networks), ``fedskew.methods`` (one module per method family), ``fedskew.metrics``,
+partitions, networks), ``fedskew.algorithms`` (one module per method family), ``fedskew.metrics``,
 ``fedskew.engine`` (executors and the round loop), ``fedskew.experiments`` (sweeps, results store,
 reports, presets), ``fedskew.flower`` (Flower apps), ``fedskew.streams`` (named random streams),
 ``fedskew.cli`` (the ``fedskew`` command).
@@ -60,11 +60,11 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from fedskew.config import RunConfig
-    from fedskew.engine.runner import RunResult
-    from fedskew.methods.base import Method
+    from fedskew.engine.rundir import RunResult
+    from fedskew.algorithms.base import Method
 
-_LAZY = {"Method": "fedskew.methods.base", "FederationInfo": "fedskew.methods.base",
-         "Forward": "fedskew.methods.base", "ClientReport": "fedskew.methods.base",
+_LAZY = {"Method": "fedskew.algorithms.base", "FederationInfo": "fedskew.algorithms.base",
+         "Forward": "fedskew.algorithms.base", "ClientReport": "fedskew.algorithms.base",
          "RunConfig": "fedskew.config", "ConfigError": "fedskew.config", "RunResult": "fedskew.engine.runner"}
 
 
@@ -127,8 +127,8 @@ def resume(run_dir: str | Path, *, on_round: Callable[[dict], None] | None = Non
     """Continue the interrupted run in ``run_dir`` from its last checkpoint (exactly: the result
     equals an uninterrupted run's); a finished run is reloaded and summarised again. ``changes``
     (``lr=0.005``, ``rounds=100``, ``grad_clip=1.0``, ...) alter how it continues from the next
-    round on, recorded in its config.yaml (``fedskew.engine.runner.RESUMABLE`` lists them)."""
-    from fedskew.engine.runner import resume as resume_run
+    round on, recorded in its config.yaml (``fedskew.engine.resume.RESUMABLE`` lists them)."""
+    from fedskew.engine.resume import resume as resume_run
 
     return resume_run(run_dir, on_round, changes)
 
@@ -200,7 +200,7 @@ def load_results(sweep_dir: str | Path, *, rounds: bool = False, frame: bool | N
 def methods() -> dict[str, type[Method]]:
     """Every method a config can name, built-in and registered: ``{name: class}``. A class's
     ``Options`` lists its options and defaults (``fedskew.methods()["fedmr"].Options()``)."""
-    from fedskew.methods import registered
+    from fedskew.algorithms import registered
 
     return registered()
 
@@ -210,7 +210,7 @@ def register_method(cls: type[Method] | None = None, *, name: str | None = None)
     the lower-cased class name) so configs, both executors, sweeps and reports can use it; works
     as a decorator. Built-in names cannot be taken; registering a name again replaces your earlier
     class."""
-    from fedskew.methods import register_method as register
+    from fedskew.algorithms import register_method as register
 
     return register(cls, name=name)
 

@@ -1,7 +1,13 @@
-"""Command line: ``fedskew run``, ``fedskew resume`` and ``fedskew partition``.
+"""Command line: ``fedskew run | resume | partition | methods | sweep | report | reproduce | flower``.
 
 ``fedskew run [CONFIG.yaml] [key=value ...]`` runs one experiment (with no arguments, FedAvg on
-the bundled digits data under a PxCy partition) and prints a results table.
+the bundled digits data under a PxCy partition) and prints a results table; ``resume DIR``
+continues an interrupted run; ``partition`` prints and draws a partition; ``methods [NAME]`` lists
+the methods and their options (``--markdown``: docs/methods.md's reference); ``sweep [FILE]``
+runs methods x options x partitions x seeds into a results database (no file: the README's
+comparison); ``report DIR`` rebuilds a sweep's tables and plots; ``reproduce NAME`` runs a seed
+paper's preset; ``flower simulate|app|run`` runs a config on Flower. ``fedskew COMMAND --help``
+gives each one's arguments.
 """
 
 from __future__ import annotations
@@ -191,7 +197,7 @@ def multirun_spec(config: str | None, single: list[str], multi: dict[str, list])
 
 def full_config(cfg) -> dict:
     """The resolved config with every default, the method's options included."""
-    from fedskew.methods import COMPONENTS, METHODS
+    from fedskew.algorithms import COMPONENTS, METHODS
 
     data = cfg.resolved()
     cls = METHODS[cfg.method.name]
@@ -205,7 +211,7 @@ def full_config(cfg) -> dict:
 
 
 def cmd_resume(args, console: Console) -> int:
-    from fedskew.engine.runner import resume
+    from fedskew.engine.resume import resume
     from fedskew.config import load_config
 
     changes = list(getattr(args, "changes", None) or [])
@@ -237,8 +243,11 @@ def _describe(obj) -> str:
 
 def cmd_methods(args, console: Console) -> int:
     from fedskew.config import ConfigError
-    from fedskew.methods import COMPONENTS, METHODS, did_you_mean
+    from fedskew.algorithms import COMPONENTS, METHODS, did_you_mean, options_reference
 
+    if args.markdown:
+        print(options_reference(), end="")
+        return 0
     if args.name:
         if args.name not in METHODS and args.name not in COMPONENTS:
             raise ConfigError(f"method '{args.name}' is not known{did_you_mean(args.name, METHODS)}; "
@@ -476,7 +485,7 @@ def cmd_flower(args, console: Console) -> int:
     import subprocess
 
     from fedskew.config import ConfigError, load_config
-    from fedskew.engine.runner import default_run_dir
+    from fedskew.engine.rundir import default_run_dir
 
     fl = _flower()
     config, overrides = _split_args(args.items)
@@ -540,6 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_part.add_argument("--out", help="heatmap PNG path (default OUT_DIR/partition-<dataset>-<partition>-s<seed>.png)")
     p_meth = sub.add_parser("methods", help="every method with its options, defaults and description")
     p_meth.add_argument("name", nargs="?", help="one method: its options with their descriptions")
+    p_meth.add_argument("--markdown", action="store_true", help="every method's and component's options as Markdown "
+                                                                "(docs/methods.md, \"Options reference\")")
     p_sw = sub.add_parser("sweep", help="methods x options x partitions x seeds into a results database and a "
                                          "report (no file: FedAvg vs the four seed methods on digits)")
     p_sw.add_argument("file", nargs="?", help="sweep YAML (see fedskew/experiments/sweep.py)")
@@ -597,11 +608,28 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, before)
 
 
+def _one_line_warnings() -> None:
+    """fedskew's own deprecation notices (FutureWarning) as one line on stderr, not Python's format."""
+    import warnings
+
+    default, seen = warnings.showwarning, set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, FutureWarning) and "fedskew" in str(message):
+            if str(message) not in seen:  # (a config is validated more than once)
+                seen.add(str(message))
+                print(f"fedskew: warning: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+    warnings.showwarning = show
+
+
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     import os
 
+    _one_line_warnings()
     # piped output (a log file, CI) gets 120 columns rather than rich's 80, so result tables do not wrap
     console = Console() if sys.stdout.isatty() or "COLUMNS" in os.environ else Console(width=120)
     from fedskew.config import ConfigError

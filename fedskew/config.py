@@ -16,25 +16,44 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from fedskew import __version__
-from fedskew.methods import did_you_mean  # noqa: F401  (also used by experiments)
+from fedskew.algorithms import did_you_mean  # noqa: F401  (also used by experiments)
+from fedskew.algorithms.base import StrictOptions
 
 
 class ConfigError(ValueError):
     """An invalid configuration; the message names the key, the value and what is allowed."""
 
 
-class _Strict(BaseModel):
+class _Strict(StrictOptions):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class _Section(_Strict):
+    """A config section whose keys depend on its ``name`` (one schema per name, as a builder's
+    signature): :meth:`applies` says which keys the chosen name reads. A key set that the name does
+    not read is an error (``RunConfig`` checks it), and the record of a config (``model_dump``)
+    holds only the keys that apply."""
+
+    def applies(self) -> set[str]:
+        raise NotImplementedError
+
+    def unused_keys(self) -> list[str]:
+        return sorted(self.model_fields_set - self.applies())
+
+    @model_serializer(mode="wrap")
+    def _only_applicable(self, handler):
+        keep = self.applies()
+        return {k: v for k, v in handler(self).items() if k in keep}
 
 
 def _name_or_mapping(value: Any) -> Any:
     return {"name": value} if isinstance(value, str) else value
 
 
-class DatasetConfig(_Strict):
+class DatasetConfig(_Section):
     name: Literal["digits", "synthetic", "mnist", "fmnist", "cifar10", "cifar100", "svhn", "femnist",
                   "shakespeare", "cinic10", "tinyimagenet"] = "digits"
     root: str | None = Field(None, description="folder holding the files (every dataset but digits and synthetic)")
@@ -51,8 +70,14 @@ class DatasetConfig(_Strict):
                                                                     "training set as a global validation set")
     augment: bool = Field(False, description="random crop (padding 4) + horizontal flip of training batches")
 
+    def applies(self) -> set[str]:
+        own = {"digits": {"test_fraction"},
+               "synthetic": {"num_classes", "dim", "train_per_class", "test_per_class", "separation"},
+               "femnist": {"root"}, "shakespeare": {"root"}}.get(self.name, {"root", "download"})
+        return {"name", "train_subsample", "test_subsample", "validation_fraction", "augment", *own}
 
-class PartitionConfig(_Strict):
+
+class PartitionConfig(_Section):
     name: Literal["iid", "pcdd", "label_k", "dirichlet", "random_classes", "label_count", "shards",
                   "natural"] = "pcdd"
     num_clients: int = Field(20, ge=1)
@@ -65,8 +90,15 @@ class PartitionConfig(_Strict):
     shards_per_client: int = Field(2, ge=1, description="shards: s shards of sorted labels per client")
     local_test_fraction: float = Field(0.2, ge=0, lt=1, description="per-client local test hold-out")
 
+    def applies(self) -> set[str]:
+        own = {"pcdd": {"classes_per_client"}, "label_k": {"classes_per_client"},
+               "dirichlet": {"alpha", "min_size"}, "random_classes": {"size_sigma", "min_classes"},
+               "label_count": {"classes_per_client", "samples_per_class"},
+               "shards": {"shards_per_client"}}.get(self.name, set())
+        return {"name", "num_clients", "local_test_fraction", *own}
 
-class ModelConfig(_Strict):
+
+class ModelConfig(_Section):
     name: Literal["mlp", "lenet", "simplecnn", "tcnn", "cnnbn", "mlpnet", "tfcnn", "vgg8", "vgg8bn", "vgg11",
                   "vgg16bn", "resnet18", "resnet20", "resnet56", "wrn28_10", "resnet50", "efficientnet_b0",
                   "lstm"] = "mlp"
@@ -84,6 +116,11 @@ class ModelConfig(_Strict):
                                                      "(FedETF's learnable temperature)")
     private_expert: bool = Field(False, description="FLDA's architecture: a private copy of the model and a "
                                                     "gate mixing its logits with the model's (method flda)")
+
+    def applies(self) -> set[str]:
+        own = {"mlp": {"hidden"}, "mlpnet": {"hidden"}, "cnnbn": {"width"}}.get(self.name, set())
+        etf = {"etf_scale", "etf_normalize", "etf_projector", "etf_learn_scale"} if self.classifier == "etf" else set()
+        return {"name", "classifier_bias", "projection_dim", "classifier", "private_expert", *own, *etf}
 
 
 class MethodConfig(BaseModel):
@@ -151,9 +188,26 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _method_options(self) -> "RunConfig":
-        from fedskew.methods import method_model_defaults, validate_method_config
+        from fedskew.algorithms import method_model_defaults, model_option_owner, validate_method_config
 
+        problems = []
+        for section in ("dataset", "partition", "model"):
+            part = getattr(self, section)
+            unused = part.unused_keys()
+            if unused:
+                what = (f"model '{part.name}' with classifier '{part.classifier}'" if section == "model"
+                        else f"{section} '{part.name}'")
+                problems.append(f"{', '.join(f'{section}.{k}' for k in unused)} {'does' if len(unused) == 1 else 'do'}"
+                                f" not apply to {what}, which reads {sorted(part.applies() - {'name'})}")
+        if problems:
+            raise ValueError("; ".join(problems))
         validate_method_config(self.method)
+        for option in ("private_expert",):
+            owner = model_option_owner(option)
+            if getattr(self.model, option) and owner is not None and owner != self.method.name:
+                raise ValueError(f"model.{option} = true is the architecture of method {owner}, whose extra parts only "
+                                 f"{owner} keeps on the clients; method '{self.method.name}' would send and average "
+                                 f"them: use method={owner} or model.{option}=false")
         # the model options the method's papers use, where the config leaves them unset
         for key, value in method_model_defaults(self.method).items():
             if key not in self.model.model_fields_set:
@@ -297,9 +351,27 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping of keys, not a {type(loaded).__name__}.")
     data = loaded or {}
+    if "fedskew_version" in data:  # a run directory's record: before 0.2 it listed every key
+        _drop_recorded_defaults(data)
     for key in RECORD_KEYS:  # what a run directory's config.yaml records beside the config
         data.pop(key, None)
     return data
+
+
+def _drop_recorded_defaults(record: dict[str, Any]) -> None:
+    """Remove from a recorded config the section keys its names do not read, where they hold the
+    default (runs recorded before sections had one schema per name wrote every key)."""
+    for section, schema in SECTIONS.items():
+        part = record.get(section)
+        if not isinstance(part, dict):
+            continue
+        try:
+            keep = schema.model_validate({k: v for k, v in part.items() if k in schema.model_fields}).applies()
+        except ValidationError:
+            continue  # validation later names the problem
+        for key in [k for k in part if k not in keep and k in schema.model_fields]:
+            if part[key] == schema.model_fields[key].default:
+                del part[key]
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -14,7 +14,7 @@ import torch
 
 import fedskew
 from fedskew.config import ConfigError, load_config
-from fedskew.methods import BUILTIN, METHODS
+from fedskew.algorithms import BUILTIN, METHODS
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"rounds": 3, "partition.num_clients": 6, "clients_per_round": 3, "local_epochs": 1, "model.hidden": [32]}
@@ -80,9 +80,9 @@ def test_run_with_overrides_equals_the_cli_run(tmp_path):
 
 
 def test_load_config_takes_every_form_of_a_config(tmp_path):
-    cli = load_config("examples/fedavg_digits.yaml", ["rounds=7", "partition.alpha=0.3", "method=map"])
-    assert fedskew.load_config("examples/fedavg_digits.yaml", ["rounds=7", "partition.alpha=0.3"], method="map") == cli
-    assert fedskew.load_config(ROOT / "examples/fedavg_digits.yaml", {"partition.alpha": 0.3}, rounds=7,
+    cli = load_config("examples/fedavg_digits.yaml", ["rounds=7", "partition.classes_per_client=2", "method=map"])
+    assert fedskew.load_config("examples/fedavg_digits.yaml", ["rounds=7", "partition.classes_per_client=2"], method="map") == cli
+    assert fedskew.load_config(ROOT / "examples/fedavg_digits.yaml", {"partition.classes_per_client": 2}, rounds=7,
                                method="map") == cli
     assert fedskew.load_config(cli) == cli  # a RunConfig passes through
     assert fedskew.load_config({"method": "map", "rounds": 7}).model.classifier_bias is False  # method model defaults
@@ -126,7 +126,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 import fedskew
-from fedskew.methods.base import FedAvgOptions, as_model_part, model_part
+from fedskew.algorithms.base import FedAvgOptions, as_model_part, model_part
 
 
 class ShrinkOptions(FedAvgOptions):
@@ -315,18 +315,18 @@ def test_import_fedskew_is_light_and_help_is_the_guide():
 
 
 # Which top-level parts of the package each part may import: one way,
-# cli -> experiments -> engine -> methods/metrics -> models/data -> streams; flower -> engine.
+# cli -> experiments -> engine -> algorithms -> metrics -> models/data -> streams; flower -> engine.
 ALLOWED = {
     "streams": set(),
     "data": {"streams"},
     "models": {"streams"},
-    "methods": {"models", "streams"},
     "metrics": {"models", "streams"},
-    "config": {"methods"},  # the method registry validates method options
-    "engine": {"config", "data", "models", "methods", "metrics", "streams"},
-    "experiments": {"engine", "config", "data", "methods", "streams"},
-    "flower": {"engine", "config", "methods", "models"},
-    "cli": {"experiments", "flower", "engine", "config", "data", "models", "methods", "streams"},
+    "algorithms": {"metrics", "models", "streams"},  # metrics: statistics a method and a diagnostic share
+    "config": {"algorithms"},  # the method registry validates method options
+    "engine": {"config", "data", "models", "algorithms", "metrics", "streams"},
+    "experiments": {"engine", "config", "data", "algorithms", "streams"},
+    "flower": {"engine", "config", "algorithms", "models"},
+    "cli": {"experiments", "flower", "engine", "config", "data", "models", "algorithms", "streams"},
 }
 
 

@@ -31,9 +31,9 @@ import pytest
 import torch
 
 from fedskew.config import load_config
-from fedskew.engine.local import batch_schedule
+from fedskew.engine.protocol import batch_schedule
 from fedskew.engine.runner import Experiment, run
-from fedskew.methods.drift import FedNova
+from fedskew.algorithms.drift import FedNova
 
 SETUP = ["dataset=synthetic", "dataset.num_classes=3", "dataset.dim=4", "dataset.train_per_class=10",
          "dataset.test_per_class=5", "partition=dirichlet", "partition.alpha=1.0", "partition.min_size=4",
@@ -196,7 +196,7 @@ def test_scaffold_and_feddyn_communication_and_state(tmp_path):
 
 
 def test_moon_contrastive_on_hand_vectors():
-    from fedskew.methods.representation import moon_contrastive
+    from fedskew.algorithms.representation import moon_contrastive
 
     z = torch.tensor([[1.0, 0.0]])
     z_glob = torch.tensor([[1.0, 1.0]])   # cos = 1/sqrt(2)
@@ -220,7 +220,7 @@ def test_moon_first_round_has_no_contrastive_term(tmp_path):
 
 
 def test_mmd_on_two_tiny_samples_by_hand():
-    from fedskew.methods.representation import mmd2
+    from fedskew.algorithms.tensors import mmd2
 
     x, y = torch.tensor([[0.0], [1.0]]), torch.tensor([[3.0]])
     # pooled points 0, 1, 3: squared distances 1, 9, 4 -> b0 = 2 * (1 + 9 + 4) / 6 = 14 / 3
@@ -234,7 +234,7 @@ def test_mmd_on_two_tiny_samples_by_hand():
 
 
 def test_fedaws_spreadout_value_and_direction():
-    from fedskew.methods.server_opt import spreadout
+    from fedskew.algorithms.server_opt import spreadout
 
     w = torch.tensor([[1.0, 0.0], [1.0, 1.0], [-1.0, 0.0]])
     # cosine distances: d01 = (1 - 1/sqrt2)/2 = 0.1464, d02 = 1, d12 = (1 + 1/sqrt2)/2 = 0.8536
@@ -259,7 +259,7 @@ def test_projection_head_model():
 
 
 def test_fedproc_contrastive_by_hand_and_schedule(tmp_path):
-    from fedskew.methods.representation import proto_contrastive
+    from fedskew.algorithms.representation import proto_contrastive
 
     protos = torch.tensor([[1.0, 0.0], [0.0, 1.0], [float("nan"), float("nan")]])
     z = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
@@ -282,8 +282,8 @@ def test_fedproc_contrastive_by_hand_and_schedule(tmp_path):
 def test_momentum_aware_control_update_by_hand():
     """control_steps=momentum divides option II's update by FedNova's a_i instead of tau: with
     tau = 3, rho = 0.5: a = [3 - 0.5 (1 - 0.125) / 0.5] / 0.5 = 4.25; with rho = 0 both are tau."""
-    from fedskew.methods.base import ClientReport
-    from fedskew.methods.drift import control_scale, effective_steps
+    from fedskew.algorithms.base import ClientReport
+    from fedskew.algorithms.drift import control_scale, effective_steps
 
     assert effective_steps(3, 0.5) == pytest.approx(4.25)
     assert effective_steps(3, 0.0) == 3.0

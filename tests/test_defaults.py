@@ -10,13 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from fedskew.config import load_config
-from fedskew.engine.local import batch_schedule, load_state
+from fedskew.engine.local import load_state
+from fedskew.engine.protocol import batch_schedule
 from fedskew.engine.runner import Experiment
 from fedskew.engine.vectorized import VectorizedExecutor
-from fedskew.methods import build_method
-from fedskew.methods.fedmr import intra_class_loss
+from fedskew.algorithms import build_method
+from fedskew.algorithms.tensors import intra_class_loss
 from fedskew.metrics import live_units
-from fedskew.methods.server_opt import FedAdam, FedYogi
+from fedskew.algorithms.server_opt import FedAdam, FedYogi
 
 SMALL = ["partition.num_clients=5", "clients_per_round=2", "rounds=1", "local_epochs=2", "batch_size=16",
          "final_personalization=false"]
@@ -64,7 +65,7 @@ def test_scaffold_correction_is_applied_outside_momentum(tmp_path, executor):
 
 def test_scaffold_and_feddc_controls_are_momentum_aware_by_default():
     """c_i+ divides by FedNova's a(tau, rho): tau at rho = 0 (the paper's plain SGD)."""
-    from fedskew.methods.drift import FedDCOptions, ScaffoldOptions, control_scale, effective_steps
+    from fedskew.algorithms.drift import FedDCOptions, ScaffoldOptions, control_scale, effective_steps
     assert ScaffoldOptions().control_steps == "momentum" and FedDCOptions().control_steps == "fixed"
 
     class R:
@@ -144,7 +145,7 @@ def test_fedka_anchor_loss_is_zero_where_local_equals_global_with_batchnorm(tmp_
 
 
 def test_fedproto_prototypes_are_the_unweighted_mean_over_holders_by_default():
-    from fedskew.methods.personalized import FedProto
+    from fedskew.algorithms.personalized import FedProto
     method = FedProto(FedProto.Options())
     prev = torch.full((2, 2), float("nan"))
     uploads = [{"fedproto.mean": torch.tensor([[1.0, 1.0], [0.0, 0.0]]), "fedproto.count": torch.tensor([1.0, 0.0])},
@@ -165,7 +166,7 @@ def test_a_method_needing_the_etf_head_gets_it_unless_the_config_says_otherwise(
 
 
 def test_scaffold_step_count_helper_agrees_with_fednova():
-    from fedskew.methods.drift import effective_steps
+    from fedskew.algorithms.drift import effective_steps
     assert effective_steps(10, 0.0) == 10
     assert effective_steps(10, 0.5) == pytest.approx((10 - 0.5 * (1 - 0.5 ** 10) / 0.5) / 0.5)
     assert math.isclose(effective_steps(1, 0.9), 1.0)

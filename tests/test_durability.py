@@ -24,7 +24,7 @@ from fedskew.data.datasets import DatasetError, read_idx
 from fedskew.data.leaf import load_leaf
 from fedskew.engine import runner as runner_module
 from fedskew.engine.durable import FolderLock, read_records
-from fedskew.engine.runner import StorageError
+from fedskew.engine.rundir import StorageError
 
 SMALL = {"rounds": 4, "partition.num_clients": 6, "clients_per_round": 3, "local_epochs": 1, "model.hidden": [16],
          "final_personalization": False}
@@ -285,7 +285,7 @@ def errno_enospc():
 
 
 def test_a_dead_worker_fails_only_its_run(tmp_path, monkeypatch):
-    from fedskew.methods import METHODS
+    from fedskew.algorithms import METHODS
 
     before = dict(METHODS)
     (tmp_path / "killer_mod.py").write_text(KILLER)

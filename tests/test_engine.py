@@ -6,7 +6,8 @@ import torch
 from fedskew.cli import main
 from fedskew.config import load_config
 from fedskew.streams import sample_clients
-from fedskew.engine.runner import Experiment, resume, run
+from fedskew.engine.resume import resume
+from fedskew.engine.runner import Experiment, run
 
 SMALL = ["rounds=4", "partition.num_clients=8", "clients_per_round=3", "local_epochs=1", "model.hidden=[32]",
          "final_personalization=false"]

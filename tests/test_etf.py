@@ -9,7 +9,7 @@ from fedskew.config import ConfigError, ModelConfig, PartitionConfig, load_confi
 from fedskew.data.partitions import PartitionError, partition_labels
 from fedskew.streams import numpy_rng
 from fedskew.engine.runner import Experiment, run
-from fedskew.methods.neural_collapse import aggregate_memory_vectors, memory_features
+from fedskew.algorithms.neural_collapse import aggregate_memory_vectors, memory_features
 from fedskew.models import ModelError, build_model
 from fedskew.models.nets import simplex_etf
 

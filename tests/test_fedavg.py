@@ -4,9 +4,10 @@ import torch
 
 from fedskew.config import ModelConfig, load_config
 from fedskew.data import load_federation
-from fedskew.engine.local import LocalSettings, SequentialExecutor, batch_schedule, federated_state
-from fedskew.methods import ClientReport, Method
-from fedskew.methods.base import FedAvgOptions, as_model_part
+from fedskew.engine.local import SequentialExecutor, federated_state
+from fedskew.engine.protocol import LocalSettings, batch_schedule
+from fedskew.algorithms import ClientReport, Method
+from fedskew.algorithms.base import FedAvgOptions, as_model_part
 from fedskew.models import build_model
 
 

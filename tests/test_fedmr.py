@@ -4,9 +4,9 @@ import torch
 
 from fedskew.config import load_config
 from fedskew.engine.runner import run
-from fedskew.methods import build_method
-from fedskew.methods.compose import Composite
-from fedskew.methods.fedmr import (aggregate_prototypes, class_feature_means, inter_class_margin, intra_class_loss,
+from fedskew.algorithms import build_method
+from fedskew.algorithms.compose import Composite
+from fedskew.algorithms.tensors import (aggregate_prototypes, class_feature_means, inter_class_margin, intra_class_loss,
                                    sharing_clients)
 from fedskew.metrics import eig_var_top50
 
@@ -114,8 +114,8 @@ def test_class_feature_means():
 
 
 def test_lite_uses_exactly_the_first_n_samples_of_the_batch():
-    from fedskew.methods.base import Forward
-    from fedskew.methods.fedmr import PrototypeMargin, PrototypeOptions
+    from fedskew.algorithms.base import Forward
+    from fedskew.algorithms.components import PrototypeMargin, PrototypeOptions
 
     comp = PrototypeMargin(PrototypeOptions(mu2=1.0, lite_n=2))
     protos = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
@@ -138,8 +138,12 @@ def test_eig_var_top50_matches_numpy():
 
 
 def test_partial_sharing_clients_are_fixed_by_the_seed():
+    from fedskew.streams import numpy_rng
+
     a = sharing_clients(3, 10, 0.5)
-    assert len(a) == 5 and a == sharing_clients(3, 10, 0.5)
+    # an independent draw from the named stream (paper Table 5: round(fraction * K) clients)
+    assert a == frozenset(int(k) for k in numpy_rng(3, "proto_share").choice(10, 5, replace=False))
+    assert len(sharing_clients(3, 10, 0.3)) == 3 and sharing_clients(4, 10, 0.5) != a  # another seed, others
     assert sharing_clients(3, 10, 1.0) == frozenset(range(10))
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from fedskew.config import load_config
 from fedskew.engine.runner import run
-from fedskew.methods import METHODS
+from fedskew.algorithms import METHODS
 
 ROUNDS = 20
 FLOOR = 0.5

@@ -8,10 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from fedskew.config import load_config
-from fedskew.engine.local import batch_schedule, frozen_forward, load_state, LocalSettings
+from fedskew.engine.local import load_state
+from fedskew.engine.protocol import LocalSettings, batch_schedule
+from fedskew.models.functional import frozen_fn
 from fedskew.engine.runner import Experiment, run
-from fedskew.methods.map import hpm_momentum, kd_loss, rs_scales
-from fedskew.methods.representation import mmd2
+from fedskew.algorithms.tensors import hpm_momentum, kd_loss, rs_scales
+from fedskew.algorithms.tensors import mmd2
 from fedskew.metrics import classifier_proxy_stats
 
 
@@ -121,7 +123,7 @@ def test_map_uploads_the_rs_model_and_keeps_the_personalised_one(tmp_path):
     batches = batch_schedule(LocalSettings(2, 16, seed=0), 0, k, len(idx))
     steps_per_epoch = math.ceil(len(idx) / 16)
     opt = torch.optim.SGD(model.parameters(), lr=m.cfg.lr, momentum=0.5, weight_decay=m.cfg.weight_decay)
-    frozen = frozen_forward(model)
+    frozen = frozen_fn(model)
     for pos in batches[steps_per_epoch:]:
         x, y = m.fed.data.x_train[idx[pos]], m.fed.data.y_train[idx[pos]]
         logits = model(x)
@@ -141,7 +143,7 @@ def test_map_uploads_the_rs_model_and_keeps_the_personalised_one(tmp_path):
 
 
 def test_code_schedule_steps_and_lr():
-    from fedskew.methods.map import HPMOptions, InheritedPrivateModel
+    from fedskew.algorithms.components import HPMOptions, InheritedPrivateModel
     paper = InheritedPrivateModel(HPMOptions(schedule="paper"))
     code = InheritedPrivateModel(HPMOptions())  # the default: the MAP authors' code
     assert paper.split_steps(25, 0.1) == (13, 12, 0.1)
@@ -186,7 +188,7 @@ def test_map_code_schedule_uploads_all_epochs_and_keeps_a_short_kd_stage(tmp_pat
     batches = batch_schedule(LocalSettings(2, 16, seed=0), 0, k, len(idx), 2 + math.ceil(extra / math.ceil(len(idx) / 16)))
     teacher = {n: v.detach().clone() for n, v in Experiment(load_config(None, ONE + ["method=map"]),
                                                             tmp_path / "init").model.state_dict().items()}
-    frozen = frozen_forward(m.model)
+    frozen = frozen_fn(m.model)
     kept = _replay(m, k, rs.global_state, batches[total:total + extra], 0.2 * m.cfg.lr,
                    lambda logits, x, y: 0.8 * F.cross_entropy(logits, y) + 0.2 * kd_loss(logits, frozen(teacher, x)[1]))
     hpm = _first_hpm(tmp_path / "map", k)
@@ -203,7 +205,7 @@ def test_fedphp_uploads_e_epochs_of_ce_plus_kd_and_the_hpm_takes_it(tmp_path):
     res = exp.run()
     k = res.history[0]["clients"][0]
     idx = exp.fed.train_idx[k]
-    frozen = frozen_forward(exp.model)
+    frozen = frozen_fn(exp.model)
     upload = _replay(exp, k, teacher, batch_schedule(LocalSettings(2, 16, seed=0), 0, k, len(idx)), exp.cfg.lr,
                      lambda logits, x, y: 0.8 * F.cross_entropy(logits, y) + 0.2 * kd_loss(logits, frozen(teacher, x)[1]))
     hpm = _first_hpm(tmp_path / "php", k)
@@ -218,7 +220,7 @@ def test_fedphp_uploads_e_epochs_of_ce_plus_kd_and_the_hpm_takes_it(tmp_path):
 
 def test_fedphp_second_visit_mixes_the_hpm_with_momentum():
     """mu_k = 0.9 Q_k / floor(q T): after one earlier visit of 4 expected, 0.225 of the old HPM."""
-    from fedskew.methods.map import HPMOptions, InheritedPrivateModel
+    from fedskew.algorithms.components import HPMOptions, InheritedPrivateModel
     comp = InheritedPrivateModel(HPMOptions(schedule="fedphp"))
     state = {"hpm.model.w": torch.zeros(3), "hpm.visits": torch.tensor(1.0), "hpm.expected": torch.tensor(4.0)}
     _, new = comp.after_training({"w": torch.ones(3)}, {}, state, report=_Report())
@@ -236,11 +238,11 @@ def test_map_family_defaults_follow_the_paper():
     for name in ("fedrs", "map", "dittors"):
         cfg = load_config(None, [f"method={name}"])
         assert cfg.model.classifier_bias is False
-        from fedskew.methods import build_method
+        from fedskew.algorithms import build_method
         assert build_method(cfg.method).opt.alpha == 0.9
     assert load_config(None, ["method=map", "model.classifier_bias=true"]).model.classifier_bias is True
     assert load_config(None, ["method=fedavg"]).model.classifier_bias is True
-    from fedskew.methods.map import FedPHPOptions, MAPOptions
+    from fedskew.algorithms.map import FedPHPOptions, MAPOptions
     assert MAPOptions().schedule == "code" and FedPHPOptions().schedule == "fedphp"
     assert MAPOptions().kt == "kd" and MAPOptions().kt_lambda == 0.01
 

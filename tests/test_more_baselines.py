@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from fedskew.config import load_config
 from fedskew.engine.local import federated_state, load_state, module_forward
 from fedskew.engine.runner import Experiment
-from fedskew.methods.base import ClientData, ClientReport
-from fedskew.methods.classifier import class_statistics, cosine_logits, pooled_statistics, sample_virtual
-from fedskew.methods.distillation import (GEN, FedGen, diversity_loss, ensemble_distillation_loss, generate,
+from fedskew.algorithms.base import ClientData, ClientReport
+from fedskew.algorithms.classifier import class_statistics, cosine_logits, pooled_statistics, sample_virtual
+from fedskew.algorithms.distillation import (GEN, FedGen, diversity_loss, ensemble_distillation_loss, generate,
                                           generator_teacher_loss, init_generator)
-from fedskew.methods.representation import decorrelation_loss
+from fedskew.algorithms.tensors import decorrelation_loss
 from fedskew.streams import torch_seed
 from test_personalized import ce, close, is_head, local_test_acc, one_round, own, replay, stages
 
@@ -156,10 +156,29 @@ def test_fedala_weight_learning_matches_a_replay_of_the_official_loop(tmp_path):
 # -- FedDecorr -------------------------------------------------------------------------------------
 
 
+def official_feddecorr_loss(x: torch.Tensor) -> torch.Tensor:
+    """The official ``FedDecorrLoss.forward`` (yutingshi/FedDecorr), transcribed: eps = 1e-8,
+    the off-diagonal entries taken by its flatten/view trick, their squares' mean over N."""
+    n, c = x.shape
+    x = x - x.mean(dim=0, keepdim=True)
+    x = x / torch.sqrt(1e-8 + x.var(dim=0, keepdim=True))
+    corr = x.t() @ x
+    off = corr.flatten()[:-1].view(c - 1, c + 1)[:, 1:].flatten()
+    return off.pow(2).mean() / n
+
+
+def test_feddecorr_default_equals_the_official_loss():
+    """fedskew's default form and constant against the official formula on a 48 x 20 batch (the
+    issue-30 case: with eps 1e-5 the two differed in the 6th digit)."""
+    z = torch.randn(48, 20, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 0.01
+    assert decorrelation_loss(z).item() == pytest.approx(official_feddecorr_loss(z).item(), rel=1e-12, abs=0)
+    assert decorrelation_loss(z.float()).item() == pytest.approx(official_feddecorr_loss(z.float()).item(), rel=1e-5)
+
+
 def test_feddecorr_loss_by_hand():
     z = torch.tensor([[1.0, 2.0, 0.0], [2.0, 1.0, 1.0], [4.0, 0.0, 5.0], [0.0, 3.0, 1.0]], dtype=torch.float64)
     zn = z.numpy()
-    zs = (zn - zn.mean(0)) / np.sqrt(zn.var(0, ddof=1) + 1e-5)
+    zs = (zn - zn.mean(0)) / np.sqrt(zn.var(0, ddof=1) + 1e-8)  # the official eps
     gram = zs.T @ zs
     off = gram[~np.eye(3, dtype=bool)]
     assert decorrelation_loss(z, "code").item() == pytest.approx((off ** 2).mean() / 4, rel=1e-12)
@@ -291,7 +310,7 @@ def test_feddf_distils_the_ensemble_like_adam_on_a_module(tmp_path):
     server = method.server_init(init, exp.info)
     new, _ = method.aggregate(server, init, [{"model." + n: t for n, t in c.items()} for c in clients], reports)
     # replay: FedAvg average, then full-batch Adam steps on the KL to the mean of eval-mode logits
-    x = exp.info.public_pool("test")[:100]
+    x = exp.info.public_pool("train")[:100]  # the default public source: the pooled training inputs
     teacher_logits = []
     for c in clients:
         load_state(model, c)
@@ -315,9 +334,10 @@ def test_feddf_distils_the_ensemble_like_adam_on_a_module(tmp_path):
 
 
 def test_feddf_public_set_is_seeded_and_capped_at_half_the_test_set(tmp_path):
-    exp = Experiment(load_config(None, ["method=feddf"]), tmp_path / "a")
-    again = Experiment(load_config(None, ["method=feddf"]), tmp_path / "b")
-    other = Experiment(load_config(None, ["method=feddf", "seed=1"]), tmp_path / "c")
+    test = ["method=feddf", "method.public_source=test_images"]  # the MAP paper's protocol, named
+    exp = Experiment(load_config(None, test), tmp_path / "a")
+    again = Experiment(load_config(None, test), tmp_path / "b")
+    other = Experiment(load_config(None, test + ["seed=1"]), tmp_path / "c")
     n_test = len(exp.fed.data.x_test)
     assert len(exp.method.public()) == min(500, n_test // 2)
     assert torch.equal(exp.method.public(), again.method.public())
@@ -515,7 +535,7 @@ def test_private_expert_belongs_to_flda_and_flda_needs_it(tmp_path):
     out = subprocess.run([sys.executable, "-m", "fedskew.cli", "run", "model.private_expert=true", "rounds=1",
                           f"out_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "model.private_expert = true is FLDA's architecture" in out.stderr
+    assert "model.private_expert = true is the architecture of method flda" in out.stderr
     with pytest.raises(ValueError, match="method flda needs model.private_expert = true"):
         Experiment(load_config(None, ["method=flda", "model.private_expert=false"]), tmp_path / "b")
 
@@ -540,7 +560,7 @@ def test_fedetf_head_is_temperature_times_etf_of_the_normalised_projection(tmp_p
 
 
 def test_fedetf_trains_with_balanced_softmax_then_fine_tunes_the_head(tmp_path):
-    from fedskew.methods.personalized import balanced_softmax_loss
+    from fedskew.algorithms.tensors import balanced_softmax_loss
 
     exp, init, res, k, state = one_round(tmp_path, ["method=fedetf", "weight_decay=0"])
     batches, personal, lr = stages(exp, k)
@@ -642,7 +662,7 @@ def test_fedfomo_on_flower_is_refused_in_one_sentence(tmp_path):
 
 
 def test_fedpac_statistics_and_head_combination_by_hand():
-    from fedskew.methods.classifier import head_combination, pac_statistics
+    from fedskew.algorithms.classifier import head_combination, pac_statistics
 
     z = torch.tensor([[1.0, 2.0], [3.0, 0.0], [0.0, 1.0], [2.0, 2.0], [1.0, 1.0]], dtype=torch.float64)
     y = torch.tensor([0, 0, 1, 1, 1])

@@ -97,11 +97,29 @@ def test_dirichlet_impossible_min_size():
 
 
 def test_random_classes_draws_two_to_c_classes():
+    """Replayed by hand: each client draws m ~ U{2..C} and m distinct classes, then a size factor
+    ~ LogNormal(0, sigma); each class (shuffled) is cut among its holders at the cumulative shares of
+    their factors. Every client's per-class count must be exactly that cut."""
     lab = labels(100)
     parts = P.random_classes(lab, 40, 10, rng(), size_sigma=0.3)
     check_exact_cover(parts, len(lab))
-    counts = [len(h) for h in classes_of(parts, lab)]
-    assert min(counts) >= 2 and max(counts) <= 10
+    replay = rng()
+    drawn = []
+    for _ in range(40):
+        m = int(replay.integers(2, 11))
+        drawn.append({int(c) for c in replay.choice(10, size=m, replace=False)})
+    factors = replay.lognormal(0.0, 0.3, size=40)
+    expected = np.zeros((40, 10), dtype=int)
+    for c in range(10):
+        who = [k for k in range(40) if c in drawn[k]]
+        cuts = (np.cumsum(factors[who] / factors[who].sum())[:-1] * 100).astype(int)
+        expected[who, c] = np.diff(np.concatenate([[0], cuts, [100]]))
+    got = np.array([np.bincount(lab[p], minlength=10) for p in parts])
+    assert np.array_equal(got, expected)
+    assert {len(d) for d in drawn} >= {2, 5, 10} and min(len(d) for d in drawn) >= 2  # the whole range occurs
+    # min_classes = C: every client holds every class
+    full = P.random_classes(lab, 5, 10, rng(1), min_classes=10)
+    assert all(h == list(range(10)) for h in classes_of(full, lab))
 
 
 def test_iid_is_even():

@@ -8,10 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from fedskew.config import ConfigError, load_config
-from fedskew.engine.local import federated_state, load_state, module_forward, stage_schedules
+from fedskew.engine.local import federated_state, load_state, module_forward
+from fedskew.engine.protocol import stage_schedules
 from fedskew.engine.runner import Experiment
-from fedskew.methods.meta import moreau_solve
-from fedskew.methods.personalized import (balanced_softmax_loss, calibrated_loss, nearest_prototype_head,
+from fedskew.algorithms.meta import moreau_solve
+from fedskew.algorithms.tensors import balanced_softmax_loss
+from fedskew.algorithms.personalized import (calibrated_loss, nearest_prototype_head,
                                           prototype_regularizer)
 
 # One client of 3 classes, one round, E = 2 epochs of batch 16, momentum 0.5.
@@ -300,7 +302,7 @@ def test_pfedme_server_mixes_with_beta(tmp_path):
     exp, _, _ = tiny_model(tmp_path, ["method=pfedme", "method.beta=2.0"])
     old = {"a": torch.tensor([1.0])}
     uploads = [{"model.a": torch.tensor([2.0])}, {"model.a": torch.tensor([4.0])}]
-    from fedskew.methods.base import ClientReport
+    from fedskew.algorithms.base import ClientReport
     reports = [ClientReport(0, 10, 1), ClientReport(1, 10, 1)]
     new, _ = exp.method.aggregate({}, old, uploads, reports)
     assert new["a"].item() == pytest.approx((1 - 2.0) * 1 + 2.0 * 3.0)

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 from fedskew.config import ConfigError, load_config
 from fedskew.data import DatasetError, PartitionError
-from fedskew.engine.runner import ClientFailure, Experiment, resume, run
-from fedskew.methods import METHODS, Method
+from fedskew.engine.resume import resume
+from fedskew.engine.runner import ClientFailure, Experiment, run
+from fedskew.algorithms import METHODS, Method
 from fedskew.models import ModelError
 
 SMALL = ["rounds=8", "partition.num_clients=10", "clients_per_round=5", "local_epochs=2", "batch_size=16",

@@ -20,7 +20,7 @@ import fedskew
 from fedskew.cli import split_multirun
 from fedskew.config import ConfigError, load_config
 from fedskew.experiments.report import build_table
-from fedskew.methods import METHODS
+from fedskew.algorithms import METHODS
 
 TINY = ["partition.num_clients=6", "clients_per_round=3", "local_epochs=1", "model.hidden=[16]",
         "final_personalization=false"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -110,3 +111,35 @@ def build_federation(data: Dataset, partition_cfg, seed: int) -> Federation:
 def load_federation(cfg) -> Federation:
     """Data set + partition of a full :class:`fedskew.config.RunConfig`."""
     return build_federation(load_dataset(cfg.dataset, cfg.seed), cfg.partition, cfg.seed)
+
+
+def public_samples(fed: Federation, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One training sample per class drawn once from the seed (stream ``public_samples``): the
+    minimal shared set FedKA assumes every client knows (``FederationInfo.public_samples``); None
+    when some class has no training sample (Shakespeare's rare characters)."""
+    rng = numpy_rng(seed, "public_samples")
+    y = fed.data.y_train.numpy()
+    picks = [int(rng.choice(np.flatnonzero(y == c))) if (y == c).any() else -1 for c in range(fed.num_classes)]
+    if min(picks) < 0:
+        return None
+    idx = torch.tensor(picks)
+    return fed.data.x_train[idx].to(device), fed.data.y_train[idx].to(device)
+
+
+class PublicPoolError(ValueError):
+    """A method asked for a public pool this federation does not have (one sentence)."""
+
+
+def public_pool(fed: Federation, seed: int, device: torch.device) -> Callable[[str], torch.Tensor]:
+    """``source -> x``: the inputs of the pooled ``train`` set, of the global ``validation``
+    hold-out (``dataset.validation_fraction``) or of the global ``test`` set, without labels, in an
+    order drawn once from the seed (stream ``public_unlabelled_<source>``); a method takes its
+    public set as the first n (``FederationInfo.public_pool``)."""
+    def draw(source: str) -> torch.Tensor:
+        x = {"test": fed.data.x_test, "train": fed.data.x_train, "validation": fed.data.x_val}[source]
+        if x is None or len(x) == 0:
+            raise PublicPoolError(f"a public set from the '{source}' pool needs dataset.validation_fraction > 0 (the "
+                                  f"global validation hold-out); it is 0 in this run")
+        order = numpy_rng(seed, f"public_unlabelled_{source}").permutation(len(x))
+        return x[torch.from_numpy(order)].to(device)
+    return draw

@@ -22,7 +22,7 @@ later steps (masking by omission). Two ways to train the clients of a step whose
   training; with equal sizes that is one group per step and no gather at all.
 
 Mixed precision (``precision=bf16|fp16``): the training forward runs on low-precision copies of the
-weights (:func:`~fedskew.engine.local.low_precision`, the same cast as the sequential executor's);
+weights (:func:`~fedskew.models.functional.low_precision`, the same cast as the sequential executor's);
 fp16 keeps one dynamic loss scale per client with torch.amp.GradScaler's rules.
 
 Chunks and memory. ``max_parallel_clients`` caps how many clients are stacked at once; by default
@@ -42,21 +42,19 @@ one-line notice; results are never silently different.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
+from fedskew.algorithms.base import ClientReport, Method, State
 from fedskew.data.augment import crop_flip
 from fedskew.data.federated import Federation
-from fedskew.engine.local import (FP16_GROWTH_INTERVAL, FP16_INIT_SCALE, ClientResult, LocalSettings,
-                                  SequentialExecutor, bn_recalibration_fn, cast_forward, frozen_forward, low_precision,
-                                  snapshot,
-                                  stage_schedules)
-from fedskew.methods.base import ClientReport, Forward, Method, State
-from fedskew.models.functional import feature_fn, in_eval_mode
+from fedskew.engine.batched_sgd import FP16_INIT_SCALE, sgd_, unscale
+from fedskew.engine.local import SequentialExecutor
+from fedskew.engine.memory import GATHER_BYTES, DeviceMemory, chunk_size
+from fedskew.engine.protocol import ClientResult, LocalSettings, Stage, client_round, make_forward
+from fedskew.models.functional import bn_recalibration_fn, call, feature_fn, low_precision
 
 
 def stack_states(states: list[State]) -> State:
@@ -72,50 +70,6 @@ def unstack(state: State, i: int) -> State:
     return {k: v[i] for k, v in state.items()}
 
 
-def _dense(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """(param, grad[, momentum]) viewed so that the fused SGD kernel, fast on contiguous memory
-    only, sees contiguous memory: transposed views when all three share the transposed layout of
-    a stacked linear weight; else the gradient in the parameter's layout."""
-    p = tensors[0]
-    if not p.is_contiguous() and p.transpose(-1, -2).is_contiguous() and all(t.stride() == p.stride() for t in tensors):
-        return [t.transpose(-1, -2) for t in tensors]
-    return [p, tensors[1] if tensors[1].stride() == p.stride() else tensors[1].contiguous(), *tensors[2:]]
-
-
-# A group of clients that is not a contiguous range of the stack is gathered (and scattered back)
-# when its clients' training state is at most this many bytes per chunk; larger states train as
-# several contiguous runs of views instead (MAP's MLPNet, 20 clients: 29.6 s a round gathering vs
-# 13.4 s padded; the copies cost more than the extra calls).
-GATHER_BYTES = 16 << 20
-
-# CPU: the activations of one stacked step are kept within this many bytes, so that a step's
-# working set stays near the caches (measured, BatchNorm CNN, 1,000 Fashion-MNIST clients, B = 16:
-# 25 s a round in chunks of 20 clients vs 62 s with all 1,000 stacked and 34 s sequential).
-CPU_STEP_BYTES = 64 << 20
-
-
-def activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    """Bytes of every leaf module's output for the batch ``x`` (eval mode, no gradient); 0 when
-    the model cannot run it (then nothing is capped)."""
-    def size(out):
-        if isinstance(out, torch.Tensor):
-            return out.numel() * out.element_size()
-        return sum(size(o) for o in out) if isinstance(out, (tuple, list)) else 0
-
-    total = [0]
-    hooks = [m.register_forward_hook(lambda mod, inp, out: total.__setitem__(0, total[0] + size(out)))
-             for m in model.modules() if not list(m.children())]
-    try:
-        with torch.no_grad():
-            in_eval_mode(model, lambda: model(x))
-    except (RuntimeError, ValueError):
-        return 0
-    finally:
-        for h in hooks:
-            h.remove()
-    return total[0]
-
-
 def means_per_client(sums: dict[str, torch.Tensor], steps: np.ndarray) -> dict[str, list[float]]:
     """Each tracked value's mean over every client's steps, moved to the host in one transfer."""
     if not sums:
@@ -123,39 +77,6 @@ def means_per_client(sums: dict[str, torch.Tensor], steps: np.ndarray) -> dict[s
     div = torch.from_numpy(np.maximum(steps, 1)).to(next(iter(sums.values())))
     table = (torch.stack(list(sums.values())) / div).tolist()
     return dict(zip(sums, table))
-
-
-def _device_memory(device: torch.device) -> int:
-    """Bytes the executor may use: on CUDA the free memory plus what PyTorch's caching allocator
-    holds unused (the previous chunk's blocks); on CPU the physical memory."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
-
-
-class DeviceMemory:
-    """What the executor asks the device about memory: the budget, and the allocator's peak since
-    a reset (None on CPU, which has no such counter). Tests stand a fake in for CUDA."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def budget(self) -> int:
-        return _device_memory(self.device)
-
-    def allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-
-    def reset_peak(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak(self) -> int | None:
-        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
 
 
 class VectorizedExecutor:
@@ -181,7 +102,8 @@ class VectorizedExecutor:
         self.memory = DeviceMemory(device)
         self.round_peak_bytes: int | None = None  # the allocator's peak in the last round (CUDA)
         self._client_bytes = 0  # measured device bytes per client of a chunk (CUDA), sizes later chunks
-        self._step_bytes: int | None = None  # activations of one client's step (CPU chunking)
+        self._step_bytes: list = []  # activations of one client's step (CPU chunking), once measured
+        self._last_trained: tuple[State, list[State]] | None = None  # the last stage's stack and its views
         self._int_buffers = {k: v for k, v in model.named_buffers() if not v.is_floating_point()}
         self._dtype = next(model.parameters()).dtype
         # Stacked linear weights are kept in the memory layout of their vmapped gradients ([G, in,
@@ -191,7 +113,6 @@ class VectorizedExecutor:
                             if isinstance(m, nn.Linear)}
         self._has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
         self._cast = low_precision(model, settings.precision)
-        self._frozen = frozen_forward(model)
         self._losses = vmap(self._loss(method.local_loss), in_dims=(0, 0, 0, 0, None, 0))
         self._personal_losses = vmap(self._loss(method.personal_loss), in_dims=(0, 0, 0, 0, None, 0))
         self._eval = vmap(self._logits, in_dims=(0, 0))
@@ -207,45 +128,18 @@ class VectorizedExecutor:
     def _loss(self, loss_fn):
         """One client's (loss, aux) for ``loss_fn`` (``local_loss`` or ``personal_loss``), to vmap."""
         def loss(params, buffers, x, y, payload, client_state, weights=None):
-            def train_fn(inp):
-                if self._cast is None:
-                    return functional_call(self.model, {**params, **buffers}, (inp,), {"return_features": True})
-                return cast_forward(self.model, self._cast, lambda: {**params, **buffers})(inp)
-
-            def head_fn(h):
-                own = {k[len("classifier."):]: v for k, v in {**params, **buffers}.items() if k.startswith("classifier.")}
-                return functional_call(self.model.classifier, own, (h,))
-
-            def call_fn(state, inp):
-                return functional_call(self.model, {**buffers, **state}, (inp,), {"return_features": True})
-
-            def eval_fn(inp):
-                return in_eval_mode(self.model, lambda: functional_call(
-                    self.model, {**params, **snapshot(buffers)}, (inp,), {"return_features": True}))
-
-            fwd = Forward(train_fn, self._frozen, head_fn, call_fn, buffers, eval_fn, weights)
+            fwd = make_forward(self.model, params, buffers, self._cast, weights)
             return loss_fn(fwd, params, x, y, payload, client_state)
         return loss
 
     def _logits(self, state, x):
-        return functional_call(self.model, state, (x,))
+        return call(self.model, state, x, features=False)
 
     # -- helpers -----------------------------------------------------------------------------------
     def chunk_size(self, num_clients: int) -> int:
-        """Clients stacked at once: ``max_parallel_clients`` if set; else as many as fit in the
-        device's budget, by the measured peak per client of earlier chunks (CUDA) once there is
-        one, before that by 4 copies of the parameters in a quarter of the budget."""
-        if self.max_parallel_clients:
-            return min(self.max_parallel_clients, num_clients)
-        if self._client_bytes:
-            return max(1, min(num_clients, int(0.8 * self.memory.budget()) // self._client_bytes))
-        per_client = 4 * sum(p.numel() * p.element_size() for p in self.model.parameters())
-        size = max(1, min(num_clients, self.memory.budget() // 4 // max(per_client, 1)))
-        if self.device.type == "cpu":  # near the caches (CPU_STEP_BYTES)
-            if self._step_bytes is None:
-                self._step_bytes = self.settings.batch_size * activation_bytes(self.model, self.x[:1])
-            size = min(size, max(1, CPU_STEP_BYTES // max(self._step_bytes, 1)))
-        return size
+        """Clients stacked at once (:func:`fedskew.engine.memory.chunk_size`)."""
+        return chunk_size(num_clients, self.model, self.device, self.memory, self.x[:1], self.settings.batch_size,
+                          self.max_parallel_clients, self._client_bytes, self._step_bytes)
 
     @torch.no_grad()
     def local_accuracies(self, states: State, clients: list[int]) -> list[float | None]:
@@ -333,70 +227,49 @@ class VectorizedExecutor:
         return out
 
     def _train_chunk(self, round_idx, clients, payload, client_states, lr) -> list[ClientResult]:
-        s, method = self.settings, self.method
         # Clients sorted by local size: those that share a batch size at a step are then mostly a
         # contiguous range of the stack, trained through views with no gather or scatter.
         given_order = {k: i for i, k in enumerate(clients)}
         clients = sorted(clients, key=lambda k: len(self.train_idx[k]))
-        client_states = {k: self.sequential.prepare(round_idx, k, payload, client_states[k]) for k in clients}
-        starts = [method.local_start(payload, client_states[k]) for k in clients]
-        acc_before = self.local_accuracies(self._stack_starts(starts), clients)
-        plans = [stage_schedules(s, method, round_idx, k, len(self.train_idx[k]), lr) for k in clients]
-        reports = []
-        for k, plan in zip(clients, plans):
-            idx = self.train_idx[k]
-            reports.append(ClientReport(k, len(idx), len(plan[0]), lr, s.momentum,
-                                        feature_fn(self.model, self.x, self.y, rows=idx),
-                                        bn_recalibration_fn(self.model, self.x, s.batch_size, idx)
-                                        if self._has_bn else None))
-        aux: list[dict] = [{} for _ in clients]
-
-        def personal_stage(trained: list[State], states: list[State]) -> list[State]:
-            """The personalisation stage of every client from ``trained``; their new states."""
-            if len({p[2] for p in plans}) > 1:
-                raise ValueError("clients of one round differ in their personalisation learning rate")
-            begin = [method.personal_start(t, payload, st) for t, st in zip(trained, states)]
-            personal_all, psums, psteps = self._run_stage(
-                self._personal_losses, self._stack_starts(begin), stack_states(states), [p[1] for p in plans],
-                clients, payload, plans[0][2], method.trained_params("personal"), (round_idx, 1),
-                padded=self.padded["personal"])
-            out = []
-            pmeans = means_per_client(psums, psteps)
-            for i, st in enumerate(states):
-                aux[i].update({f"personal_{key}": v[i] for key, v in pmeans.items()})
-                out.append(method.after_personal(unstack(personal_all, i), payload, st, reports[i])
-                           if psteps[i] else st)
-            return out
-
-        has_personal = any(p[1] for p in plans)
-        states = [client_states[k] for k in clients]
-        if has_personal and method.personal_first:
-            states = personal_stage(starts, states)
-            starts = [method.local_start(payload, st) for st in states]
-        stacked_states = stack_states(states)
-        correction = self._correction(payload, stacked_states)
-        trained_all, sums, steps = self._run_stage(self._losses, self._stack_starts(starts), stacked_states,
-                                                   [p[0] for p in plans], clients, payload, lr,
-                                                   method.trained_params("upload"), (round_idx, 0), correction,
-                                                   self.padded["upload"])
-        trained = [unstack(trained_all, i) for i in range(len(clients))]  # views; methods never write in place
-        results = []
-        stage_means = means_per_client(sums, steps)
-        for i, k in enumerate(clients):
-            upload, new_state = method.after_training(trained[i], payload, states[i], reports[i])
-            means = {key: v[i] for key, v in stage_means.items()}
-            results.append(ClientResult(k, upload, new_state, reports[i], means.pop("loss"), acc_before[i], None,
-                                        {**aux[i], **means}))
-        if has_personal and not method.personal_first:
-            new_states = personal_stage(trained, [r.client_state for r in results])
-            for i, r in enumerate(results):
-                r.client_state = new_states[i]
-                r.aux.update(aux[i])
-        personal = [method.personal_state(trained[i], r.client_state) for i, r in enumerate(results)]
-        same = all(p is t for p, t in zip(personal, trained))  # FedAvg: the trained stack itself
-        for r, acc in zip(results, self.local_accuracies(trained_all if same else stack_states(personal), clients)):
-            r.acc_after = acc
+        results = client_round(self, round_idx, clients, payload, [client_states[k] for k in clients], lr)
+        self._last_trained = None
         return sorted(results, key=lambda r: given_order[r.client_id])
+
+    # -- StageRunner (fedskew.engine.protocol) -------------------------------------------------------
+    def num_samples(self, client_id: int) -> int:
+        return len(self.train_idx[client_id])
+
+    def prepare(self, round_idx: int, client_id: int, payload: State, client_state: State) -> State:
+        return self.sequential.prepare(round_idx, client_id, payload, client_state)
+
+    def report(self, client_id: int, num_steps: int, lr: float) -> ClientReport:
+        idx = self.train_idx[client_id]
+        return ClientReport(client_id, len(idx), num_steps, lr, self.settings.momentum,
+                            feature_fn(self.model, self.x, self.y, rows=idx),
+                            bn_recalibration_fn(self.model, self.x, self.settings.batch_size, idx)
+                            if self._has_bn else None)
+
+    def accuracies(self, states: list[State], clients: list[int]) -> list[float | None]:
+        """All states in one vmapped pass (:meth:`local_accuracies`); the views of the last trained
+        stack (FedAvg's personal model is the trained one) are scored on the stack itself."""
+        last = self._last_trained
+        if last is not None and len(last[1]) == len(states) and all(a is b for a, b in zip(states, last[1])):
+            return self.local_accuracies(last[0], clients)
+        return self.local_accuracies(self._stack_starts(states), clients)
+
+    def run_stage(self, stage: Stage, starts, states, schedules, clients, payload, lrs, round_idx):
+        if len(set(lrs)) > 1:
+            raise ValueError(f"clients of one round differ in their {stage} learning rate")
+        cstates = stack_states(states)
+        losses = self._losses if stage == "upload" else self._personal_losses
+        trained_all, sums, steps = self._run_stage(
+            losses, self._stack_starts(starts), cstates, schedules, clients, payload, lrs[0],
+            self.method.trained_params(stage), (round_idx, 0 if stage == "upload" else 1),
+            self._correction(payload, cstates) if stage == "upload" else None, self.padded[stage])
+        trained = [unstack(trained_all, i) for i in range(len(clients))]  # views; methods never write in place
+        self._last_trained = (trained_all, trained)
+        table = means_per_client(sums, steps)
+        return trained, [{k: v[i] for k, v in table.items()} for i in range(len(clients))]
 
     def _correction(self, payload: State, cstates: State) -> State | None:
         """Every client's ``Method.step_correction``, stacked (None: the method has none)."""
@@ -495,13 +368,13 @@ class VectorizedExecutor:
                 # the sum is every client's own gradient.
                 ok = None
                 if sc is not None:
-                    grads, ok = self._unscale(grads, sc)
+                    grads, ok = unscale(grads, sc)
                     for k, v in sc.items():
                         if gi is None:
                             scaler[k][a:b] = v
                         else:
                             scaler[k].index_copy_(0, gi, v)
-                self._sgd_({k: p[k] for k in updated}, dict(zip(updated, grads)), mom, lr, ok)
+                sgd_({k: p[k] for k in updated}, dict(zip(updated, grads)), mom, lr, s, ok)
                 if correction:
                     with torch.no_grad():
                         corr = pick(correction)
@@ -551,50 +424,3 @@ class VectorizedExecutor:
                                  f"{got[key].item():.6g}): average per-sample terms with fwd.mean / "
                                  f"fwd.cross_entropy, or remove the declaration")
         self._verified.add(losses_fn)
-
-    @staticmethod
-    @torch.no_grad()
-    def _unscale(grads, scaler: dict[str, torch.Tensor]):
-        """torch.amp.GradScaler's unscale and update, per client: the gradients divided by each
-        client's scale, which clients' are all finite (the others skip the step), and ``scaler``
-        updated in place (x0.5 after a skip; x2 after ``FP16_GROWTH_INTERVAL`` good steps)."""
-        scale, good = scaler["scale"], scaler["good"]
-        inv = scale.double().reciprocal().float()
-        grads = [g * inv.view(-1, *[1] * (g.dim() - 1)) for g in grads]
-        ok = torch.stack([g.flatten(1).isfinite().all(1) for g in grads]).all(0)
-        good = torch.where(ok, good + 1, torch.zeros_like(good))
-        grow = good == FP16_GROWTH_INTERVAL
-        scaler["scale"] = torch.where(ok, torch.where(grow, scale * 2.0, scale), scale * 0.5)
-        scaler["good"] = torch.where(grow, torch.zeros_like(good), good)
-        return grads, ok
-
-    @torch.no_grad()
-    def _sgd_(self, params: State, grads: State, momentum: State | None, lr: float,
-              ok: torch.Tensor | None = None) -> None:
-        """One torch.optim.SGD step (dampening 0, no Nesterov) for every client at once, in place
-        on ``params`` and ``momentum``; clients with ``ok`` False (fp16 overflow) keep both."""
-        if ok is not None:
-            before = [dict(params), dict(momentum or {})]
-            before = [{k: v.clone() for k, v in d.items()} for d in before]
-            self._sgd_(params, grads, momentum, lr)
-            for d, old in zip((params, momentum or {}), before):
-                for k, v in d.items():
-                    v.copy_(torch.where(ok.view(-1, *[1] * (v.dim() - 1)), v, old[k]))
-            return
-        s = self.settings
-        names = list(params)
-        g = [grads[n] for n in names]
-        if s.grad_clip is not None:
-            norms = torch.sqrt(sum(t.pow(2).flatten(1).sum(1) for t in g))
-            coef = torch.clamp(s.grad_clip / (norms + 1e-6), max=1.0)
-            g = [t * coef.view(-1, *[1] * (t.dim() - 1)) for t in g]
-        # torch.optim.SGD's fused kernel: g += wd * p; buf = m * buf + g; p -= lr * buf (one pass
-        # over the tensors instead of four; the zero-initialised buffer makes the first step buf = g).
-        p = [params[n] for n in names]
-        m = [momentum[n] for n in names] if momentum is not None else []
-        for i, group in enumerate(zip(p, g, m) if m else zip(p, g)):
-            p[i], g[i], *rest = _dense(list(group))
-            if m:
-                m[i] = rest[0]
-        torch._fused_sgd_(p, g, m, weight_decay=s.weight_decay, momentum=s.momentum if m else 0.0, lr=lr,
-                          dampening=0.0, nesterov=False, maximize=False, is_first_step=False)

@@ -39,7 +39,7 @@ def _task(config: dict, run_dir: str, cwd: str, external: dict, threads: int):
 
     from fedskew.engine.durable import FolderLock
     from fedskew.experiments.sweep import _execute
-    from fedskew.methods import import_methods
+    from fedskew.algorithms import import_methods
 
     torch.set_num_threads(threads)
     import_methods(external)
@@ -79,7 +79,7 @@ def run_on_ray(todo: list[dict], run_dir: dict[str, str], address: str, resource
     ``started`` and ``finished`` (the sweep's database writers) in the driver."""
     ray = _ray()
     from fedskew.experiments.sweep import interactive_methods
-    from fedskew.methods import external_methods
+    from fedskew.algorithms import external_methods
 
     external = external_methods()
     if interactive_methods(external):

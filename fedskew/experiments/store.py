@@ -89,7 +89,7 @@ def mark_running(db: sqlite3.Connection, run_id: str) -> None:
 def record_done(db: sqlite3.Connection, run_id: str, summary: dict, history: list[dict],
                 environment: dict | None = None) -> None:
     """A finished run: its summary, its per-round scalars and where it ran (versions, threads,
-    device, commit: ``fedskew.engine.runner.environment``)."""
+    device, commit: ``fedskew.engine.rundir.environment``)."""
     with db:
         db.execute("DELETE FROM rounds WHERE run_id=?", (run_id,))
         db.executemany("INSERT INTO rounds (run_id, round, metrics) VALUES (?, ?, ?)",

@@ -220,7 +220,7 @@ def _worker_init(external: dict[str, tuple[str, str]]) -> None:
     """A sweep worker: one torch thread, and the methods registered from outside the package."""
     import torch
 
-    from fedskew.methods import import_methods
+    from fedskew.algorithms import import_methods
 
     torch.set_num_threads(1)
     import_methods(external)
@@ -336,7 +336,7 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
                 continue
             finished(r, summary, history, env=env)
     else:
-        from fedskew.methods import external_methods
+        from fedskew.algorithms import external_methods
 
         external = external_methods()
 

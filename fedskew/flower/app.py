@@ -34,8 +34,8 @@ from collections import OrderedDict
 from pathlib import Path
 
 from fedskew.config import ConfigError, RunConfig, validate_config
-from fedskew.engine.local import ClientResult
-from fedskew.methods.base import ClientReport
+from fedskew.engine.protocol import ClientResult
+from fedskew.algorithms.base import ClientReport
 
 try:
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -51,8 +51,8 @@ from fedskew.flower.client import CONFIG_KEY, OUT_KEY, STATE_KEY, TIMEOUT_KEY, c
 def check_supported(cfg: RunConfig) -> None:
     """One sentence for a method the Flower runtime cannot carry yet: per-client downloads
     (``Method.download``, FedFOMO) would need one payload record per message."""
-    from fedskew.methods import Method, build_method
-    from fedskew.methods.compose import Composite
+    from fedskew.algorithms import Method, build_method
+    from fedskew.algorithms.compose import Composite
 
     if cfg.distributed:
         raise ConfigError("distributed = true spreads a run's clients over torchrun ranks; on Flower each SuperNode "

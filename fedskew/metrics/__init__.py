@@ -113,3 +113,118 @@ def classifier_proxy_stats(w_start: torch.Tensor, w_trained: torch.Tensor, obser
         elif block.numel():
             out[f"dist_{name}"] = block.mean().item()
     return out
+
+
+def class_roles(counts: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Per class of one client (FedKA, Section 3): 0 missing (n_c = 0), 1 non-dominant
+    (0 < n_c / n < gamma), 2 dominant (the rest)."""
+    counts = counts.to(torch.float64)
+    share = counts / counts.sum().clamp(min=1)
+    return torch.where(counts == 0, 0, torch.where(share < gamma, 1, 2)).to(torch.long)
+
+
+ROLE_NAMES = ("missing", "non_dominant", "dominant")
+
+
+def proxy_record(w_received: torch.Tensor, uploaded: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> dict:
+    """``proxy/*``: MAP Figure 6 statistics (:func:`classifier_proxy_stats`) of each uploaded
+    classifier ``(weight, observed classes)`` against the received one, mean over clients."""
+    values: dict[str, list[float]] = {}
+    for w, observed in uploaded:
+        for k, v in classifier_proxy_stats(w_received, w, observed.to(w_received.device), lr).items():
+            values.setdefault(k, []).append(v)
+    return {f"proxy/{k}": sum(v) / len(v) for k, v in sorted(values.items())}
+
+
+def forgetting_record(model, received: dict, uploads: dict[int, dict], class_counts: torch.Tensor, gamma: float,
+                      x_test: torch.Tensor, y_test: torch.Tensor, num_classes: int) -> dict:
+    """``forgetting/*``: FedKA's forgetting degree (Eq. 1) of each client's uploaded model
+    (``uploads``: client id -> state) vs the global model it received, per class on the test set;
+    the mean over (client, class) pairs of each class role (:func:`class_roles` with ``gamma``),
+    the per-class values per client and the received model's class accuracies (Eq. 1's reference)."""
+    C = num_classes
+    present = torch.bincount(y_test, minlength=C) > 0
+
+    def class_acc(state):
+        preds = predict(model, state, x_test)
+        correct = torch.bincount(y_test[preds == y_test], minlength=C).double()
+        return correct / torch.bincount(y_test, minlength=C).clamp(min=1).double()
+
+    global_acc = class_acc(received)
+    by_role: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    per_client = {}
+    for k, state in uploads.items():
+        tau = forgetting_degree(global_acc, class_acc(state))
+        roles = class_roles(class_counts[k], gamma)
+        for c in range(C):
+            # Where the global model has 0 accuracy there is nothing to forget and Eq. 1 gives
+            # -acc_local / xi (about -1e8): such pairs stay in per_client, not in the means.
+            if present[c] and global_acc[c] > 0:
+                by_role[int(roles[c])].append(float(tau[c]))
+        per_client[str(k)] = [float(t) if present[c] else None for c, t in enumerate(tau)]
+    out = {f"forgetting/{ROLE_NAMES[role]}": (sum(v) / len(v) if v else None) for role, v in by_role.items()}
+    out["forgetting/per_client"] = per_client
+    out["forgetting/global_class_acc"] = global_acc.tolist()
+    return out
+
+
+def client_means(results) -> dict:
+    """A round's client results (``ClientResult``) as record entries: the sample-weighted local
+    loss and tracked values (``train/*``), the mean and std of the local accuracies before and
+    after training (``personal/acc_*``)."""
+    n = sum(r.report.num_samples for r in results)
+    before, before_std = mean_std([r.acc_before for r in results])
+    after, after_std = mean_std([r.acc_after for r in results])
+    return {"train/loss": sum(r.train_loss * r.report.num_samples for r in results) / n,
+            "personal/acc_before": before, "personal/acc_before_std": before_std,
+            "personal/acc_after": after, "personal/acc_after_std": after_std,
+            **{f"train/{key}": sum(r.aux[key] * r.report.num_samples for r in results if key in r.aux) /
+               sum(r.report.num_samples for r in results if key in r.aux)
+               for key in sorted({k for r in results for k in r.aux})}}
+
+
+def communication(payload: dict, downloads: dict, uploads: list[dict], selected: int, fixed: int,
+                  totals: dict) -> dict:
+    """``comm/*`` of a round, counted from what was sent: the payload to each of ``selected``
+    clients, their own ``downloads``, the ``uploads``, plus ``fixed`` architecture floats; the part
+    outside the model (``model.*``) is the extra. Adds to the run's ``totals`` in place."""
+    down = count_floats(payload) * selected + sum(count_floats(d) for d in downloads.values()) + fixed
+    up = sum(count_floats(u) for u in uploads)
+    down_model = down - count_floats({k: v for k, v in payload.items() if not k.startswith("model.")}) * selected
+    up_model = sum(count_floats({k: v for k, v in u.items() if k.startswith("model.")}) for u in uploads)
+    for key, value in (("down", down), ("up", up), ("down_model", down_model), ("up_model", up_model)):
+        totals[key] += value
+    return {"comm/down_floats": down, "comm/up_floats": up,
+            "comm/down_extra_floats": down - down_model, "comm/up_extra_floats": up - up_model,
+            "comm/down_floats_total": totals["down"], "comm/up_floats_total": totals["up"]}
+
+
+def run_summary(history: list[dict], totals: dict) -> dict:
+    """What ``summary.json`` reports of a run's rounds: the last global accuracy, its best and the
+    mean of the last 10 evaluations (none without a global model), the last round's local
+    accuracies, communication totals and the extra share beyond the model (FedMR Table 3)."""
+    evals = [h for h in history if h.get("global/test_acc") is not None]
+    if evals:
+        last = evals[-1]
+        accs = [h["global/test_acc"] for h in evals]
+        best = max(range(len(accs)), key=accs.__getitem__)
+        out = {"global/test_acc": last["global/test_acc"],
+               "global/test_acc_best": accs[best], "global/test_acc_best_round": evals[best]["round"],
+               "global/test_acc_mean_last10": sum(accs[-10:]) / len(accs[-10:]),
+               **{k: v for k, v in last.items() if k.startswith("global/class_acc/")}}
+        vals = [h["global/val_acc"] for h in evals if "global/val_acc" in h]
+        if vals:
+            out.update({"global/val_acc": vals[-1], "global/val_acc_mean_last10": sum(vals[-10:]) / len(vals[-10:])})
+    else:  # the method has no global model
+        out = {k: None for k in ("global/test_acc", "global/test_acc_best", "global/test_acc_best_round",
+                                 "global/test_acc_mean_last10")}
+    model_total = totals["up_model"] + totals["down_model"]
+    return {**out,
+            "personal/acc_before": history[-1]["personal/acc_before"],
+            "personal/acc_after": history[-1]["personal/acc_after"],
+            "comm/down_floats_total": history[-1]["comm/down_floats_total"],
+            "comm/up_floats_total": history[-1]["comm/up_floats_total"],
+            # (None when no model is exchanged at all: FedProto)
+            "comm/extra_pct": 100.0 * (totals["up"] + totals["down"] - model_total) / model_total if model_total else None,
+            "time/round_s_mean": sum(h["time/round_s"] for h in history) / len(history),
+            "train/loss": history[-1]["train/loss"]}

@@ -1,4 +1,4 @@
-"""Representation-level baselines: MOON, FedMMD, FedProc and FedDecorr (methods.md section 5).
+"""Representation-level baselines: MOON, FedMMD, FedProc and FedDecorr.
 
 MOON and FedMMD regularise the features z of the model being trained against other models' features on the
 same batch, through ``fwd.frozen`` (eval mode, no gradient), so they run in every executor.
@@ -6,14 +6,14 @@ same batch, through ``fwd.frozen`` (eval mode, no gradient), so they run in ever
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from fedskew.methods.base import FedAvgOptions, Method, model_part
-from fedskew.methods.compose import Component, FedAvgWith
+from fedskew.algorithms.base import FedAvgOptions, Method, model_part
+from fedskew.algorithms.components import Decorrelation, FedDecorrOptions, PrototypeMargin, PrototypeOptions
+from fedskew.algorithms.compose import Composed, options_of
+from fedskew.algorithms.tensors import mmd2
 
 
 def moon_contrastive(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch.Tensor, temperature: float,
@@ -22,27 +22,6 @@ def moon_contrastive(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch.Tens
     -log( exp(cos(z, z_glob)/tau) / (exp(cos(z, z_glob)/tau) + exp(cos(z, z_prev)/tau)) )."""
     sims = torch.stack([F.cosine_similarity(z, z_global, dim=-1), F.cosine_similarity(z, z_prev, dim=-1)], -1)
     return mean(-F.log_softmax(sims / temperature, dim=-1)[..., 0])
-
-
-def mmd2(x: torch.Tensor, y: torch.Tensor, scales=(0.25, 0.5, 1.0, 2.0, 4.0)) -> torch.Tensor:
-    """Squared MMD, biased estimator, with a sum of Gaussian kernels exp(-||a - b||^2 / (s * b0))
-    for s in ``scales``, b0 = mean pairwise squared distance of the pooled samples (detached).
-
-    A batch of one sample gives zero: then b0 is the single distance ||x - y||^2 itself, the value is
-    a constant and its gradient, proportional to (x - y) / ||x - y||^2, is pure rounding noise that
-    grows as the local model approaches the global one (seen on clients whose last batch has one
-    sample)."""
-    if x.shape[0] < 2:
-        return x.sum() * 0.0
-    pooled = torch.cat([x, y])
-    # Exact squared differences, not cdist: cdist's sqrt has no gradient at the zero diagonal and
-    # its matmul path (chosen by batch size) cancels catastrophically, so it differs under vmap.
-    d2 = (pooled.unsqueeze(0) - pooled.unsqueeze(1)).pow(2).sum(-1)
-    n = pooled.shape[0]
-    b0 = (d2.sum() / (n * n - n)).detach().clamp(min=1e-12)
-    k = sum(torch.exp(-d2 / (s * b0)) for s in scales)
-    m = x.shape[0]
-    return k[:m, :m].mean() + k[m:, m:].mean() - 2 * k[:m, m:].mean()
 
 
 class MoonOptions(FedAvgOptions):
@@ -151,69 +130,27 @@ class FedProcBase(Method):
         return new, {"fedproc.t": server_state["fedproc.t"] + 1}
 
 
-def fedproc(options: FedProcOptions | None = None, info=None):
+class FedProc(Composed):
     """FedProc = its loss + FedMR's prototype machinery (class means up, count-weighted global
     prototypes down) with no margin term. Down |theta| + C*d + 1, up |theta| + C*d + C."""
-    from fedskew.methods.compose import Composite
-    from fedskew.methods.fedmr import PrototypeMargin, PrototypeOptions
 
-    base = FedProcBase(options, info)
-    return Composite(base, [PrototypeMargin(PrototypeOptions(mu2=0.0))], name="fedproc")
+    name = "fedproc"
+    Options = FedProcOptions
+    base_method = FedProcBase
 
-
-fedproc.Options = FedProcOptions
+    def parts(self, opt):
+        return [PrototypeMargin(PrototypeOptions(mu2=0.0))]
 
 
 # ---------------------------------------------------------------------------------------------
 # FedDecorr
 
 
-def decorrelation_loss(z: torch.Tensor, form: str = "code", eps: float = 1e-5) -> torch.Tensor:
-    """FedDecorr's regulariser on the batch features z [N, d], standardised per dimension over
-    the batch, (z - mean) / sqrt(var + eps) (unbiased variance, as the official code), giving Zs.
-
-    * ``code`` (official code, yutingshi/FedDecorr, the default): the mean of the squared
-      off-diagonal entries of Zs^T Zs, divided by N.
-    * ``paper`` (Shi et al., ICLR 2023, Eq. 4): (1/d^2) ||K||_F^2 with K = Zs^T Zs / N the
-      correlation matrix (diagonal included).
-
-    A batch of one sample gives an exact zero (no correlation is defined)."""
-    n, d = z.shape
-    if n < 2:
-        return z.sum() * 0.0
-    zs = (z - z.mean(0, keepdim=True)) / torch.sqrt(z.var(0, keepdim=True) + eps)
-    gram = zs.T @ zs
-    if form == "paper":
-        return (gram / n).pow(2).sum() / d ** 2
-    off = gram.pow(2).sum() - torch.diagonal(gram).pow(2).sum()
-    return off / max(d * (d - 1), 1) / n
-
-
-class FedDecorrOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    beta: float = Field(0.1, ge=0, description="weight of the decorrelation term (official default 0.1)")
-    form: Literal["code", "paper"] = Field("code", description="official code's scale (default) or Eq. 4's")
-
-
-class Decorrelation(Component):
-    """beta * FedDecorr's regulariser on the features of every mini-batch (whole batch, all
-    classes together; FedMR's ``decorrelation`` is the per-class version). No state, nothing sent.
-    Reads batch statistics, so never padded (Method.padding_exact)."""
-
-    prefix = "feddecorr."
-    Options = FedDecorrOptions
-
-    def loss(self, fwd, params, x, y, payload, client_state):
-        z, _ = fwd(x)
-        value = decorrelation_loss(z, self.opt.form)
-        return self.opt.beta * value, {"feddecorr/loss": value.detach()}
-
-
-class FedDecorrMethodOptions(FedAvgOptions, FedDecorrOptions):
+class FedDecorrMethodOptions(FedDecorrOptions, FedAvgOptions):
     pass
 
 
-class FedDecorr(FedAvgWith):
+class FedDecorr(Composed):
     """FedDecorr (Shi et al., ICLR 2023): FedAvg + beta * the decorrelation regulariser; any other
     method takes it as ``method.feddecorr.beta=0.1``. Sends and keeps what FedAvg does."""
 
@@ -221,4 +158,4 @@ class FedDecorr(FedAvgWith):
     Options = FedDecorrMethodOptions
 
     def parts(self, opt):
-        return [Decorrelation(FedDecorrOptions(beta=opt.beta, form=opt.form))]
+        return [Decorrelation(options_of(FedDecorrOptions, opt))]

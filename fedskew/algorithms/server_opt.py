@@ -20,25 +20,28 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedskew.methods.base import FedAvgOptions, Method, model_part, weighted_mean
+from fedskew.algorithms.base import FedAvgOptions, Method, model_part, weighted_mean
 
 
-class ServerOptOptions(FedAvgOptions):
+class FedAvgMOptions(FedAvgOptions):
+    """FedAvgM reads eta_g and its momentum only (no second moment, no tau)."""
+
     server_lr: float = Field(1.0, gt=0, description="eta_g")
-    beta1: float = Field(0.9, ge=0, lt=1, description="FedAvgM momentum beta / Adam-Yogi beta1")
-    beta2: float = Field(0.99, ge=0, lt=1)
-    tau: float = Field(1e-3, gt=0, description="adaptivity")
+    beta1: float = Field(0.9, ge=0, lt=1, description="server momentum beta: m <- beta m + Delta")
 
 
-class AdaptiveOptions(ServerOptOptions):
+class AdaptiveOptions(FedAvgOptions):
     server_lr: float = Field(0.01, gt=0, description="eta_g (Reddi et al. tune 1e-3..1e-1; 1.0 diverges)")
+    beta1: float = Field(0.9, ge=0, lt=1, description="first-moment decay")
+    beta2: float = Field(0.99, ge=0, lt=1, description="second-moment decay")
+    tau: float = Field(1e-3, gt=0, description="adaptivity; v starts at tau^2")
 
 
 class ServerOpt(Method):
     """A server optimiser over the pseudo-gradient (module docstring)."""
 
     kind: Literal["avgm", "adam", "yogi"] = "avgm"
-    Options = ServerOptOptions
+    Options: type[FedAvgOptions] = FedAvgMOptions
 
     def server_init(self, global_state, info):
         state = {"m." + k: torch.zeros_like(global_state[k]) for k in info.param_names}

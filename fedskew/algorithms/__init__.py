@@ -1,12 +1,13 @@
 """Method registry: one module per method family; every method is a :class:`Method`.
 
 Methods added from outside the package (:func:`register_method`, ``fedskew.register_method``) join
-the same table, so every executor, sweep and report runs them. Calling the package,
-``fedskew.methods()``, returns the table.
+the same table, so every executor, sweep and report runs them; ``fedskew.methods()`` returns it.
+Every entry is a class: a method composed of a base method and components is a
+:class:`~fedskew.algorithms.compose.Composed` subclass.
 
 Any method also takes the composable pieces of :data:`COMPONENTS` as sub-options
 (``method.prototypes.mu2=1e-4``, ``method.decorrelation.mu1=0.01``, ``method.rs.alpha=0.5``,
-``method.hpm.kt=kd``): the method is then wrapped in a :class:`~fedskew.methods.compose.Composite`.
+``method.hpm.kt=kd``): the method is then wrapped in a :class:`~fedskew.algorithms.compose.Composite`.
 """
 
 from __future__ import annotations
@@ -14,31 +15,29 @@ from __future__ import annotations
 import importlib
 import re
 import sys
-import types
 
 from pydantic import BaseModel, ValidationError
 
-from fedskew.methods.base import ClientReport, FederationInfo, Forward, Method, State
-from fedskew.methods.compose import Composite
-from fedskew.methods.drift import FedDC, FedDyn, FedNova, FedProx, Scaffold
-from fedskew.methods.fedmr import COMPONENTS as FEDMR_COMPONENTS
-from fedskew.methods.fedmr import FedMR
-from fedskew.methods.map import COMPONENTS as MAP_COMPONENTS
-from fedskew.methods.map import MAP, FedPHP, FedRS
-from fedskew.methods.fedka import FedKA, FedNTD
-from fedskew.methods.meta import PerFedAvg, PFedMe
-from fedskew.methods.neural_collapse import EtfGmv, FedETF
-from fedskew.methods.personalized import Ditto, DittoRS, FedBABU, FedLC, FedProto, FedRep, FedROD
-from fedskew.methods.representation import Decorrelation, FedDecorr, FedMMD, Moon, fedproc
-from fedskew.methods.classifier import CCVR, FedNH, FedPAC
-from fedskew.methods.distillation import FedDF, FedGen
-from fedskew.methods.sharing import APFL, FLDA, FedALA, FedBN, FedFOMO, FedPer, LGFedAvg
-from fedskew.methods.server_opt import FedAdam, FedAvgM, FedAwS, FedYogi
+from fedskew.algorithms.base import ClientReport, FederationInfo, Forward, Method, State
+from fedskew.algorithms.compose import Composite
+from fedskew.algorithms.drift import FedDC, FedDyn, FedNova, FedProx, Scaffold
+from fedskew.algorithms.components import COMPONENTS
+from fedskew.algorithms.fedmr import FedMR
+from fedskew.algorithms.map import MAP, FedPHP, FedRS
+from fedskew.algorithms.fedka import FedKA, FedNTD
+from fedskew.algorithms.meta import PerFedAvg, PFedMe
+from fedskew.algorithms.neural_collapse import EtfGmv, FedETF
+from fedskew.algorithms.personalized import Ditto, DittoRS, FedBABU, FedLC, FedProto, FedRep, FedROD
+from fedskew.algorithms.representation import FedDecorr, FedMMD, FedProc, Moon
+from fedskew.algorithms.classifier import CCVR, FedNH, FedPAC
+from fedskew.algorithms.distillation import FedDF, FedGen
+from fedskew.algorithms.sharing import APFL, FLDA, FedALA, FedBN, FedFOMO, FedPer, LGFedAvg
+from fedskew.algorithms.server_opt import FedAdam, FedAvgM, FedAwS, FedYogi
 
 METHODS: dict[str, type[Method]] = {
     "fedavg": Method, "fedmr": FedMR, "fedprox": FedProx, "scaffold": Scaffold, "feddyn": FedDyn,
     "fednova": FedNova, "fedavgm": FedAvgM, "fedadam": FedAdam, "fedyogi": FedYogi, "fedaws": FedAwS,
-    "moon": Moon, "fedmmd": FedMMD, "feddc": FedDC, "fedproc": fedproc,
+    "moon": Moon, "fedmmd": FedMMD, "feddc": FedDC, "fedproc": FedProc,
     "fedrs": FedRS, "fedphp": FedPHP, "map": MAP, "etf_gmv": EtfGmv,
     "fedntd": FedNTD, "fedka": FedKA,
     "ditto": Ditto, "dittors": DittoRS, "fedrep": FedRep, "fedbabu": FedBABU, "fedrod": FedROD,
@@ -47,7 +46,6 @@ METHODS: dict[str, type[Method]] = {
     "feddecorr": FedDecorr, "ccvr": CCVR, "fednh": FedNH, "feddf": FedDF, "fedgen": FedGen, "fedetf": FedETF,
     "fedfomo": FedFOMO, "fedpac": FedPAC, "flda": FLDA,
 }
-COMPONENTS = {**FEDMR_COMPONENTS, **MAP_COMPONENTS, "feddecorr": Decorrelation}
 BUILTIN = frozenset(METHODS)
 _BUILTIN_CLASSES = tuple(METHODS.values())
 
@@ -144,13 +142,17 @@ def method_validation_fraction(cfg) -> float:
     """The share of each client's training data the method named by ``cfg`` holds out as its
     local validation split (``Method.validation_fraction``; 0 for most methods)."""
     cls, options, _ = _parse(cfg)
-    fraction = getattr(cls, "validation_fraction", None)  # (fedproc is a factory function)
-    return float(fraction(options)) if fraction is not None else 0.0
+    return float(cls.validation_fraction(options))
+
+
+def model_option_owner(option: str) -> str | None:
+    """The registered method that owns the boolean model option ``option`` (``owns_model_options``)."""
+    return next((name for name, cls in METHODS.items() if option in cls.owns_model_options), None)
 
 
 def method_model_defaults(cfg) -> dict:
     """The model options the method named by ``cfg`` uses by default (``Method.model_defaults``)."""
-    return dict(getattr(METHODS[cfg.name], "model_defaults", {}))
+    return dict(METHODS[cfg.name].model_defaults)
 
 
 def build_method(cfg, info: FederationInfo | None = None) -> Method:
@@ -161,15 +163,43 @@ def build_method(cfg, info: FederationInfo | None = None) -> Method:
     return Composite(method, [COMPONENTS[name](opt) for name, opt in parts.items()])
 
 
-class _Registry(types.ModuleType):
-    """This package's module type: ``fedskew.methods()`` (the package called) is :func:`registered`."""
-
-    def __call__(self) -> dict[str, type[Method]]:
-        return registered()
-
-
-sys.modules[__name__].__class__ = _Registry
-
 __all__ = ["ClientReport", "FederationInfo", "Forward", "METHODS", "Method", "State", "build_method",
            "did_you_mean", "external_methods", "import_methods", "method_model_defaults", "method_validation_fraction", "register_method", "registered",
            "validate_method_config"]
+
+
+def allowed_values(field) -> str:
+    """What an option accepts, from its type and constraints (``'hard' | 'soft'``, ``>= 0``, ...)."""
+    import typing
+
+    ann = field.annotation
+    args = [a for a in typing.get_args(ann) if a is not type(None)]
+    literal = next((a for a in [ann, *args] if typing.get_origin(a) is typing.Literal), None)
+    if literal is not None:
+        text = " \\| ".join(f"`{v}`" for v in typing.get_args(literal))
+    else:
+        base = args[0] if args else ann
+        text = getattr(base, "__name__", str(base)).replace("NoneType", "none")
+        bounds = []
+        for m in field.metadata:
+            for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+                if getattr(m, attr, None) is not None:
+                    bounds.append(f"{sign} {getattr(m, attr)}")
+        text += f" {', '.join(bounds)}" if bounds else ""
+    return text + (" or none" if type(None) in typing.get_args(ann) else "")
+
+
+def options_reference() -> str:
+    """Markdown: every registered method's and component's options with their defaults, allowed
+    values and meanings, from the ``Options`` classes (docs/methods.md, "Options reference", is
+    this text; ``fedskew methods --markdown`` prints it)."""
+    lines = []
+    for kind, table in (("method", METHODS), ("component", COMPONENTS)):
+        for name, cls in table.items():
+            key = "method." if kind == "method" else f"method.{name}."
+            lines += ["", f"### `{name}` ({kind})", "", "| option | default | allowed | meaning |", "|---|---|---|---|"]
+            for opt, field in cls.Options.model_fields.items():
+                default = field.get_default(call_default_factory=True)
+                lines.append(f"| `{key}{opt}` | `{default!r}` | {allowed_values(field)} | "
+                             f"{(field.description or '').replace('|', chr(92) + '|')} |")
+    return "\n".join(lines[1:]) + "\n"

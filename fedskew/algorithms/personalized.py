@@ -1,4 +1,4 @@
-"""Personalised-FL baselines of the MAP paper's Table II (methods.md section 5): Ditto, FedRep,
+"""Personalised-FL baselines of the MAP paper's Table II (docs/methods.md, "Baselines"): Ditto, FedRep,
 FedBABU, FedROD, FedProto, and FedLC's calibrated loss.
 
 Each method states its personalised model (scored as ``personal/acc_after``) and whether a global
@@ -27,13 +27,12 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.methods.base import (HEAD, ClientReport, FedAvgOptions, Method, add_prefix, as_model_part, body_names,
+from fedskew.algorithms.base import (HEAD, ClientReport, FedAvgOptions, Method, add_prefix, as_model_part, body_names,
                                   fraction_steps, head_names, model_part, reference_tensor, strip_prefix,
                                   weighted_mean)
-from fedskew.methods.compose import Composite
-from fedskew.methods.fedmr import aggregate_prototypes, class_feature_means
-from fedskew.methods.map import ALPHA, BIAS_FREE, RestrictedSoftmax, RSOptions
-from fedskew.methods.sharing import PartialSharing
+from fedskew.algorithms.components import BIAS_FREE, RestrictedSoftmax, RSOptions
+from fedskew.algorithms.compose import Composed, PartialSharing, options_of
+from fedskew.algorithms.tensors import aggregate_prototypes, balanced_softmax_loss, class_feature_means
 
 # ---------------------------------------------------------------------------------------------
 # Ditto
@@ -80,23 +79,20 @@ class Ditto(Method):
         return strip_prefix(client_state, "ditto.")
 
 
-class DittoRSOptions(DittoOptions):
-    alpha: float = Field(ALPHA, ge=0, le=1, description="scale of missing classes' logits")
-    rs_form: Literal["hard", "soft"] = "hard"
+class DittoRSOptions(RSOptions, DittoOptions):
+    renamed = {}
 
 
-class DittoRS(Composite):
+class DittoRS(Composed):
     """DittoRS (MAP paper, Table II): Ditto whose global update trains with restricted softmax."""
 
     name = "dittors"
     Options = DittoRSOptions
+    base_method = Ditto
     model_defaults = BIAS_FREE
 
-    def __init__(self, options=None, info=None):
-        opt = options if options is not None else self.Options()
-        ditto = Ditto(DittoOptions(**{k: getattr(opt, k) for k in DittoOptions.model_fields}), info)
-        super().__init__(ditto, [RestrictedSoftmax(RSOptions(alpha=opt.alpha, form=opt.rs_form))], name=self.name)
-        self.opt = opt
+    def parts(self, opt):
+        return [RestrictedSoftmax(options_of(RSOptions, opt))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,13 +185,6 @@ class FedBABU(Method):
 
 # ---------------------------------------------------------------------------------------------
 # FedROD
-
-
-def balanced_softmax_loss(logits: torch.Tensor, y: torch.Tensor, class_counts: torch.Tensor,
-                          ce=F.cross_entropy) -> torch.Tensor:
-    """Balanced softmax (FedROD Eq. 5, after Ren et al. 2020): CE(logits + log n_c, y) with the
-    client's class counts n_c; a class it lacks gets log(1e-12), numerically removed."""
-    return ce(logits + torch.log(class_counts.clamp(min=1e-12)), y)
 
 
 class FedROD(Method):

@@ -40,12 +40,13 @@ method can misreport it. Methods hold their options and the federation's static 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 State = dict[str, torch.Tensor]
 MODEL = "model."
@@ -231,9 +232,34 @@ def weighted_mean(states: list[State], weights: torch.Tensor) -> State:
     return out
 
 
-class FedAvgOptions(BaseModel):
+class StrictOptions(BaseModel):
+    """Options of a method, a component or a config section: unknown keys are errors. ``renamed``
+    maps an option's former name to its name now; the former name still works for one release, with
+    a FutureWarning that names both."""
+
     model_config = ConfigDict(extra="forbid")
-    weighting: Literal["samples", "batches", "uniform"] = "samples"
+    renamed: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_names(cls, data):
+        if not isinstance(data, dict) or not cls.renamed:
+            return data
+        data = dict(data)
+        for old, new in cls.renamed.items():
+            if old in data:
+                if new in data:
+                    raise ValueError(f"'{old}' is the former name of '{new}'; give '{new}' only")
+                warnings.warn(f"option '{old}' is now called '{new}'; the old name works until fedskew 0.2.",
+                              FutureWarning, stacklevel=2)
+                data[new] = data.pop(old)
+        return data
+
+
+class FedAvgOptions(StrictOptions):
+    weighting: Literal["samples", "batches", "uniform"] = Field(
+        "samples", description="aggregation weights p_k: by local samples n_k (McMahan et al.), by local batches, "
+                               "or equal")
 
 
 class Method:
@@ -248,6 +274,10 @@ class Method:
     # model options this method's papers use, applied to the keys a config leaves unset
     # (``method=map`` -> a bias-free classifier; ``method=etf_gmv`` -> the fixed ETF head)
     model_defaults: dict = {}
+    # boolean model options only this method may turn on (FLDA's ``private_expert``: an architecture
+    # whose private parts only that method keeps on the clients); config validation refuses them
+    # with any other method
+    owns_model_options: frozenset[str] = frozenset()
     personal_first = False  # True: the personalisation stage runs before the uploaded model's training
     # The losses below are batch means of per-sample terms, written with ``fwd.mean`` and
     # ``fwd.cross_entropy`` (plus terms of the parameters alone): see ``padding_exact``.

@@ -11,21 +11,36 @@ uploaded classifiers, and the clients use its samples as a regulariser.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from fedskew.methods.base import (HEAD, FedAvgOptions, Method, State, add_prefix, as_model_part, model_part,
+from fedskew.algorithms.base import (HEAD, FedAvgOptions, Method, State, add_prefix, as_model_part, model_part,
                                   reference_tensor, strip_prefix, weighted_mean)
 from fedskew.streams import torch_seed
 
 
 class FedDFOptions(FedAvgOptions):
     public_size: int = Field(500, ge=1, description="unlabelled public samples (MAP Tables I/II: 500 of the "
-                                                    "global test set), at most half of the source set")
-    public_source: Literal["test", "train"] = Field("test", description="where the public samples are drawn from")
+                                                    "global test set)")
+    public_source: Literal["train", "validation", "test_images"] = Field(
+        "train", description="train: inputs of the pooled training set (default); validation: the global "
+                             "validation hold-out (dataset.validation_fraction > 0), disjoint from every client's "
+                             "data; test_images: the global test set's images, the MAP paper's protocol, where "
+                             "test data reaches training (at most half of it; never for model selection)")
+
+    @field_validator("public_source", mode="before")
+    @classmethod
+    def _former_test(cls, value):
+        if value == "test":
+            warnings.warn("feddf public_source 'test' is now called 'test_images' (the MAP paper's protocol, in which "
+                          "test images reach training); the old name works until fedskew 0.2.", FutureWarning,
+                          stacklevel=2)
+            return "test_images"
+        return value
     distill_steps: int = Field(500, ge=0, description="server distillation steps per round (official code: up "
                                                       "to 10,000 with early stopping on a validation set)")
     distill_lr: float = Field(1e-3, gt=0, description="Adam learning rate of the distillation (paper Section 4)")
@@ -48,10 +63,11 @@ class FedDF(Method):
     on mini-batches of the public set, each minimising the KL divergence between the softmax of
     the average of the client models' logits (teachers in eval mode) and the student's (train
     mode; its BatchNorm running statistics stay the averaged ones). The public set:
-    ``public_size`` inputs drawn once from the seed from the global test set (the MAP paper's
-    500 test images) or the pooled training set, labels never read; at most half of that set
-    (digits' 359 test images give 179), so that most test images stay unseen. Without a validation set
-    there is no early stopping: a fixed number of steps (documented difference).
+    ``public_size`` inputs drawn once from the seed, labels never read, from the pooled training
+    set (default: no test data reaches training), the global validation hold-out, or, behind
+    ``public_source=test_images``, the global test set (the MAP paper's 500 test images; at most
+    half of it, digits' 359 test images give 179). Without a validation set there is no early
+    stopping: a fixed number of steps (documented difference).
 
     Sends and keeps what FedAvg does; the server holds the public set."""
 
@@ -59,10 +75,16 @@ class FedDF(Method):
     Options = FedDFOptions
     per_sample_loss = True  # Method.padding_exact (FedAvg's loss)
 
+    def __init__(self, options=None, info=None):
+        super().__init__(options, info)
+        if info is not None and info.public_pool is not None:
+            self.public()  # a source this federation lacks is refused now, in one sentence
+
     def public(self) -> torch.Tensor:
-        """The public set: the first ``public_size`` (at most half) of the seeded pool."""
-        pool = self.info.public_pool(self.opt.public_source)
-        return pool[:min(self.opt.public_size, len(pool) // 2)]
+        """The public set: the first ``public_size`` of the seeded pool (of the test images at most half)."""
+        source = {"test_images": "test"}.get(self.opt.public_source, self.opt.public_source)
+        pool = self.info.public_pool(source)
+        return pool[:min(self.opt.public_size, len(pool) // 2 if source == "test" else len(pool))]
 
     def server_init(self, global_state, info):
         return {"feddf.round": torch.zeros((), device=reference_tensor(global_state).device)}

@@ -1,4 +1,4 @@
-"""FedNTD (Lee et al., NeurIPS 2022) and FedKA (knowledge anchor, 2023), methods.md section 4.
+"""FedNTD (Lee et al., NeurIPS 2022) and FedKA (knowledge anchor, 2023) (docs/methods.md, "FedNTD and FedKA").
 
 Both keep the received global model's knowledge of the classes a client lacks: FedNTD distils the
 global model's *not-true* class distribution on every batch; FedKA distils the global model's
@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.methods.base import ClientData, FedAvgOptions, Method, model_part, reference_tensor
+from fedskew.metrics import class_roles
+from fedskew.algorithms.base import ClientData, FedAvgOptions, Method, model_part, reference_tensor
 from fedskew.streams import numpy_rng
 
 
@@ -66,17 +67,6 @@ class FedNTD(Method):
 # FedKA
 
 
-def class_roles(counts: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Per class of one client: 0 missing (n_c = 0), 1 non-dominant (0 < n_c / n < gamma),
-    2 dominant (the rest)."""
-    counts = counts.to(torch.float64)
-    share = counts / counts.sum().clamp(min=1)
-    return torch.where(counts == 0, 0, torch.where(share < gamma, 1, 2)).to(torch.long)
-
-
-ROLE_NAMES = ("missing", "non_dominant", "dominant")
-
-
 def anchor_indices(roles: torch.Tensor, y_local: np.ndarray, losses: np.ndarray | None, cap: int,
                    strategy: str, rng: np.random.Generator) -> list[tuple[str, int]]:
     """The anchor set of one client for one round: ("public", c) for each missing class c (the
@@ -120,7 +110,7 @@ class FedKAOptions(FedAvgOptions):
 
 
 class FedKA(Method):
-    """L = CE(batch) + beta * knowledge-anchor loss on every mini-batch (methods.md section 4).
+    """L = CE(batch) + beta * knowledge-anchor loss on every mini-batch.
 
     Before each round's local training the client rebuilds its anchor set (``prepare``): the
     public sample of each missing class (``FederationInfo.public_samples``: one training sample per
@@ -188,5 +178,5 @@ class FedKA(Method):
         return ce + self.opt.ka_beta * ka, {"fedka/anchor": ka.detach()}
 
 
-__all__ = ["FedKA", "FedNTD", "ROLE_NAMES", "anchor_indices", "class_roles",
+__all__ = ["FedKA", "FedNTD", "anchor_indices",
            "knowledge_anchor_loss", "not_true_logits", "ntd_loss"]

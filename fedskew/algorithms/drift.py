@@ -1,4 +1,4 @@
-"""Client-drift baselines: FedProx, SCAFFOLD, FedDyn, FedNova (methods.md section 5).
+"""Client-drift baselines: FedProx, SCAFFOLD, FedDyn, FedNova.
 
 Each is FedAvg with the pieces its paper changes. SCAFFOLD's and FedDC's control correction is a
 step correction applied after each optimizer step, outside momentum (``Method.step_correction``);
@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedskew.methods.base import FedAvgOptions, Method, as_model_part, model_part, weighted_mean
+from fedskew.algorithms.base import FedAvgOptions, Method, as_model_part, model_part, weighted_mean
 
 
 def _params(names, state, prefix=""):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.func import grad_and_value
 
-from fedskew.methods.base import FedAvgOptions, Method, State, add_prefix, model_part, strip_prefix
+from fedskew.algorithms.base import FedAvgOptions, Method, State, add_prefix, model_part, strip_prefix
 
 
 def ce_grad(fwd, params: State, x: torch.Tensor, y: torch.Tensor) -> tuple[State, torch.Tensor]:

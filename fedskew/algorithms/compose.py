@@ -1,4 +1,4 @@
-"""Composable method pieces (design.md, "Methods compose").
+"""Composable method pieces (design.md, "One way to compose").
 
 A :class:`Component` adds to a base method: extra server/client state, extra payload and upload
 entries under its own prefix, an extra loss term, and its own aggregation of its uploads. A
@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel
 
-from fedskew.methods.base import ClientReport, FederationInfo, Forward, Method, State, declares_per_sample
+from fedskew.algorithms.base import (ClientReport, FederationInfo, Forward, Method, State, add_prefix, as_model_part,
+                                     declares_per_sample, model_part, strip_prefix, weighted_mean)
 
 
 class SharedForward(Forward):
@@ -37,7 +38,7 @@ class Component:
     """One composable piece. Entries it sends and keeps are prefixed with ``prefix``.
 
     A component that sets ``personalizes = True`` owns the method's personalisation stage
-    (``split_steps`` ... ``personal_state``, see :class:`~fedskew.methods.base.Method`); a
+    (``split_steps`` ... ``personal_state``, see :class:`~fedskew.algorithms.base.Method`); a
     composite takes at most one such component."""
 
     prefix = ""
@@ -222,16 +223,56 @@ class Composite(Method):
         return new_global, new_state
 
 
-class FedAvgWith(Composite):
-    """A named method that is FedAvg plus components built from its own options: subclasses set
-    ``name``, ``Options`` (a FedAvgOptions subclass) and ``parts(opt)``."""
+def options_of(schema: type[BaseModel], opt: BaseModel) -> BaseModel:
+    """``schema``'s options taken by name from a named method's options (``Composed.parts``): an
+    option has one name in the method and in the component it configures."""
+    return schema(**{k: getattr(opt, k) for k in schema.model_fields if k in type(opt).model_fields})
+
+
+class Composed(Composite):
+    """The one form of a named method built by composition: a base method class (``base_method``,
+    FedAvg by default) plus the components ``parts(opt)`` makes, both configured from the method's
+    own ``Options`` by option name (:func:`options_of`). FedMR = FedAvg + decorrelation +
+    prototypes; MAP = FedAvg + rs + hpm; DittoRS = Ditto + rs; FedProc = its loss + prototypes.
+    The registry holds these classes like any other method."""
+
+    base_method: type[Method] = Method
 
     def __init__(self, options: BaseModel | None = None, info: FederationInfo | None = None):
-        from fedskew.methods.base import FedAvgOptions
-
         opt = options if options is not None else self.Options()
-        super().__init__(Method(FedAvgOptions(weighting=opt.weighting), info), self.parts(opt), name=self.name)
+        base = self.base_method(options_of(self.base_method.Options, opt), info)
+        super().__init__(base, self.parts(opt), name=self.name)
         self.opt = opt
 
     def parts(self, opt) -> list[Component]:
         raise NotImplementedError
+
+
+class PartialSharing(Method):
+    """A model of which the clients share only the tensors ``shared(key)`` says; each keeps the
+    rest across rounds under ``keep`` (initialised from the first global model) and trains the
+    whole model every round, starting from the received shared tensors and its own kept ones.
+    Down and up: the shared tensors; the server averages them (FedAvg weights) and keeps its
+    other tensors as they were. Personalised model: the locally trained model."""
+
+    keep = "local."
+
+    def shared(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def client_init(self, client_id, global_state, info):
+        return add_prefix({k: v.clone() for k, v in global_state.items() if not self.shared(k)}, self.keep)
+
+    def broadcast(self, global_state, server_state):
+        return as_model_part({k: v for k, v in global_state.items() if self.shared(k)})
+
+    def local_start(self, payload, client_state):
+        return {**model_part(payload), **strip_prefix(client_state, self.keep)}
+
+    def after_training(self, trained, payload, client_state, report):
+        upload = as_model_part({k: v for k, v in trained.items() if self.shared(k)})
+        return upload, add_prefix({k: v for k, v in trained.items() if not self.shared(k)}, self.keep)
+
+    def aggregate(self, server_state, global_state, uploads, reports):
+        new = weighted_mean([model_part(u) for u in uploads], self.client_weights(reports))
+        return {**global_state, **new}, server_state

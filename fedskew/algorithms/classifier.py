@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.methods.base import (HEAD, FedAvgOptions, Method, as_model_part, head_names, model_part,
+from fedskew.algorithms.base import (HEAD, FedAvgOptions, Method, as_model_part, head_names, model_part,
                                   reference_tensor, strip_prefix,
                                   weighted_mean)
-from fedskew.methods.fedmr import aggregate_prototypes, class_feature_means
+from fedskew.algorithms.tensors import aggregate_prototypes, class_feature_means
 from fedskew.streams import torch_seed
 
 

@@ -1,4 +1,4 @@
-"""Neural-collapse FL (methods.md section 3): a fixed simplex-ETF classifier shared by all parties
+"""Neural-collapse FL: a fixed simplex-ETF classifier shared by all parties
 plus global memory vectors (GMV) that pull each sample's feature toward its class's global mean.
 
 The ETF head itself is a model option (``model.classifier=etf``, :class:`fedskew.models.nets.
@@ -14,10 +14,9 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedskew.methods.base import (ClientReport, FedAvgOptions, Method, add_prefix, fraction_steps, head_names,
+from fedskew.algorithms.base import (ClientReport, FedAvgOptions, Method, add_prefix, fraction_steps, head_names,
                                   reference_tensor, strip_prefix)
-from fedskew.methods.fedmr import aggregate_prototypes, class_feature_means
-from fedskew.methods.personalized import balanced_softmax_loss
+from fedskew.algorithms.tensors import aggregate_prototypes, balanced_softmax_loss, class_feature_means
 
 
 def aggregate_memory_vectors(previous: torch.Tensor, means: list[torch.Tensor], counts: list[torch.Tensor],

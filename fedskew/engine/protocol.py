@@ -1,0 +1,192 @@
+"""One client round, the same for every executor (design.md, "Executors").
+
+:func:`client_round` is the only place that says in which order a selected client's round calls
+the method: ``prepare`` -> ``local_start`` -> (``personal_first``: the personalisation stage) ->
+the uploaded model's training with ``step_correction`` -> ``after_training`` -> the
+personalisation stage -> ``personal_state``, with the local accuracy before and after. Executors
+differ only in how a stage trains (:class:`StageRunner`): the sequential executor (and so
+Flower's ClientApp) one client after another with torch.optim.SGD, the vectorised one all clients
+stacked in one ``torch.func`` program. :func:`dispatch` is what the server sends a round's
+clients (``broadcast`` + ``download``), for the rounds and the final personalisation alike.
+:func:`make_forward` builds the :class:`Forward` a method's loss receives, for both executors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedskew.algorithms.base import ClientReport, FederationInfo, Forward, Method, State
+from fedskew.models.functional import training_calls
+
+Stage = Literal["upload", "personal"]
+
+
+@dataclass(frozen=True)
+class LocalSettings:
+    """Mini-batch SGD on a client: torch.optim.SGD semantics (dampening 0, no Nesterov; weight
+    decay added to the gradient before momentum; optional clipping of the global grad norm)."""
+
+    epochs: int
+    batch_size: int
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: float | None = None
+    seed: int = 0
+    augment_pad: int = 0  # > 0: random crop with this zero padding + horizontal flip of training batches
+    precision: str = "fp32"  # fp32 | bf16 | fp16: the training forward's compute dtype (low_precision)
+
+    def augmentation(self, round_idx: int, client_id: int, stage: int, n: int) -> torch.Tensor | None:
+        """The crop/flip draws of a stage's n samples (None: augmentation off); stage 0 is the
+        uploaded model's training, 1 the personalisation stage."""
+        if not self.augment_pad:
+            return None
+        from fedskew.data.augment import crop_flip_params
+
+        return crop_flip_params(self.seed, round_idx, client_id, stage, n, self.augment_pad)
+
+
+@dataclass
+class ClientResult:
+    client_id: int
+    upload: State
+    client_state: State
+    report: ClientReport
+    train_loss: float
+    acc_before: float | None = None
+    acc_after: float | None = None
+    aux: dict = field(default_factory=dict)
+
+
+def batch_schedule(settings: LocalSettings, round_idx: int, client_id: int, n: int,
+                   epochs: int | None = None) -> list[np.ndarray]:
+    """The client's mini-batches for the round, as positions into its local index set: one fresh
+    permutation per epoch (stream ``batch_order``), cut into batches of B; the last batch of an
+    epoch may be smaller (no sample is dropped)."""
+    from fedskew.streams import batch_order
+
+    batches = []
+    for perm in batch_order(settings.seed, round_idx, client_id, n, settings.epochs if epochs is None else epochs):
+        batches += [perm[i:i + settings.batch_size] for i in range(0, n, settings.batch_size)]
+    return batches
+
+
+def stage_schedules(settings: LocalSettings, method: Method, round_idx: int, client_id: int,
+                    n: int, lr: float) -> tuple[list[np.ndarray], list[np.ndarray], float]:
+    """The batches of the uploaded model's training and of the personalisation stage (if the
+    method has one), consecutive on the client's batch stream in the order the stages run, and
+    the latter's learning rate."""
+    per_epoch = math.ceil(n / settings.batch_size)
+    steps_a, steps_b, lr_b = method.split_steps(settings.epochs * per_epoch, lr)
+    batches = batch_schedule(settings, round_idx, client_id, n, math.ceil((steps_a + steps_b) / max(per_epoch, 1)))
+    if method.personal_first:
+        return batches[steps_b:steps_a + steps_b], batches[:steps_b], lr_b
+    return batches[:steps_a], batches[steps_a:steps_a + steps_b], lr_b
+
+
+def make_forward(model: nn.Module, params: State, buffers: State, cast_dtype=None, weights=None,
+                 own: bool = False) -> Forward:
+    """The :class:`Forward` of ``model`` with ``params`` and ``buffers`` (both executors' training
+    forward; :func:`~fedskew.models.functional.training_calls`)."""
+    c = training_calls(model, params, buffers, cast_dtype, own)
+    return Forward(c.train, c.frozen, c.head, c.call, buffers, c.evaluate, weights)
+
+
+class StageRunner(Protocol):
+    """How an executor trains: what :func:`client_round` needs besides the method."""
+
+    method: Method
+    settings: LocalSettings
+
+    def num_samples(self, client_id: int) -> int:
+        """The client's number of local training samples."""
+
+    def prepare(self, round_idx: int, client_id: int, payload: State, client_state: State) -> State:
+        """``Method.prepare`` with the client's data."""
+
+    def report(self, client_id: int, num_steps: int, lr: float) -> ClientReport:
+        """The client's :class:`ClientReport` for a round of ``num_steps`` uploaded-model steps."""
+
+    def accuracies(self, states: list[State], clients: list[int]) -> list[float | None]:
+        """Each state's accuracy on its client's local test split (None: the split is empty)."""
+
+    def run_stage(self, stage: Stage, starts: list[State], states: list[State], schedules: list[list[np.ndarray]],
+                  clients: list[int], payload: State, lrs: list[float], round_idx: int
+                  ) -> tuple[list[State], list[dict[str, float]]]:
+        """Local SGD of each client from its start state on its schedule (the stage's loss,
+        trainable parameters and, for the upload stage, ``step_correction``): the trained states
+        (parameters and float buffers) and each client's mean tracked values (``loss`` and aux)."""
+
+
+def client_round(runner: StageRunner, round_idx: int, clients: list[int], payload: State,
+                 client_states: list[State], lr: float) -> list[ClientResult]:
+    """One round of local work of ``clients`` (in that order), whatever the executor."""
+    method, settings = runner.method, runner.settings
+    states = [runner.prepare(round_idx, k, payload, st) for k, st in zip(clients, client_states)]
+    starts = [method.local_start(payload, st) for st in states]
+    acc_before = runner.accuracies(starts, clients)
+    plans = [stage_schedules(settings, method, round_idx, k, runner.num_samples(k), lr) for k in clients]
+    reports = [runner.report(k, len(plan[0]), lr) for k, plan in zip(clients, plans)]
+    aux: list[dict] = [{} for _ in clients]
+    has_personal = any(plan[1] for plan in plans)
+
+    def personal_stage(begin_from: list[State], states: list[State]) -> list[State]:
+        begin = [method.personal_start(t, payload, st) for t, st in zip(begin_from, states)]
+        personal, means = runner.run_stage("personal", begin, states, [p[1] for p in plans], clients, payload,
+                                           [p[2] for p in plans], round_idx)
+        out = []
+        for i, (plan, st) in enumerate(zip(plans, states)):
+            if plan[1]:  # a client with no personalisation step keeps its state
+                aux[i].update({f"personal_{k}": v for k, v in means[i].items()})
+                st = method.after_personal(personal[i], payload, st, reports[i])
+            out.append(st)
+        return out
+
+    if has_personal and method.personal_first:
+        states = personal_stage(starts, states)
+        starts = [method.local_start(payload, st) for st in states]
+    trained, means = runner.run_stage("upload", starts, states, [p[0] for p in plans], clients, payload,
+                                      [lr] * len(clients), round_idx)
+    results = []
+    for i, k in enumerate(clients):
+        upload, new_state = method.after_training(trained[i], payload, states[i], reports[i])
+        stage_means = dict(means[i])
+        results.append(ClientResult(k, upload, new_state, reports[i], stage_means.pop("loss", 0.0), acc_before[i],
+                                    None, stage_means))
+    if has_personal and not method.personal_first:
+        for r, st in zip(results, personal_stage(trained, [r.client_state for r in results])):
+            r.client_state = st
+    for r, a in zip(results, aux):
+        r.aux.update(a)
+    personal = [method.personal_state(t, r.client_state) for t, r in zip(trained, results)]
+    for r, acc in zip(results, runner.accuracies(personal, clients)):
+        r.acc_after = acc
+    return results
+
+
+def dispatch(method: Method, info: FederationInfo, round_idx: int, clients: list[int], global_state: State,
+             server_state: State, client_states: dict[int, State], device: torch.device
+             ) -> tuple[State, dict[int, State], dict[int, State]]:
+    """What the server sends a round's ``clients``: the payload (``broadcast``), each client's
+    state on ``device`` with its own ``download`` merged in (a client never seen before starts
+    from ``client_init``, kept in ``client_states``), and the downloads (counted as sent)."""
+    for k in clients:
+        if k not in client_states:
+            client_states[k] = method.client_init(k, global_state, info)
+    payload = method.broadcast(global_state, server_state)
+    downloads = {k: method.download(server_state, k, round_idx) for k in clients}
+    on_device = {k: {**to_device(client_states[k], device), **to_device(downloads[k], device)} for k in clients}
+    return payload, on_device, downloads
+
+
+def to_device(state: State, device: torch.device) -> State:
+    return {k: v.to(device) for k, v in state.items()}
+
+
+__all__ = ["ClientResult", "LocalSettings", "StageRunner", "batch_schedule", "client_round", "dispatch",
+           "make_forward", "stage_schedules", "to_device"]

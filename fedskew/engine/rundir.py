@@ -1,0 +1,196 @@
+"""A run directory and what a run leaves in it (design.md, "Run directory and resume").
+
+``config.yaml`` (resolved, with seed, library version and the environment), ``partition.json`` and
+``partition.png``, ``metrics.jsonl`` (one JSON object per round), ``summary.json`` and
+``checkpoint.pt`` (every ``checkpoint_every`` rounds, written atomically; the one before is kept as
+``checkpoint.prev.pt`` when it reads back). Checkpoints are plain tensors and containers, loaded
+with ``torch.load(weights_only=True)`` (nothing is unpickled).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from fedskew import __version__
+from fedskew.config import ConfigError, RunConfig
+from fedskew.engine.durable import atomic_save, atomic_write_text, read_records
+
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
+
+
+class StorageError(ConfigError):
+    """The run directory cannot be written (full disk, permissions); one sentence, resumable."""
+
+
+def default_run_dir(cfg: RunConfig) -> Path:
+    name = cfg.run_name or (f"{cfg.method.name}-{cfg.dataset.name}-{cfg.partition.name}-s{cfg.seed}-"
+                            f"{time.strftime('%Y%m%d-%H%M%S')}")
+    return Path(cfg.out_dir) / name
+
+
+def environment(device: torch.device) -> dict:
+    """What a result depends on beyond its config: library versions, the torch thread count (CPU
+    kernels sum in another order with another count: the last digits move), the device and, in a
+    git checkout of fedskew, the commit (``+dirty`` with uncommitted changes)."""
+    import platform
+    import subprocess
+
+    env = {"fedskew": __version__, "python": platform.python_version(), "torch": str(torch.__version__),
+           "numpy": str(np.__version__), "torch_threads": torch.get_num_threads(), "device": str(device)}
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+    source = Path(__file__).resolve().parents[2]
+    if (source / ".git").exists():
+        try:
+            commit = subprocess.run(["git", "-C", str(source), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                                    text=True, timeout=10).stdout.strip()
+            dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            if commit:
+                env["git_commit"] = commit + ("+dirty" if dirty else "")
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return env
+
+
+@dataclass(repr=False)
+class RunResult:
+    """One finished run.
+
+    - ``summary``: what ``summary.json`` holds (``global/test_acc`` and its best and mean over the
+      last 10 evaluations, ``personal/*``, ``comm/*``, ``time/round_s_mean``, ...);
+    - ``history``: one dict per round, as in ``metrics.jsonl`` (:meth:`curve` picks one metric);
+    - ``global_state``: the final global model's tensors (parameters and floating-point buffers);
+    - ``model``: the ``nn.Module`` holding ``global_state``, in eval mode;
+    - ``run_dir`` and ``config`` (the validated :class:`~fedskew.config.RunConfig`);
+    - ``environment``: where it ran (:func:`environment`), also in ``config.yaml``.
+    """
+
+    run_dir: Path
+    summary: dict
+    history: list[dict]
+    global_state: dict
+    config: RunConfig | None = None
+    model: torch.nn.Module | None = None
+    environment: dict | None = None
+
+    def curve(self, key: str = "global/test_acc") -> list[tuple[int, float]]:
+        """(round, value) of every round that reports ``key``."""
+        return [(h["round"], h[key]) for h in self.history if h.get(key) is not None]
+
+    def __repr__(self) -> str:
+        acc = self.summary.get("global/test_acc")
+        shown = "none" if acc is None else f"{acc:.4f}"
+        return (f"RunResult({self.summary.get('method')} on {self.summary.get('dataset')}/"
+                f"{self.summary.get('partition')}, seed {self.summary.get('seed')}, {len(self.history)} rounds, "
+                f"global/test_acc {shown}, run_dir '{self.run_dir}')")
+
+
+class RunDir:
+    """The files of one run directory, written by the process that holds its lock."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.current_ok = False  # checkpoint.pt is known to read back
+        self.checkpoint_round = 0  # the rounds the newest checkpoint holds
+
+    def write_record(self, cfg: RunConfig, env: dict, resumed: bool) -> None:
+        """``config.yaml``: the resolved config and the environment; a resumed run keeps where its
+        earlier parts ran (``environment_previous``) and its earlier ``changes``."""
+        record = {**cfg.resolved(), "environment": env}
+        old = self.path / "config.yaml"
+        if resumed and old.is_file():
+            before = yaml.safe_load(old.read_text()) or {}
+            previous = before.get("environment_previous", [])
+            if before.get("environment") not in (None, env):
+                previous = [*previous, before["environment"]]
+            if previous:
+                record["environment_previous"] = previous
+            if before.get("changes"):
+                record["changes"] = before["changes"]
+        atomic_write_text(yaml.safe_dump(record, sort_keys=False), old)
+
+    def write_partition(self, fed, title: str) -> None:
+        (self.path / "partition.json").write_text(json.dumps(fed.summary_rows()))
+        fed.heatmap(self.path / "partition.png", title)
+
+    def record_changes(self, start: int, changes: dict) -> None:
+        """Settings changed at a resume, in config.yaml's ``changes``, from round ``start + 1``."""
+        path = self.path / "config.yaml"
+        record = yaml.safe_load(path.read_text())
+        record["changes"] = [*record.get("changes", []), {"from_round": start + 1, **changes}]
+        atomic_write_text(yaml.safe_dump(record, sort_keys=False), path)
+
+    def checkpoint(self, state: dict) -> None:
+        """Write ``checkpoint.pt`` (atomic, fsynced); the one before becomes ``checkpoint.prev.pt``,
+        but only when it is known to read back: a corrupt one is dropped, never rotated over the
+        good backup."""
+        path = self.path / "checkpoint.pt"
+        if path.exists():
+            if self.current_ok:
+                os.replace(path, self.path / "checkpoint.prev.pt")
+            else:
+                path.unlink()
+        atomic_save(state, path)
+        self.current_ok = True
+        self.checkpoint_round = state["next_round"]
+
+    def divergence_advice(self) -> str:
+        """What can be done after a divergence, given what is on disk."""
+        if self.checkpoint_round:
+            return (f"the checkpoint after round {self.checkpoint_round} is kept: `fedskew resume {self.path} "
+                    f"lr=<smaller>` (or grad_clip=<norm>) continues from it.")
+        return "no checkpoint was written yet: start again with a smaller lr or with grad_clip set."
+
+    def load_checkpoint(self, shapes: dict, device: torch.device) -> dict | None:
+        """The newest readable checkpoint whose global state has ``shapes``: ``checkpoint.pt``, else
+        (truncated or corrupt, with a notice) ``checkpoint.prev.pt``; None when the run never wrote one."""
+        paths = [p for p in (self.path / "checkpoint.pt", self.path / "checkpoint.prev.pt") if p.exists()]
+        errors = []
+        for path in paths:
+            try:
+                ckpt = torch.load(path, map_location=device, weights_only=True)
+                if not isinstance(ckpt, dict) or "next_round" not in ckpt:
+                    raise ValueError("it is not a fedskew checkpoint")
+                if any(shapes.get(k) != v.shape for k, v in ckpt["global_state"].items()):
+                    raise ValueError("it holds another model's tensors")
+            except Exception as exc:  # empty, truncated, corrupt or foreign file: try the previous one
+                reason = (str(exc).splitlines() or [""])[0][:120] or type(exc).__name__
+                errors.append(f"{path.name}: {reason}")
+                print(f"fedskew: cannot read {path} ({reason}); trying the previous checkpoint.", flush=True)
+                continue
+            self.current_ok = path.name == "checkpoint.pt"
+            self.checkpoint_round = ckpt["next_round"]
+            return ckpt
+        if errors:
+            raise ConfigError(f"no readable checkpoint in '{self.path}' ({'; '.join(errors)}); remove the "
+                              f"directory (or choose another run_name) and start the run again.")
+        return None
+
+    def history_before(self, start: int) -> list[dict]:
+        """Rounds 0 .. start-1 of ``metrics.jsonl``, each exactly once (a torn last line dropped);
+        anything else means two processes wrote the directory or the file was edited."""
+        history = [h for h in read_records(self.path / "metrics.jsonl") if h["round"] < start]
+        rounds = [h["round"] for h in history]
+        if rounds != list(range(start)):
+            missing = sorted(set(range(start)) - set(rounds))
+            twice = sorted({r for r in rounds if rounds.count(r) > 1})
+            raise ConfigError(f"cannot resume '{self.path}': its checkpoint is after round {start} but "
+                              f"metrics.jsonl "
+                              f"{'lacks rounds ' + str([r + 1 for r in missing[:10]]) if missing else ''}"
+                              f"{' and ' if missing and twice else ''}"
+                              f"{'holds rounds ' + str([r + 1 for r in twice[:10]]) + ' twice' if twice else ''} "
+                              f"(two processes wrote it, or it was edited); start the run again in a new directory.")
+        return history
+
+
+__all__ = ["RunDir", "RunResult", "STORAGE_ERRNOS", "StorageError", "default_run_dir", "environment"]

@@ -1,0 +1,361 @@
+"""Issue 30: one way to do each thing, and no key accepted and ignored.
+
+Config errors are checked in a real CLI subprocess; the structure (one client-round driver, the
+runner's size, families that do not import each other) by reading the code; the options and
+settings that had no test (lr_decay, eval_every, CCVR feedback, FedPAC with several clients and
+collaborate=false, classifier_stats, APFL's adaptive alpha, the SGD kernel fallback) against
+independent replays."""
+
+import ast
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedskew.algorithms.base import FedAvgOptions
+from fedskew.config import ConfigError, load_config
+from fedskew.engine.local import federated_state, load_state
+from fedskew.engine.resume import resume
+from fedskew.engine.runner import Experiment, run
+from test_personalized import ONE, ce, close, local_test_acc, one_round, own, replay, stages
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["rounds=2", "partition.num_clients=4", "clients_per_round=2", "local_epochs=1", "batch_size=32",
+        "model.hidden=[32,16]", "final_personalization=false"]
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "fedskew.cli", *args], capture_output=True, text=True, timeout=120,
+                          cwd=cwd)
+
+
+# -- trust at the boundary ---------------------------------------------------------------------------
+
+
+def test_keys_that_do_not_apply_are_one_sentence_in_a_real_cli(tmp_path):
+    out = cli("run", "partition=pcdd", "partition.alpha=0.01", "model.width=3", "dataset.dim=5", "rounds=1",
+              f"out_dir={tmp_path}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    line = out.stderr.strip()
+    assert len(line.splitlines()) == 1
+    assert "dataset.dim does not apply to dataset 'digits'" in line
+    assert "partition.alpha does not apply to partition 'pcdd', which reads ['classes_per_client'" in line
+    assert "model.width does not apply to model 'mlp'" in line and "'hidden'" in line
+    out = cli("run", "model.etf_scale=2", "rounds=1", f"out_dir={tmp_path}")
+    assert out.returncode == 2 and "model.etf_scale does not apply to model 'mlp' with classifier 'linear'" in out.stderr
+    out = cli("run", "method=fedavgm", "method.tau=5", "method.beta2=0.5", "rounds=1", f"out_dir={tmp_path}")
+    assert out.returncode == 2 and "method.tau is not an option of fedavgm" in out.stderr
+    assert "allowed: ['beta1', 'server_lr', 'weighting'" in out.stderr
+    assert not list(tmp_path.iterdir())  # nothing ran
+
+
+def test_keys_that_apply_are_taken_and_the_record_holds_only_those(tmp_path):
+    cfg = load_config(None, ["partition=dirichlet", "partition.alpha=0.1", "model.hidden=[8]"])
+    record = cfg.resolved()
+    assert record["partition"] == {"name": "dirichlet", "num_clients": 20, "alpha": 0.1, "min_size": 10,
+                                   "local_test_fraction": 0.2}
+    assert "width" not in record["model"] and "etf_scale" not in record["model"] and record["model"]["hidden"] == [8]
+    assert "dim" not in record["dataset"] and record["dataset"]["test_fraction"] == 0.2
+    etf = load_config(None, ["method=etf_gmv"]).resolved()["model"]  # a method default makes the ETF keys apply
+    assert etf["classifier"] == "etf" and "etf_scale" in etf
+    # a run directory written before sections had one schema per name (every key) still resumes
+    res = run(load_config(None, TINY + ["rounds=1"]), tmp_path / "old")
+    import yaml
+    path = tmp_path / "old" / "config.yaml"
+    old = yaml.safe_load(path.read_text())
+    old["partition"].update({"alpha": 0.5, "min_size": 10, "size_sigma": 0.0})  # the defaults, as 0.1 wrote them
+    old["model"].update({"width": 32, "etf_scale": 1.0})
+    path.write_text(yaml.safe_dump(old))
+    again = resume(tmp_path / "old", changes=["rounds=2"])
+    assert len(again.history) == 2 and res.summary["seed"] == 0
+
+
+def test_server_optimisers_take_only_their_own_options():
+    from fedskew.algorithms import METHODS
+
+    assert set(METHODS["fedavgm"].Options.model_fields) == {"weighting", "server_lr", "beta1"}
+    assert set(METHODS["fedadam"].Options.model_fields) == {"weighting", "server_lr", "beta1", "beta2", "tau"}
+    assert METHODS["fedyogi"].Options is METHODS["fedadam"].Options
+
+
+def test_one_name_per_option_old_names_warn_for_one_release(tmp_path):
+    with pytest.warns(FutureWarning, match="'proto_share_fraction' is now called 'share_fraction'"):
+        cfg = load_config(None, ["method=fedmr", "method.proto_share_fraction=0.5"])
+    from fedskew.algorithms import build_method
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        assert build_method(cfg.method).components[1].opt.share_fraction == 0.5
+    with pytest.warns(FutureWarning, match="'form' is now called 'rs_form'"):
+        load_config(None, ["method=scaffold", "method.rs.form=soft"])
+    same = build_method(load_config(None, ["method=map", "method.rs_form=soft"]).method)
+    assert same.components[0].opt.rs_form == "soft"
+    with pytest.raises(ConfigError, match="'form' is the former name of 'rs_form'; give 'rs_form' only"):
+        load_config(None, ["method=fedavg", "method.rs.form=soft", "method.rs.rs_form=hard"])
+    with pytest.raises(ConfigError, match="method.form is not an option of fedrs"):  # never a FedRS name
+        load_config(None, ["method=fedrs", "method.form=soft"])
+    out = cli("run", "method=fedmr", "method.proto_share_fraction=0.5", "rounds=1", "partition.num_clients=4",
+              "clients_per_round=2", "model.hidden=[8]", "final_personalization=false", f"out_dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    assert "option 'proto_share_fraction' is now called 'share_fraction'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_private_expert_is_refused_for_other_methods_in_one_sentence(tmp_path):
+    out = cli("run", "model.private_expert=true", "rounds=1", f"out_dir={tmp_path}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "model.private_expert = true is the architecture of method flda" in out.stderr
+
+
+def rows(x):
+    return {tuple(r.flatten().tolist()) for r in x}
+
+
+def test_feddf_public_set_comes_from_the_training_side_by_default(tmp_path):
+    from fedskew.algorithms import METHODS
+
+    assert METHODS["feddf"].Options().public_source == "train"
+    exp = Experiment(load_config(None, ["method=feddf"]), tmp_path / "a")
+    x = exp.method.public()
+    assert len(x) == 500 and rows(x) <= rows(exp.fed.data.x_train)  # every public input is a training input
+    named = Experiment(load_config(None, ["method=feddf", "method.public_source=test_images"]), tmp_path / "b")
+    test = named.method.public()
+    assert len(test) == len(exp.fed.data.x_test) // 2 and rows(test) <= rows(exp.fed.data.x_test)
+    val = Experiment(load_config(None, ["method=feddf", "method.public_source=validation",
+                                        "dataset.validation_fraction=0.2"]), tmp_path / "c")
+    assert rows(val.method.public()) == rows(val.fed.data.x_val)  # all of the hold-out
+    with pytest.warns(FutureWarning, match="'test' is now called 'test_images'"):
+        load_config(None, ["method=feddf", "method.public_source=test"])
+    out = cli("run", "method=feddf", "method.public_source=validation", "rounds=1", f"out_dir={tmp_path / 'd'}")
+    assert out.returncode == 2 and "dataset.validation_fraction > 0" in out.stderr and "Traceback" not in out.stderr
+
+
+# -- APFL's adaptive alpha ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
+def test_apfl_both_alpha_modes_train_v_through_the_mixture(tmp_path, mode):
+    """Round 1 (alpha 0.3 in both): fixed mode's SGD on v_bar at lr eta alpha^2 and adaptive mode's
+    SGD on v itself are the same update (replayed with torch.optim.SGD on v)."""
+    alpha = 0.3
+    exp, init, res, k, state = one_round(tmp_path, ["method=apfl", f"method.alpha={alpha}", "weight_decay=0",
+                                                    f"method.alpha_mode={mode}"])
+    batches, personal, _ = stages(exp, k)
+    w = replay(exp, k, init, batches, exp.cfg.lr, ce)
+    from torch.func import functional_call
+    v = {n: t.clone().requires_grad_(True) for n, t in init.items()}
+    opt = torch.optim.SGD(v.values(), lr=exp.cfg.lr, momentum=exp.cfg.momentum)
+    idx = exp.fed.train_idx[k]
+    for pos in personal:
+        x, y = exp.fed.data.x_train[idx[pos]], exp.fed.data.y_train[idx[pos]]
+        loss = F.cross_entropy(functional_call(exp.model, {n: alpha * v[n] + (1 - alpha) * w[n] for n in v}, (x,)), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    close(own(state, "apfl.v."), {n: t.detach() for n, t in v.items()}, atol=1e-5)
+    if mode == "adaptive":
+        assert state["apfl.alpha"].item() == pytest.approx(alpha)  # the first visit takes no alpha step
+
+
+def test_apfl_adaptive_alpha_takes_the_paper_step_at_the_next_visit(tmp_path):
+    """alpha <- clip(alpha - alpha_lr <v - w, grad f(v_bar)>, 0, 1) (APFL Algorithm 1), with v, w of
+    the last visit and the full local gradient at v_bar, replayed on an nn.Module."""
+    cfg = ["method=apfl", "method.alpha_mode=adaptive", "method.alpha_lr=0.5", "partition.num_clients=2",
+           "partition.classes_per_client=5",
+           "clients_per_round=2", "rounds=2", "local_epochs=1", "final_personalization=false"]
+    first = run(load_config(None, cfg + ["rounds=1"]), tmp_path / "one")
+    both = run(load_config(None, cfg), tmp_path / "two")
+    before = torch.load(tmp_path / "one" / "checkpoint.pt")["client_states"]
+    after = torch.load(tmp_path / "two" / "checkpoint.pt")["client_states"]
+    exp = Experiment(load_config(None, cfg), tmp_path / "x")
+    moved = 0
+    for k, st in before.items():
+        v, w, a = own(st, "apfl.v."), own(st, "apfl.w."), st["apfl.alpha"].item()
+        load_state(exp.model, {n: a * v[n] + (1 - a) * w[n] for n in v})
+        exp.model.eval()
+        idx = exp.fed.train_idx[k]
+        exp.model.zero_grad()
+        F.cross_entropy(exp.model(exp.fed.data.x_train[idx]), exp.fed.data.y_train[idx]).backward()
+        g = sum(((v[n] - w[n]) * p.grad).sum() for n, p in exp.model.named_parameters())
+        expected = min(max(a - 0.5 * g.item(), 0.0), 1.0)
+        assert after[k]["apfl.alpha"].item() == pytest.approx(expected, rel=1e-5, abs=1e-7)
+        moved += expected != a
+    assert moved and first.summary["rounds"] == 1 and both.history[1]["train/personal_apfl/alpha"] is not None
+
+
+# -- the SGD kernel's fallback -----------------------------------------------------------------------
+
+
+def test_sgd_fallback_equals_the_fused_kernel_and_torch_optim():
+    from fedskew.engine.batched_sgd import fused_sgd_, plain_sgd_
+
+    g0 = torch.Generator().manual_seed(0)
+    p = [torch.randn(3, 4, generator=g0), torch.randn(5, generator=g0)]
+    grads = [[torch.randn_like(t) for t in p] for _ in range(3)]
+    a, b, ref = [t.clone() for t in p], [t.clone() for t in p], [t.clone().requires_grad_(True) for t in p]
+    ma, mb = [torch.zeros_like(t) for t in p], [torch.zeros_like(t) for t in p]
+    opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9, weight_decay=0.01)
+    for g in grads:
+        fused_sgd_(a, [t.clone() for t in g], ma, 0.01, 0.9, 0.1)
+        plain_sgd_(b, [t.clone() for t in g], mb, 0.01, 0.9, 0.1)
+        for r, t in zip(ref, g):
+            r.grad = t.clone()
+        opt.step()
+    for x, y, r in zip(a, b, ref):
+        assert torch.allclose(x, y, atol=1e-6) and torch.allclose(y, r.detach(), atol=1e-6)
+
+
+def test_a_missing_fused_kernel_falls_back(monkeypatch, tmp_path):
+    ref = run(load_config(None, TINY + ["executor=vectorized"]), tmp_path / "a")
+    monkeypatch.delattr(torch, "_fused_sgd_")
+    res = run(load_config(None, TINY + ["executor=vectorized"]), tmp_path / "b")
+    for k, v in ref.global_state.items():
+        assert torch.allclose(v, res.global_state[k], atol=1e-6), k
+
+
+# -- one client-round driver -------------------------------------------------------------------------
+
+
+def test_every_executor_runs_rounds_through_the_one_driver(tmp_path, monkeypatch):
+    import fedskew.engine.local as local
+    import fedskew.engine.protocol as protocol
+    import fedskew.engine.vectorized as vectorized
+
+    calls = []
+    real = protocol.client_round
+
+    def counted(runner, *args):
+        calls.append(type(runner).__name__)
+        return real(runner, *args)
+
+    monkeypatch.setattr(local, "client_round", counted)
+    monkeypatch.setattr(vectorized, "client_round", counted)
+    run(load_config(None, TINY), tmp_path / "s")
+    run(load_config(None, TINY + ["executor=vectorized"]), tmp_path / "v")
+    exp = Experiment(load_config(None, TINY), tmp_path / "f")
+    payload = exp.method.broadcast(federated_state(exp.model), {})
+    exp.executor.train_client(0, 0, payload, {}, 0.01)  # Flower's ClientApp and the retry path
+    assert calls.count("SequentialExecutor") == 2 + 1 and calls.count("VectorizedExecutor") == 2
+    text = "\n".join((ROOT / "fedskew/engine" / f).read_text() for f in ("local.py", "vectorized.py"))
+    for hook in ("after_training(", "personal_state(", "local_start(", "after_personal("):
+        assert hook not in text, f"{hook} is called outside engine/protocol.py"
+
+
+def test_runner_holds_the_round_loop_only():
+    text = (ROOT / "fedskew/engine/runner.py").read_text()
+    assert len(text.splitlines()) <= 400  # 675 before issue 30
+    for moved in ("def public_pool", "def public_samples", "def model_caller", "def _forgetting", "def _proxy_stats",
+                  "def resume", "RESUMABLE", "def environment", "class RunResult", "flda"):
+        assert moved not in text, moved
+    calls = sum(t.count("functional_call(") for t in
+                (p.read_text() for p in (ROOT / "fedskew").rglob("*.py") if p.name != "functional.py"))
+    assert calls == 0  # a model as a function of its state: models/functional.py only
+
+
+FAMILIES = {"fedmr", "map", "neural_collapse", "fedka", "drift", "server_opt", "representation", "personalized",
+            "meta", "sharing", "classifier", "distillation"}
+
+
+def test_method_families_do_not_import_each_other():
+    """A family module imports the interface (base), the composition machinery (compose), the
+    attachable pieces (components) and pure tensor functions (tensors), never another family."""
+    problems = []
+    for name in sorted(FAMILIES | {"components", "compose", "tensors", "base"}):
+        tree = ast.parse((ROOT / "fedskew/algorithms" / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fedskew.algorithms."):
+                used = node.module.split(".")[2]
+                allowed = {"base"} if name in ("tensors", "base", "compose") else \
+                    {"base", "compose", "tensors"} if name == "components" else {"base", "compose", "tensors",
+                                                                                   "components"}
+                if used not in allowed:
+                    problems.append(f"{name} imports {used}")
+    assert not problems, problems
+
+
+# -- settings and options without a test before -----------------------------------------------------
+
+
+def test_lr_decay_scales_the_learning_rate_each_round(tmp_path):
+    """Round t trains at lr * lr_decay**t: the same as a run resumed at round 2 with that lr."""
+    decayed = run(load_config(None, TINY + ["lr=0.04", "lr_decay=0.5"]), tmp_path / "a")
+    assert [h["lr"] for h in decayed.history] == [0.04, 0.02]
+    run(load_config(None, TINY + ["lr=0.04", "rounds=1"]), tmp_path / "b")
+    stepped = resume(tmp_path / "b", changes=["lr=0.02", "rounds=2"])
+    for k, v in decayed.global_state.items():
+        assert torch.equal(v, stepped.global_state[k]), k
+    plain = run(load_config(None, TINY + ["lr=0.04"]), tmp_path / "c")
+    assert any(not torch.equal(v, plain.global_state[k]) for k, v in decayed.global_state.items())
+
+
+def test_eval_every_evaluates_every_nth_and_the_last_round_without_changing_training(tmp_path):
+    every = run(load_config(None, TINY + ["rounds=5"]), tmp_path / "a")
+    sparse = run(load_config(None, TINY + ["rounds=5", "eval_every=2"]), tmp_path / "b")
+    assert ["global/test_acc" in h for h in sparse.history] == [False, True, False, True, True]
+    for t in (1, 3, 4):
+        assert sparse.history[t]["global/test_acc"] == every.history[t]["global/test_acc"]
+    accs = [every.history[t]["global/test_acc"] for t in (1, 3, 4)]
+    assert sparse.summary["global/test_acc_mean_last10"] == pytest.approx(sum(accs) / 3)
+    for k, v in every.global_state.items():
+        assert torch.equal(v, sparse.global_state[k])
+
+
+def test_ccvr_feedback_sends_the_calibrated_head(tmp_path):
+    for feedback in (False, True):
+        exp, init, res, k, state = one_round(tmp_path, ["method=ccvr", f"method.feedback={str(feedback).lower()}"],
+                                             name=f"f{feedback}")
+        server = torch.load(tmp_path / f"f{feedback}" / "checkpoint.pt")["server_state"]
+        payload = exp.method.broadcast(res.global_state, server)
+        head = payload["model.classifier.weight"]
+        calibrated, averaged = res.global_state["classifier.weight"], server["ccvr.raw.classifier.weight"]
+        assert (calibrated - averaged).abs().amax() > 1e-4
+        assert torch.equal(head, calibrated if feedback else averaged)
+
+
+def test_fedpac_with_several_clients_combines_heads_and_not_without_collaboration(tmp_path):
+    from fedskew.algorithms.classifier import head_combination
+
+    cfg = ONE + ["method=fedpac", "clients_per_round=3"]
+    exp, init, res, _, _ = one_round(tmp_path, cfg, name="c")
+    ckpt = torch.load(tmp_path / "c" / "checkpoint.pt")
+    selected, states, server = res.history[0]["clients"], ckpt["client_states"], ckpt["server_state"]
+    v = torch.stack([states[k]["pac.v"] for k in selected])
+    h = torch.stack([states[k]["pac.h"] for k in selected])
+    names = [n for n in init if n.startswith("classifier.")]
+    heads = {n: torch.stack([states[k]["pac.head." + n] for k in selected]) for n in names}
+    combined_any = False
+    for i, k in enumerate(selected):
+        a = head_combination(v, h, i)
+        w = a / a.sum()
+        for n in names:
+            expected = (w.view(-1, *[1] * (heads[n].dim() - 1)).to(heads[n]) * heads[n]).sum(0)
+            assert torch.allclose(server["pac.heads." + n][k], expected, atol=1e-6), (k, n)
+        combined_any |= bool((w < 0.999).all())
+        assert exp.method.download(server, k, 1)  # a combined head goes down at its next visit
+    assert combined_any
+    exp2, _, res2, _, _ = one_round(tmp_path, cfg + ["method.collaborate=false"], name="n")
+    server2 = torch.load(tmp_path / "n" / "checkpoint.pt")["server_state"]
+    assert server2["pac.has_head"].sum() == 0
+    assert all(exp2.method.download(server2, k, 1) == {} for k in res2.history[0]["clients"])
+
+
+def test_classifier_stats_are_recorded_end_to_end(tmp_path):
+    from fedskew.metrics import classifier_proxy_stats
+
+    exp, init, res, k, state = one_round(tmp_path, ["method=fedavg", "classifier_stats=true"])
+    batches, _, _ = stages(exp, k)
+    trained = replay(exp, k, init, batches, exp.cfg.lr, ce)
+    observed = exp.info.class_counts[k] > 0
+    expected = classifier_proxy_stats(init["classifier.weight"], trained["classifier.weight"], observed, exp.cfg.lr)
+    assert expected
+    for key, value in expected.items():
+        assert res.history[0][f"proxy/{key}"] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert res.history[0]["personal/acc_after"] == pytest.approx(local_test_acc(exp, k, trained))
+
+
+def test_fedavg_options_are_strict():
+    with pytest.raises(Exception):
+        FedAvgOptions(nope=1)
