@@ -359,3 +359,13 @@ def test_classifier_stats_are_recorded_end_to_end(tmp_path):
 def test_fedavg_options_are_strict():
     with pytest.raises(Exception):
         FedAvgOptions(nope=1)
+
+
+def test_fedskew_methods_is_a_function_beside_a_plain_package():
+    code = ("import sys, types, fedskew, fedskew.algorithms; "
+            "assert type(sys.modules['fedskew.algorithms']) is types.ModuleType; "
+            "import fedskew.algorithms.fedmr as m; assert m.FedMR.name == 'fedmr'; "
+            "print(sorted(fedskew.methods())[:3], fedskew.methods()['fedmr'].__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['apfl', 'ccvr', 'ditto'] FedMR"
