@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.metrics import class_roles
 from fedskew.algorithms.base import ClientData, FedAvgOptions, Method, model_part, reference_tensor
+from fedskew.metrics import class_roles
 from fedskew.streams import numpy_rng
 
 

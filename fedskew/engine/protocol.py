@@ -22,7 +22,9 @@ import torch
 from torch import nn
 
 from fedskew.algorithms.base import ClientReport, FederationInfo, Forward, Method, State
+from fedskew.data.augment import crop_flip_params
 from fedskew.models.functional import training_calls
+from fedskew.streams import batch_order
 
 Stage = Literal["upload", "personal"]
 
@@ -46,8 +48,6 @@ class LocalSettings:
         uploaded model's training, 1 the personalisation stage."""
         if not self.augment_pad:
             return None
-        from fedskew.data.augment import crop_flip_params
-
         return crop_flip_params(self.seed, round_idx, client_id, stage, n, self.augment_pad)
 
 
@@ -68,8 +68,6 @@ def batch_schedule(settings: LocalSettings, round_idx: int, client_id: int, n: i
     """The client's mini-batches for the round, as positions into its local index set: one fresh
     permutation per epoch (stream ``batch_order``), cut into batches of B; the last batch of an
     epoch may be smaller (no sample is dropped)."""
-    from fedskew.streams import batch_order
-
     batches = []
     for perm in batch_order(settings.seed, round_idx, client_id, n, settings.epochs if epochs is None else epochs):
         batches += [perm[i:i + settings.batch_size] for i in range(0, n, settings.batch_size)]
