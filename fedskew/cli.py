@@ -1,4 +1,4 @@
-"""Command line: ``fedskew run | resume | partition | methods | sweep | report | reproduce | flower``.
+"""Command line: ``fedskew run | resume | partition | methods | sweep | report | reproduce | bench | flower``.
 
 ``fedskew run [CONFIG.yaml] [key=value ...]`` runs one experiment (with no arguments, FedAvg on
 the bundled digits data under a PxCy partition) and prints a results table; ``resume DIR``
@@ -6,7 +6,8 @@ continues an interrupted run; ``partition`` prints and draws a partition; ``meth
 the methods and their options (``--markdown``: docs/methods.md's reference); ``sweep [FILE]``
 runs methods x options x partitions x seeds into a results database (no file: the README's
 comparison); ``report DIR`` rebuilds a sweep's tables and plots; ``reproduce NAME`` runs a seed
-paper's preset; ``flower simulate|app|run`` runs a config on Flower. ``fedskew COMMAND --help``
+paper's preset; ``bench SUITE`` runs a benchmark suite and places the published numbers beside
+ours; ``flower simulate|app|run`` runs a config on Flower. ``fedskew COMMAND --help``
 gives each one's arguments.
 """
 
@@ -462,6 +463,46 @@ def cmd_reproduce(args, console: Console) -> int:
     return _run_and_report(spec, out, args.jobs, True, console, args)
 
 
+def cmd_bench(args, console: Console) -> int:
+    from fedskew.config import ConfigError
+    from fedskew.experiments import bench
+    from fedskew.experiments.sweep import load_spec
+
+    if args.list or args.suite is None:
+        table = Table("suite", "scale", "papers", "runs", "published entries", "what", title="fedskew bench suites")
+        for row in bench.listing():
+            table.add_row(row["suite"], row["scale"], row["papers"], str(row["runs"]), str(row["published"]),
+                          row["about"])
+        console.print(table)
+        console.print("`fedskew bench SUITE --scale smoke|lite|paper [--data DIR] [--jobs N | --ray ADDRESS]` runs a "
+                      "suite; `--report` rebuilds its leaderboard from the runs it has.", highlight=False)
+        return 0 if args.list or args.suite is None else 2
+    bench.check_suite(args.suite, args.scale)
+    if args.scale != "smoke" and not args.data and not args.report:
+        raise ConfigError(f"bench --scale {args.scale} reads Fashion-MNIST (and CIFAR-10 at paper scale) from disk: "
+                          f"give the folder with --data DIR.")
+    folder = bench.suite_dir(args.suite, args.scale, args.out)
+    failed = 0
+    if not args.report:
+        for paper, spec in bench.sweeps(args.suite, args.scale, args.data).items():
+            failed |= _run_and_report(load_spec(spec), str(folder / paper), args.jobs, False, console, args, args.ray)
+    cells = bench.leaderboard(args.suite, args.scale, folder)
+    command = f"fedskew bench {args.suite} --scale {args.scale}" + (f" --data {args.data}" if args.data else "")
+    text = bench.markdown(args.suite, args.scale, cells, command)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "leaderboard.md").write_text(text)
+    table = Table("paper", "table", "setting", "method", "ours", "published", "delta", "within",
+                  title=f"fedskew bench {args.suite} ({args.scale}): ours beside the published numbers")
+    for c in cells:
+        ours = "not run" if c.mean is None else f"{c.mean:.2f}" + (f" +- {c.std:.2f}" if c.std is not None else "")
+        table.add_row(c.paper, c.entry.source.table, c.entry.setting_id, c.entry.method, ours,
+                      f"{c.entry.value:.2f}", "-" if c.delta is None else f"{c.delta:+.2f}",
+                      "-" if c.within is None else ("yes" if c.within else "no"))
+    console.print(table)
+    console.print(f"{bench.SCALE_NOTE[args.scale]}.\nleaderboard: {folder / 'leaderboard.md'}", highlight=False)
+    return 1 if failed else 0
+
+
 def cmd_report(args, console: Console) -> int:
     from fedskew.experiments.report import write_report
 
@@ -574,6 +615,17 @@ def build_parser() -> argparse.ArgumentParser:
     p_pro.add_argument("--data", help="folder holding the data set (small and paper scales)")
     p_pro.add_argument("--out", help="sweep folder (default runs/reproduce-<name>-<scale>)")
     p_pro.add_argument("--jobs", type=int)
+    p_be = sub.add_parser("bench", help="a benchmark suite of the papers' settings, with the published numbers "
+                                         "beside ours (`fedskew bench --list`)")
+    p_be.add_argument("suite", nargs="?", help="the suite (fedskew bench --list)")
+    p_be.add_argument("--list", action="store_true", help="the suites with their size at each scale")
+    p_be.add_argument("--scale", default="smoke", help="smoke (digits, seconds a cell), lite (Fashion-MNIST at CPU "
+                                                       "scale) or paper")
+    p_be.add_argument("--data", help="folder holding the data sets (lite and paper scales)")
+    p_be.add_argument("--out", help="suite folder (default runs/bench-<suite>-<scale>); running again resumes it")
+    p_be.add_argument("--jobs", type=int)
+    p_be.add_argument("--ray", help="run on Ray (local, auto, host:port)")
+    p_be.add_argument("--report", action="store_true", help="only rebuild the leaderboard from the runs there are")
     p_fl = sub.add_parser("flower", help="run a config on Flower: simulation, app export, or a running SuperLink",
                           epilog=EPILOG)
     p_fl.add_argument("action", choices=["simulate", "app", "run"],
@@ -638,7 +690,7 @@ def _main(argv: list[str] | None) -> int:
     from fedskew.models import ModelError
 
     commands = {"run": cmd_run, "resume": cmd_resume, "partition": cmd_partition, "sweep": cmd_sweep,
-                "methods": cmd_methods,
+                "methods": cmd_methods, "bench": cmd_bench,
                 "report": cmd_report, "reproduce": cmd_reproduce, "flower": cmd_flower}
     if args.command is None:
         parser.print_help()

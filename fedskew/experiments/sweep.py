@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedskew.config import RECORD_KEYS, ConfigError, did_you_mean, load_yaml, nested, set_key, validate_config
 from fedskew.engine.durable import FolderLock, atomic_write_text, blocking_file
@@ -70,6 +70,13 @@ class SelectionSpec(_Strict):
     metric: str | None = Field(None, description="default: global/test_acc_mean_last10 (test) or "
                                                  "global/val_acc_mean_last10 (validation)")
     validation_fraction: float = Field(0.1, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _validation_never_reads_test(self):
+        if self.split == "validation" and self.metric and not self.metric.startswith("global/val_"):
+            raise ValueError(f"selection.metric '{self.metric}' reads test data; with split: validation select on a "
+                             f"global/val_* metric (default global/val_acc_mean_last10)")
+        return self
 
     @property
     def key(self) -> str:

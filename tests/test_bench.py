@@ -1,0 +1,96 @@
+"""Issue 31 (first part): the published-results registry, ``fedskew bench`` end to end at smoke
+scale, and the rule that a validation-split selection never reads test scores."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fedskew.config import ConfigError, validate_config
+from fedskew.experiments.published import load
+from fedskew.experiments.sweep import load_spec, run_sweep, select
+
+SUMMARY_KEYS = {"global/test_acc", "global/test_acc_best", "global/test_acc_mean_last10", "personal/acc_after",
+                "personal/acc_before", "personal/final_acc_after", "personal/final_acc_before"}
+
+
+def test_every_registry_entry_validates_and_names_its_source():
+    entries = load()
+    assert len(entries) >= 100
+    for e in entries:
+        cfg = validate_config(e.config())  # the setting, with the entry's method and options, is a valid run
+        assert cfg.method.name == e.method
+        assert e.metric.key in SUMMARY_KEYS, e.metric.key
+        assert e.source.paper and e.source.venue and e.source.table and e.row and e.column
+        assert 0 <= e.value <= 100 and (e.spread is None or e.spread >= 0)
+    # spot checks against the papers (read by hand): FedMR Table 1 FMNIST P10C2 FedMR, MAP Table I MAP
+    fedmr = next(e for e in entries if e.file == "fedmr.yaml" and e.row == "FMNIST P10C2" and e.column == "FedMR")
+    assert fedmr.value == 74.97 and fedmr.setting.config["partition"] == {"name": "pcdd", "num_clients": 10,
+                                                                          "classes_per_client": 2}
+    table1 = next(e for e in entries if e.file == "map_table1.yaml" and e.row == "MAP (Ours)")
+    assert (table1.value, table1.spread, table1.metric.key) == (88.1, 0.54, "global/test_acc")
+    assert any(e.method == "feddf" and e.options == {"public_source": "test_images"} for e in entries)
+
+
+def test_a_broken_registry_file_is_one_sentence(tmp_path):
+    (tmp_path / "bad.yaml").write_text("source: {paper: x}\n")
+    with pytest.raises(ConfigError, match="published-results file 'bad.yaml' is not valid"):
+        load(tmp_path)
+
+
+def test_bench_list_and_smoke_end_to_end(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "fedskew.cli", "bench", "--list"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "seed-papers" in out.stdout and "smoke" in out.stdout and "paper" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "fedskew.cli", "bench", "seed-papers", "--scale", "smoke", "--jobs", "2"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    board = (tmp_path / "runs" / "bench-seed-papers-smoke" / "leaderboard.md").read_text()
+    assert "Scale: smoke: bundled digits" in board
+    # a published column beside ours, with the delta, for a method the smoke run trained
+    line = next(row for row in board.splitlines() if row.startswith("| fedmr |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    ours, published, delta = float(cells[1].split()[0]), float(cells[3].split()[0]), float(cells[4])
+    assert published == 74.97 or published == 75.51  # FMNIST P10C2 / P5C2, Table 1
+    assert delta == pytest.approx(ours - published, abs=0.011)
+    assert "Table 1, row FMNIST P" in line
+    assert "| fedproc | not run | 0 | 66.28 |" in board  # a published entry the suite did not run stays listed
+    assert "ours beside the published numbers" in out.stdout
+
+
+def test_unknown_suite_and_scale_are_one_sentence(tmp_path):
+    for args, text in ((["bench", "seed-paper"], "bench suite 'seed-paper' is not known (did you mean 'seed-papers'?)"),
+                       (["bench", "seed-papers", "--scale", "huge"], "bench --scale 'huge' is not allowed"),
+                       (["bench", "seed-papers", "--scale", "lite"], "give the folder with --data DIR")):
+        out = subprocess.run([sys.executable, "-m", "fedskew.cli", *args], capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
+        assert out.returncode == 2 and text in out.stderr and "Traceback" not in out.stderr
+
+
+TINY = {"name": "sel", "base": {"rounds": 2, "local_epochs": 1, "partition": {"num_clients": 6},
+                                "clients_per_round": 3, "model": {"name": "mlp", "hidden": [16]}},
+        "methods": [{"name": "fedprox", "options": {"mu": [0.1, 0.001]}}],
+        "partitions": {"P6C3": {"name": "pcdd", "classes_per_client": 3}}, "seeds": [0]}
+
+
+def test_selection_by_validation_ignores_the_test_scores(tmp_path):
+    """A search space whose best test score and best validation score are different points: a
+    validation selection takes the validation best, a test selection the test best."""
+    spec = load_spec({**TINY, "selection": {"split": "validation", "validation_fraction": 0.2}})
+    db = run_sweep(spec, tmp_path, jobs=1)
+    rows = db.execute("SELECT run_id, params, summary FROM runs").fetchall()
+    assert len(rows) == 2
+    for run_id, params, summary in rows:  # mu 0.1: best on test; mu 0.001: best on validation
+        s = json.loads(summary)
+        best_on_test = json.loads(params)["mu"] == 0.1
+        s.update({"global/test_acc_mean_last10": 0.9 if best_on_test else 0.5,
+                  "global/val_acc_mean_last10": 0.4 if best_on_test else 0.6})
+        db.execute("UPDATE runs SET summary=? WHERE run_id=?", (json.dumps(s), run_id))
+    db.commit()
+    assert select(db, spec)[("fedprox", "P6C3")]["params"] == {"mu": 0.001}
+    assert select(db, load_spec(TINY))[("fedprox", "P6C3")]["params"] == {"mu": 0.1}
+    with pytest.raises(ConfigError, match="selection.metric 'global/test_acc_mean_last10' reads test data"):
+        load_spec({**TINY, "selection": {"split": "validation", "metric": "global/test_acc_mean_last10"}})
