@@ -69,11 +69,13 @@ class DatasetConfig(_Section):
     validation_fraction: float = Field(0.0, ge=0, lt=1, description="hold out this stratified share of the "
                                                                     "training set as a global validation set")
     augment: bool = Field(False, description="random crop (padding 4) + horizontal flip of training batches")
+    normalize: bool = Field(True, description="image data sets: per-channel mean/std normalisation (false: "
+                                              "pixels / 255 only, torchvision's ToTensor, as NIID-Bench)")
 
     def applies(self) -> set[str]:
         own = {"digits": {"test_fraction"},
                "synthetic": {"num_classes", "dim", "train_per_class", "test_per_class", "separation"},
-               "femnist": {"root"}, "shakespeare": {"root"}}.get(self.name, {"root", "download"})
+               "femnist": {"root"}, "shakespeare": {"root"}}.get(self.name, {"root", "download", "normalize"})
         return {"name", "train_subsample", "test_subsample", "validation_fraction", "augment", *own}
 
 

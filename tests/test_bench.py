@@ -94,3 +94,22 @@ def test_selection_by_validation_ignores_the_test_scores(tmp_path):
     assert select(db, load_spec(TINY))[("fedprox", "P6C3")]["params"] == {"mu": 0.1}
     with pytest.raises(ConfigError, match="selection.metric 'global/test_acc_mean_last10' reads test data"):
         load_spec({**TINY, "selection": {"split": "validation", "metric": "global/test_acc_mean_last10"}})
+
+
+def test_normalize_false_gives_torchvision_to_tensor_pixels(idx_folder):
+    """NIID-Bench's pipeline is ToTensor alone: pixels / 255. dataset.normalize=false gives exactly
+    that (to float rounding), the default the usual mean/std normalisation; digits refuses the key."""
+
+    import numpy as np
+
+    from fedskew.config import load_config
+    from fedskew.data.datasets import load_dataset, read_idx
+
+    raw = load_dataset(load_config(None, ["dataset=fmnist", f"dataset.root={idx_folder}",
+                                          "dataset.normalize=false"]).dataset, 0)
+    normed = load_dataset(load_config(None, ["dataset=fmnist", f"dataset.root={idx_folder}"]).dataset, 0)
+    pixels = read_idx(next(idx_folder.glob("train-images*"))).astype(np.float32) / 255.0
+    assert np.allclose(raw.x_train[:, 0].numpy(), pixels, atol=1e-6)
+    assert np.allclose(normed.x_train[:, 0].numpy(), (pixels - 0.2860) / 0.3530, atol=1e-5)
+    with pytest.raises(ConfigError, match="dataset.normalize does not apply to dataset 'digits'"):
+        load_config(None, ["dataset.normalize=false"])

@@ -308,8 +308,27 @@ def load_dataset(cfg, seed: int) -> Dataset:
         data = load_leaf(cfg.name, cfg.root)
     else:
         raise DatasetError(f"dataset.name '{cfg.name}' is not known; allowed: {list(DATASETS)}.")
+    if not getattr(cfg, "normalize", True):
+        data = unnormalised(data)
     data = subsample(data, cfg.train_subsample, cfg.test_subsample, seed)
     return hold_out_validation(data, cfg.validation_fraction, seed) if cfg.validation_fraction else data
+
+
+def unnormalised(data: Dataset) -> Dataset:
+    """The images as pixel / 255 in [0, 1] (torchvision's ToTensor alone, NIID-Bench's pipeline):
+    the loader's per-channel normalisation undone (``dataset.normalize=false``)."""
+    from fedskew.data.vision import _STATS
+
+    stats = _IDX_NORMALISATION.get(data.name) or _STATS.get(data.name)
+    if stats is None:
+        raise DatasetError(f"dataset.normalize = false applies to image data sets; '{data.name}' has no "
+                           f"normalisation to undo.")
+    mean, std = (torch.tensor(v, dtype=torch.float32).reshape(1, -1, 1, 1) for v in stats)
+
+    def raw(x):
+        return None if x is None else (x * std + mean).clamp_(0.0, 1.0)
+    return Dataset(data.name, raw(data.x_train), data.y_train, raw(data.x_test), data.y_test, data.num_classes,
+                   data.train_groups, data.group_names, raw(data.x_val), data.y_val)
 
 
 def hold_out_validation(data: Dataset, fraction: float, seed: int) -> Dataset:
