@@ -113,3 +113,19 @@ def test_normalize_false_gives_torchvision_to_tensor_pixels(idx_folder):
     assert np.allclose(normed.x_train[:, 0].numpy(), (pixels - 0.2860) / 0.3530, atol=1e-5)
     with pytest.raises(ConfigError, match="dataset.normalize does not apply to dataset 'digits'"):
         load_config(None, ["dataset.normalize=false"])
+
+
+def test_niid_bench_suite_plans_the_niid_bench_protocol_and_links_the_registry():
+    from fedskew.experiments import bench
+    from fedskew.experiments.sweep import plan
+
+    sizes = {scale: sum(len(plan(load_spec(s))) for s in bench.sweeps("niid-bench", scale, "DATA").values())
+             for scale in bench.SCALES}
+    assert sizes == {"smoke": 20, "lite": 60, "paper": 120}  # CIFAR-10 only at paper scale
+    paper = load_spec(bench.sweeps("niid-bench", "paper", "DATA")["niid-fmnist"])
+    run = plan(paper)[0]["config"]
+    assert (run["model"]["name"], run["rounds"], run["local_epochs"], run["batch_size"], run["lr"]) == \
+        ("simplecnn", 50, 10, 64, 0.01)
+    assert run["dataset"]["normalize"] is False and run["partition"]["num_clients"] == 10
+    labels = {e.setting.label for e in load() if e.file == "niid_bench_flower.yaml"}
+    assert labels == set(bench.NIID_PARTITIONS)

@@ -14,8 +14,10 @@ smoke or lite cell is never compared as if it were the paper's setting: its delt
 labelled as what it is.
 
 Built so far (issue 31, first part): the ``seed-papers`` suite for FedMR (Table 1, FMNIST and
-CIFAR-10 rows) and MAP (Tables I and II, FaMnist MLPNet). Not yet: the ``niid-bench`` and
-``label-skew`` suites, tuning under one budget on validation, ranks and paired tests, HTML.
+CIFAR-10 rows) and MAP (Tables I and II, FaMnist MLPNet), and ``niid-bench`` (NIID-Bench's label
+skew on Fashion-MNIST, and on CIFAR-10 at paper scale) beside the numbers Flower's port of it
+reports. Not yet: the ``label-skew`` suite, tuning under one budget on validation, ranks and paired
+tests, HTML.
 """
 
 from __future__ import annotations
@@ -29,16 +31,51 @@ from fedskew.config import ConfigError, did_you_mean
 from fedskew.experiments.published import Entry, load
 
 SCALES = {"smoke": "smoke", "lite": "small", "paper": "paper"}  # bench scale -> preset scale
-# the registry files of each paper, and the data set whose published numbers a scale is placed beside
+# the registry files of each part of a suite, and the data set whose published numbers a scale is
+# placed beside
 PAPERS = {
     "fedmr": {"files": ("fedmr.yaml",), "reference": {"smoke": "fmnist", "lite": "fmnist", "paper": "cifar10"}},
     "map": {"files": ("map_table1.yaml", "map_table2.yaml"),
             "reference": {"smoke": "fmnist", "lite": "fmnist", "paper": "fmnist"}},
+    "niid-fmnist": {"files": ("niid_bench_flower.yaml",),
+                    "reference": {"smoke": "fmnist", "lite": "fmnist", "paper": "fmnist"}},
+    "niid-cifar10": {"files": ("niid_bench_flower.yaml",),
+                     "reference": {"smoke": "cifar10", "lite": "cifar10", "paper": "cifar10"}},
 }
 SUITES = {
     "seed-papers": {"papers": ("fedmr", "map"),
                     "about": "the seed papers' main tables: FedMR Table 1, MAP Tables I and II"},
+    "niid-bench": {"papers": ("niid-fmnist", "niid-cifar10"),
+                   "about": "NIID-Bench's label skew (IID, Dir(0.5), #C=1/2/3; FedAvg, SCAFFOLD, FedProx, FedNova)"},
 }
+NIID_PARTITIONS = {"IID": {"name": "iid"}, "Dir0.5": {"name": "dirichlet", "alpha": 0.5},
+                   "#C=1": {"name": "label_k", "classes_per_client": 1},
+                   "#C=2": {"name": "label_k", "classes_per_client": 2},
+                   "#C=3": {"name": "label_k", "classes_per_client": 3}}
+
+
+def niid_bench(dataset: str, scale: str, data_root: str | None) -> dict | None:
+    """NIID-Bench's protocol (10 clients, all every round, simple CNN, E = 10, B = 64, lr 0.01,
+    momentum 0.9, ToTensor pixels, 50 rounds) on ``dataset``; lite: 10% of the training set, 20
+    rounds of E = 2; smoke: digits, 3 rounds of E = 1, one seed. CIFAR-10 only at paper scale
+    (None otherwise: the lite suite is what a CPU finishes)."""
+    if dataset == "cifar10" and scale != "paper":
+        return None
+    data = {"name": dataset, "normalize": False, **({"root": data_root} if data_root else {})}
+    base = {"dataset": data, "model": "simplecnn", "partition": {"num_clients": 10, "local_test_fraction": 0.0},
+            "clients_per_round": 10, "rounds": 50, "local_epochs": 10, "batch_size": 64, "lr": 0.01, "momentum": 0.9,
+            "final_personalization": False}
+    seeds = [0, 1, 2]
+    if scale == "lite":
+        base.update({"dataset": {**data, "train_subsample": 0.1}, "rounds": 20, "local_epochs": 2,
+                     "executor": "vectorized"})
+    elif scale == "smoke":
+        base.update({"dataset": "digits", "model": {"name": "mlp", "hidden": [64]}, "rounds": 3, "local_epochs": 1,
+                     "batch_size": 16})
+        seeds = [0]
+    return {"name": f"niid-bench {dataset}", "base": base, "partitions": NIID_PARTITIONS, "seeds": seeds,
+            "methods": ["fedavg", "scaffold", "fedprox", "fednova"],
+            "report": {"metric": "global/test_acc", "baseline": "fedavg"}}
 SCALE_NOTE = {"smoke": "smoke: bundled digits, a few rounds, one seed; the published values are the paper's "
                        "setting, not this one: the deltas check the pipeline, not the method",
               "lite": "lite: Fashion-MNIST subsampled, fewer rounds (the presets' small scale); the published "
@@ -65,7 +102,12 @@ def sweeps(name: str, scale: str, data_root: str | None = None) -> dict[str, dic
     check_suite(name, scale)
     out = {}
     for paper in SUITES[name]["papers"]:
-        spec = reproduction(paper, SCALES[scale], data_root)
+        if paper.startswith("niid-"):
+            spec = niid_bench(paper.split("-", 1)[1], scale, data_root)
+            if spec is None:
+                continue
+        else:
+            spec = reproduction(paper, SCALES[scale], data_root)
         spec["name"] = f"bench {name} {paper} {scale}"
         out[paper] = spec
     return out
@@ -126,7 +168,7 @@ def leaderboard(name: str, scale: str, out: str | Path | None = None) -> list[Ce
     entries = load()
     folder = suite_dir(name, scale, out)
     cells = []
-    for paper in SUITES[name]["papers"]:
+    for paper in sweeps(name, scale, "DATA"):
         sweep_dir = folder / paper
         rows = results_table(sweep_dir) if (sweep_dir / "results.sqlite").exists() else []
         dataset = PAPERS[paper]["reference"][scale]
