@@ -152,7 +152,7 @@ SMALL = ["rounds=3", "partition.num_clients=6", "clients_per_round=4", "local_ep
 
 
 def test_fedmr_run_counts_prototypes_in_communication(tmp_path):
-    res = run(load_config(None, SMALL + ["method=fedmr", "method.proto_share_fraction=0.5"]), tmp_path)
+    res = run(load_config(None, SMALL + ["method=fedmr", "method.share_fraction=0.5"]), tmp_path)
     share = sharing_clients(0, 6, 0.5)
     c, d = 10, 16
     for h in res.history:

@@ -99,7 +99,7 @@ def assert_same(a, b, tol=TOL):
     ["method=map", "method.kt_lambda=0.1"],
     ["method=map", "method.kt_lambda=0.1", "method.schedule=paper"],
     ["method=fedphp", "method.kt=mmd", "model=cnnbn", "model.width=4", "method.schedule=code"],
-    ["method=scaffold", "method.rs.alpha=0.5", "method.rs.form=soft", "method.hpm.kt_lambda=0.1"],
+    ["method=scaffold", "method.rs.alpha=0.5", "method.rs.rs_form=soft", "method.hpm.kt_lambda=0.1"],
     # per-round client preparation (anchor sets) and frozen global logits
     ["method=fedka", "method.anchor_strategy=hard", "method.anchor_cap=3"],
     ["method=fedka", "model=cnnbn", "model.width=4", "method.ka_beta=0.1"],  # eval-mode anchors, BN
