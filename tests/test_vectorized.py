@@ -85,7 +85,7 @@ def assert_same(a, b, tol=TOL):
     ["method=fedmr", "model.hidden=[32,16]", "batch_size=32", "method.intra_form=paper", "method.mu1=0.001",
      "method.mu2=0.01"],
     ["method=fedmr", "model.hidden=[32,16]", "batch_size=32", "method.intra_form=code", "method.lite_n=8",
-     "method.proto_share_fraction=0.5", "method.mu2=0.01", "method.inter_classes=local"],
+     "method.share_fraction=0.5", "method.mu2=0.01", "method.inter_classes=local"],
     ["method=fedmr", "model=cnnbn", "model.width=4", "method.mu1=0", "method.mu2=0.01"],
     ["method.prototypes.mu2=0.01", "method.decorrelation.mu1=0.001", "model.hidden=[32,16]", "batch_size=32"],
     # frozen forwards of other states inside the vmapped loss (global model, per-client previous model)
