@@ -190,7 +190,7 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _method_options(self) -> "RunConfig":
-        from fedskew.algorithms import method_model_defaults, model_option_owner, validate_method_config
+        from fedskew.algorithms import method_model_defaults, model_option_owners, validate_method_config
 
         problems = []
         for section in ("dataset", "partition", "model"):
@@ -204,9 +204,8 @@ class RunConfig(_Strict):
         if problems:
             raise ValueError("; ".join(problems))
         validate_method_config(self.method)
-        for option in ("private_expert",):
-            owner = model_option_owner(option)
-            if getattr(self.model, option) and owner is not None and owner != self.method.name:
+        for option, owner in model_option_owners().items():
+            if getattr(self.model, option) and owner != self.method.name:
                 raise ValueError(f"model.{option} = true is the architecture of method {owner}, whose extra parts only "
                                  f"{owner} keeps on the clients; method '{self.method.name}' would send and average "
                                  f"them: use method={owner} or model.{option}=false")

@@ -145,9 +145,9 @@ def method_validation_fraction(cfg) -> float:
     return float(cls.validation_fraction(options))
 
 
-def model_option_owner(option: str) -> str | None:
-    """The registered method that owns the boolean model option ``option`` (``owns_model_options``)."""
-    return next((name for name, cls in METHODS.items() if option in cls.owns_model_options), None)
+def model_option_owners() -> dict[str, str]:
+    """Boolean model options a registered method owns (``owns_model_options``) -> that method."""
+    return {option: name for name, cls in METHODS.items() for option in cls.owns_model_options}
 
 
 def method_model_defaults(cfg) -> dict:

@@ -54,7 +54,7 @@ from fedskew.engine.batched_sgd import FP16_INIT_SCALE, sgd_, unscale
 from fedskew.engine.local import SequentialExecutor
 from fedskew.engine.memory import GATHER_BYTES, DeviceMemory, chunk_size
 from fedskew.engine.protocol import ClientResult, LocalSettings, Stage, client_round, make_forward
-from fedskew.models.functional import bn_recalibration_fn, call, feature_fn, low_precision
+from fedskew.models.functional import call, low_precision
 
 
 def stack_states(states: list[State]) -> State:
@@ -237,17 +237,13 @@ class VectorizedExecutor:
 
     # -- StageRunner (fedskew.engine.protocol) -------------------------------------------------------
     def num_samples(self, client_id: int) -> int:
-        return len(self.train_idx[client_id])
+        return self.sequential.num_samples(client_id)
 
     def prepare(self, round_idx: int, client_id: int, payload: State, client_state: State) -> State:
         return self.sequential.prepare(round_idx, client_id, payload, client_state)
 
     def report(self, client_id: int, num_steps: int, lr: float) -> ClientReport:
-        idx = self.train_idx[client_id]
-        return ClientReport(client_id, len(idx), num_steps, lr, self.settings.momentum,
-                            feature_fn(self.model, self.x, self.y, rows=idx),
-                            bn_recalibration_fn(self.model, self.x, self.settings.batch_size, idx)
-                            if self._has_bn else None)
+        return self.sequential.report(client_id, num_steps, lr)
 
     def accuracies(self, states: list[State], clients: list[int]) -> list[float | None]:
         """All states in one vmapped pass (:meth:`local_accuracies`); the views of the last trained
