@@ -43,15 +43,15 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from fedskew.algorithms.base import StrictOptions
 from fedskew.config import RECORD_KEYS, ConfigError, did_you_mean, load_yaml, nested, set_key, validate_config
 from fedskew.engine.durable import FolderLock, atomic_write_text, blocking_file
 from fedskew.experiments.store import add_planned, connect, mark_running, record_done, record_failed, scalar_metrics
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+_Strict = StrictOptions  # unknown keys are errors (one strict base for every schema)
 
 
 class MethodSpec(_Strict):

@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from fedskew.algorithms.base import StrictOptions
 
 HERE = Path(__file__).parent
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+_Strict = StrictOptions  # unknown keys are errors (one strict base for every schema)
 
 
 class Source(_Strict):
