@@ -76,6 +76,7 @@ RESULT_ROWS = {  # summary key -> what it is (README, "Metrics: which model, on 
     "global/test_acc": "global model, global test set, final round",
     "global/test_acc_best": "global model, best round",
     "global/test_acc_mean_last10": "global model, mean of the last 10 evaluations",
+    "global/test_acc_mean_last50": "global model, mean of the last 50 evaluations (the ETF paper's Table 1)",
     "personal/acc_before": "received model, local test sets, last round's clients",
     "personal/acc_after": "personalised models, local test sets, last round's clients",
     "personal/final_acc_before": "final global model on every client's local test set",
@@ -406,16 +407,18 @@ def _sweep_tables(sweep_dir: Path, console: Console) -> None:
 def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, console: Console, args=None,
                     ray: str | None = None) -> int:
     from fedskew.experiments.report import write_report
-    from fedskew.experiments.sweep import default_jobs, default_sweep_dir, plan, run_sweep
+    from fedskew.experiments.sweep import default_jobs, default_sweep_dir, planned_count, run_sweep
 
     sweep_dir = Path(out) if out else default_sweep_dir(spec)
-    total = len(plan(spec))
+    total = planned_count(spec)
     jobs = jobs or default_jobs()
     where = (f"{jobs} at a time" if ray is None else
              f"on Ray ({'a local instance' if ray == 'local' else ray}; {spec.resources.num_cpus:g} CPU, "
              f"{spec.resources.num_gpus:g} GPU per run)")
     console.print(f"fedskew sweep '{spec.name}': {len(spec.methods)} methods x {len(spec.partitions)} partitions x "
-                  f"{len(spec.seeds)} seeds = {total} runs (grids included) into {sweep_dir}, {where}",
+                  f"{len(spec.seeds)} seeds = {total} runs (grids included"
+                  + (f"; each grid on seeds {spec.selection.tune_seeds}, its chosen point on the others"
+                     if spec.selection.tune_seeds is not None else "") + f") into {sweep_dir}, {where}",
                   highlight=False)
     if args is not None:
         args.interrupt_hint = (f"finished runs are kept in {sweep_dir}; the same command again continues the sweep "
@@ -469,11 +472,14 @@ def cmd_bench(args, console: Console) -> int:
     from fedskew.experiments.sweep import load_spec
 
     if args.list or args.suite is None:
-        table = Table("suite", "scale", "papers", "runs", "published entries", "what", title="fedskew bench suites")
-        for row in bench.listing():
-            table.add_row(row["suite"], row["scale"], row["papers"], str(row["runs"]), str(row["published"]),
-                          row["about"])
+        table = Table("suite", "scale", "runs", "published", "time (estimate)", title="fedskew bench suites")
+        rows = bench.listing()
+        for row in rows:
+            table.add_row(row["suite"], row["scale"], str(row["runs"]), str(row["published"]), row["time"])
         console.print(table)
+        for name in dict.fromkeys(row["suite"] for row in rows):
+            row = next(r for r in rows if r["suite"] == name)
+            console.print(f"{name} ({row['papers']}): {row['about']}", highlight=False)
         console.print("`fedskew bench SUITE --scale smoke|lite|paper [--data DIR] [--jobs N | --ray ADDRESS]` runs a "
                       "suite; `--report` rebuilds its leaderboard from the runs it has.", highlight=False)
         return 0 if args.list or args.suite is None else 2
@@ -481,25 +487,36 @@ def cmd_bench(args, console: Console) -> int:
     if args.scale != "smoke" and not args.data and not args.report:
         raise ConfigError(f"bench --scale {args.scale} reads Fashion-MNIST (and CIFAR-10 at paper scale) from disk: "
                           f"give the folder with --data DIR.")
+    methods = None
+    if args.methods:
+        from fedskew.algorithms import did_you_mean, registered
+
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = [m for m in methods if m not in registered()]
+        if unknown:
+            raise ConfigError(f"bench --methods names {unknown[0]!r}, which is not a registered method"
+                              f"{did_you_mean(unknown[0], registered())}; `fedskew methods` lists them.")
     folder = bench.suite_dir(args.suite, args.scale, args.out)
     failed = 0
     if not args.report:
-        for paper, spec in bench.sweeps(args.suite, args.scale, args.data).items():
+        parts = bench.sweeps(args.suite, args.scale, args.data, methods)
+        if not parts:
+            raise ConfigError(f"bench suite '{args.suite}' has none of the methods {methods} at scale {args.scale}.")
+        for paper, spec in parts.items():
             failed |= _run_and_report(load_spec(spec), str(folder / paper), args.jobs, False, console, args, args.ray)
-    cells = bench.leaderboard(args.suite, args.scale, folder)
-    command = f"fedskew bench {args.suite} --scale {args.scale}" + (f" --data {args.data}" if args.data else "")
-    text = bench.markdown(args.suite, args.scale, cells, command)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "leaderboard.md").write_text(text)
-    table = Table("paper", "table", "setting", "method", "ours", "published", "delta", "within",
-                  title=f"fedskew bench {args.suite} ({args.scale}): ours beside the published numbers")
-    for c in cells:
-        ours = "not run" if c.mean is None else f"{c.mean:.2f}" + (f" +- {c.std:.2f}" if c.std is not None else "")
-        table.add_row(c.paper, c.entry.source.table, c.entry.setting_id, c.entry.method, ours,
-                      f"{c.entry.value:.2f}", "-" if c.delta is None else f"{c.delta:+.2f}",
-                      "-" if c.within is None else ("yes" if c.within else "no"))
-    console.print(table)
-    console.print(f"{bench.SCALE_NOTE[args.scale]}.\nleaderboard: {folder / 'leaderboard.md'}", highlight=False)
+    command = f"fedskew bench {args.suite} --scale {args.scale}" + (f" --data {args.data}" if args.data else "") + \
+        (f" --methods {','.join(methods)}" if methods else "")
+    md, page, cells = bench.write_leaderboard(args.suite, args.scale, command, folder)
+    if cells:
+        table = Table("paper", "table", "setting", "method", "ours", "published", "delta", "within",
+                      title=f"fedskew bench {args.suite} ({args.scale}): ours beside the published numbers")
+        for c in cells:
+            ours = "not run" if c.mean is None else f"{c.mean:.2f}" + (f" +- {c.std:.2f}" if c.std is not None else "")
+            table.add_row(c.paper, c.entry.source.table, c.entry.setting_id, c.entry.method, ours,
+                          f"{c.entry.value:.2f}", "-" if c.delta is None else f"{c.delta:+.2f}",
+                          "-" if c.within is None else ("yes" if c.within else "no"))
+        console.print(table)
+    console.print(f"{bench.SCALE_NOTE[args.scale]}.\nleaderboard: {md} and {page}", highlight=False)
     return 1 if failed else 0
 
 
@@ -626,6 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_be.add_argument("--jobs", type=int)
     p_be.add_argument("--ray", help="run on Ray (local, auto, host:port)")
     p_be.add_argument("--report", action="store_true", help="only rebuild the leaderboard from the runs there are")
+    p_be.add_argument("--methods", help="only these methods (comma-separated names)")
     p_fl = sub.add_parser("flower", help="run a config on Flower: simulation, app export, or a running SuperLink",
                           epilog=EPILOG)
     p_fl.add_argument("action", choices=["simulate", "app", "run"],

@@ -11,7 +11,8 @@ from fedskew.config import ConfigError, validate_config
 from fedskew.experiments.published import load
 from fedskew.experiments.sweep import load_spec, run_sweep, select
 
-SUMMARY_KEYS = {"global/test_acc", "global/test_acc_best", "global/test_acc_mean_last10", "personal/acc_after",
+SUMMARY_KEYS = {"global/test_acc", "global/test_acc_best", "global/test_acc_mean_last10", "global/test_acc_mean_last50",
+                "personal/acc_after",
                 "personal/acc_before", "personal/final_acc_after", "personal/final_acc_before"}
 
 
@@ -31,6 +32,14 @@ def test_every_registry_entry_validates_and_names_its_source():
     table1 = next(e for e in entries if e.file == "map_table1.yaml" and e.row == "MAP (Ours)")
     assert (table1.value, table1.spread, table1.metric.key) == (88.1, 0.54, "global/test_acc")
     assert any(e.method == "feddf" and e.options == {"public_source": "test_images"} for e in entries)
+    # the neural-collapse paper's Table 1 (mean of the last 50 rounds) and a Table 2 row with the ETF head
+    etf = next(e for e in entries if e.file == "etf_table1.yaml" and e.row == "FedAvg_ETF" and e.column == "C10-100-2")
+    assert (etf.value, etf.method, etf.metric.key) == (79.8, "etf_gmv", "global/test_acc_mean_last50")
+    scaffold_etf = next(e for e in entries if e.row == "SCAFFOLD +ETF" and e.setting_id == "C10-100-5")
+    assert scaffold_etf.value == 86.1 and scaffold_etf.run_label == "scaffold-etf"
+    assert validate_config(scaffold_etf.config()).model.classifier == "etf"
+    fedka = next(e for e in entries if e.file == "fedka_table1.yaml" and e.row == "FedKA" and e.column == "Cifar10")
+    assert fedka.value == 61.9 and fedka.setting.config["partition"]["alpha"] == 0.1
 
 
 def test_a_broken_registry_file_is_one_sentence(tmp_path):
@@ -51,7 +60,7 @@ def test_bench_list_and_smoke_end_to_end(tmp_path):
     board = (tmp_path / "runs" / "bench-seed-papers-smoke" / "leaderboard.md").read_text()
     assert "Scale: smoke: bundled digits" in board
     # a published column beside ours, with the delta, for a method the smoke run trained
-    line = next(row for row in board.splitlines() if row.startswith("| fedmr |"))
+    line = next(row for row in board.splitlines() if row.startswith("| fedmr |") and "Table 1, row FMNIST P" in row)
     cells = [c.strip() for c in line.strip("|").split("|")]
     ours, published, delta = float(cells[1].split()[0]), float(cells[3].split()[0]), float(cells[4])
     assert published == 74.97 or published == 75.51  # FMNIST P10C2 / P5C2, Table 1
@@ -129,3 +138,102 @@ def test_niid_bench_suite_plans_the_niid_bench_protocol_and_links_the_registry()
     assert run["dataset"]["normalize"] is False and run["partition"]["num_clients"] == 10
     labels = {e.setting.label for e in load() if e.file == "niid_bench_flower.yaml"}
     assert labels == set(bench.NIID_PARTITIONS)
+
+
+def test_trials_give_every_method_the_same_budget():
+    """Every method with a global model gets exactly the budget: its defaults at the base lr first,
+    then distinct points of its search space x the learning rates; the draw is fixed per method."""
+    from fedskew.algorithms import registered
+    from fedskew.algorithms.base import search_space
+    from fedskew.experiments.bench import LR_FACTORS, trials
+
+    for name, cls in registered().items():
+        points = trials(name, 3, 0.01)
+        assert points == trials(name, 3, 0.01)
+        space, defaults = search_space(cls.Options), cls.Options().model_dump()
+        assert points[0] == {**{k: defaults[k] for k in space}, "lr": 0.01}
+        if not cls.has_global_model:
+            assert len(points) == 1, name
+            continue
+        assert len(points) == 3 and len({json.dumps(p, sort_keys=True) for p in points}) == 3, name
+        for p in points:
+            assert p["lr"] in [round(0.01 * f, 8) for f in LR_FACTORS]
+            assert all(p[k] in space[k] for k in space) and set(p) == {*space, "lr"}
+        validate_config({"method": {"name": name, **{k: v for k, v in points[1].items() if k != "lr"}}})
+    fedavg = trials("fedavg", 3, 0.03)
+    assert fedavg[0] == {"lr": 0.03} and sorted(p["lr"] for p in fedavg) == [0.01, 0.03, 0.09]
+
+
+def test_tune_seeds_grid_on_the_tuning_seed_then_the_choice_on_the_others(tmp_path):
+    """With selection.tune_seeds the grid runs on seed 0 only, the chosen point then on seed 1; the
+    selection reads the tuning seed only (a terrible seed-1 score does not move it)."""
+    from fedskew.experiments.sweep import planned_count
+
+    spec = load_spec({**TINY, "methods": [{"name": "fedprox", "trials": [{"mu": 0.01, "lr": 0.05},
+                                                                          {"mu": 0.1, "lr": 0.01}]}],
+                      "seeds": [0, 1], "selection": {"split": "validation", "validation_fraction": 0.2,
+                                                     "tune_seeds": [0]}})
+    db = run_sweep(spec, tmp_path, jobs=1)
+    rows = [dict(r) for r in db.execute("SELECT run_id, params, seed, config, summary FROM runs")]
+    assert len(rows) == planned_count(spec) == 3
+    chosen = select(db, spec)[("fedprox", "P6C3")]["params"]
+    assert sorted(json.loads(r["params"]) == chosen for r in rows if r["seed"] == 0) == [False, True]
+    (seed1,) = [r for r in rows if r["seed"] == 1]
+    assert json.loads(seed1["params"]) == chosen
+    config = json.loads(seed1["config"])
+    assert config["lr"] == chosen["lr"] and config["method"] == {"name": "fedprox", "mu": chosen["mu"]}
+    s = json.loads(seed1["summary"])
+    s["global/val_acc_mean_last10"] = -100.0
+    db.execute("UPDATE runs SET summary=? WHERE run_id=?", (json.dumps(s), seed1["run_id"]))
+    db.commit()
+    assert select(db, spec)[("fedprox", "P6C3")]["params"] == chosen
+    with pytest.raises(ConfigError, match="gives both trials and a grid"):
+        load_spec({**TINY, "methods": [{"name": "fedprox", "options": {"mu": [0.1, 1.0]}, "trials": [{"lr": 0.1}]}]})
+
+
+def test_ranks_and_the_paired_test_against_hand_computed_values():
+    from fedskew.experiments.bench import average_ranks, paired_test
+
+    assert average_ranks({"a": 0.9, "b": 0.8, "c": 0.8, "d": 0.7}) == {"a": 1, "b": 2.5, "c": 2.5, "d": 4}
+    base = {0: 0.5, 1: 0.6, 2: 0.7}
+    # differences 1, 2, 3 points: t = 2 / (1 / sqrt 3) = 3.464 on 2 degrees of freedom, two-sided
+    # p = 1 - t / sqrt(t^2 + 2) = 0.0742: not significant, a tie
+    assert paired_test({s: v + d for (s, v), d in zip(base.items(), (0.01, 0.02, 0.03))}, base) == "T"
+    # differences 1, 1.1, 0.9 points: t = 17.32, p = 1 - t / sqrt(t^2 + 2) = 0.0033: a win, or a loss
+    better = {s: v + d for (s, v), d in zip(base.items(), (0.01, 0.011, 0.009))}
+    assert paired_test(better, base) == "W" and paired_test(base, better) == "L"
+    assert paired_test({0: 0.9}, {0: 0.1}) is None  # one common seed: no test
+    assert paired_test({0: 0.9, 1: 0.8}, {1: 0.1, 2: 0.2}) is None
+
+
+def test_label_skew_smoke_end_to_end(tmp_path):
+    """The label-skew suite at smoke scale with three methods: the methods x settings tables (global
+    and personalised), the budget table, the HTML page, and a measured time estimate in --list."""
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "COLUMNS": "250"}
+    out = subprocess.run([sys.executable, "-m", "fedskew.cli", "bench", "label-skew", "--scale", "smoke", "--methods",
+                          "fedavg,fedprox,fedrep", "--jobs", "2"], capture_output=True, text=True, timeout=900,
+                         cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    folder = tmp_path / "runs" / "bench-label-skew-smoke"
+    board = (folder / "leaderboard.md").read_text()
+    assert "| method | #C=1 | #C=2 | Dir0.1 | Dir0.5 | P10C2 | C-10-2 | avg rank | W/T/L vs fedavg |" in board
+    assert "global accuracy (test set" in board and "personalised accuracy" in board
+    glob = board[board.index("global accuracy (test set"):board.index("## label-skew-fmnist: budget")]
+    rows = {line.split("|")[1].strip(): line for line in glob.splitlines() if line.startswith("| fed")}
+    assert rows["fedrep"].count("none") == 6  # FedRep has no global model
+    assert rows["fedavg"].count("(#") == 6 and rows["fedavg"].endswith("| - |")  # ranks; one seed: no test
+    budget = board[board.index("budget and the configuration"):board.index("## label-skew-fmnist: personalised")]
+    trials_of = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in budget.splitlines()
+                 if line.startswith("| fed")}
+    assert trials_of == {"fedavg": "2", "fedprox": "2", "fedrep": "1"}
+    assert "<table>" in (folder / "leaderboard.html").read_text()
+    from fedskew.experiments.bench import estimate
+
+    measured = estimate("label-skew", "smoke", 30, folder)  # from the runs' own start and finish times
+    assert measured.startswith("~") and f"measured in {folder}" in measured
+    # no runs in the folder: the committed measurement (bench_timings.yaml), 60 runs x 42 s / 2 jobs = 21 min
+    assert estimate("niid-bench", "lite", 60, tmp_path / "nothing").startswith("~21 min with 2 jobs (measured 2026")
+    assert estimate("label-skew", "paper", 60, tmp_path / "nothing") == "not measured"
+    bad = subprocess.run([sys.executable, "-m", "fedskew.cli", "bench", "label-skew", "--methods", "fedavgg"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert bad.returncode == 2 and "bench --methods names 'fedavgg'" in bad.stderr and "Traceback" not in bad.stderr

@@ -239,6 +239,10 @@ class StrictOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     renamed: ClassVar[dict[str, str]] = {}
+    # a few values of each option worth tuning (the default among them): what ``fedskew bench``
+    # searches, the same number of trials for every method (:func:`search_space` merges a composed
+    # method's components')
+    search: ClassVar[dict[str, list]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -254,6 +258,16 @@ class StrictOptions(BaseModel):
                               FutureWarning, stacklevel=2)
                 data[new] = data.pop(old)
         return data
+
+
+def search_space(options: type[BaseModel]) -> dict[str, list]:
+    """The option values the bench searches for a method: the ``search`` of its Options class and of
+    every class it inherits from (a composed method's components), nearest first."""
+    out: dict[str, list] = {}
+    for cls in options.__mro__:
+        for key, values in vars(cls).get("search", {}).items():
+            out.setdefault(key, list(values))
+    return out
 
 
 class FedAvgOptions(StrictOptions):

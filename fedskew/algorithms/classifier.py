@@ -71,6 +71,7 @@ def sample_virtual(mu: torch.Tensor, sigma: torch.Tensor, total: torch.Tensor, p
 
 
 class CCVROptions(FedAvgOptions):
+    search = {'calib_lr': [0.001, 0.01, 0.1]}  # the bench's search space (fedskew bench)
     virtual_per_class: int = Field(200, ge=1, description="virtual representations drawn per class "
                                                           "(FL-bench's sample_per_class)")
     calib_lr: float = Field(0.01, gt=0, description="SGD learning rate of the head's calibration")
@@ -149,6 +150,7 @@ class CCVR(Method):
 
 
 class FedNHOptions(FedAvgOptions):
+    search = {'scale': [10.0, 30.0], 'smoothing': [0.7, 0.9]}  # the bench's search space (fedskew bench)
     weighting: Literal["samples", "batches", "uniform"] = Field(
         "uniform", description="body averaging (official code: uniform over participants)")
     scale: float = Field(30.0, gt=0, description="s in logits = s cos(z, p_c) (official code's fixed scaling)")
@@ -219,6 +221,7 @@ class FedNH(Method):
 
 
 class FedPACOptions(FedAvgOptions):
+    search = {'lam': [0.1, 1.0, 10.0]}  # the bench's search space (fedskew bench)
     lam: float = Field(1.0, ge=0, description="weight of the feature-alignment MSE (official default 1.0)")
     head_lr_scale: float = Field(10.0, gt=0, description="head epoch's lr as a multiple of the local lr "
                                                          "(official: 0.1 with a body lr of 0.01)")

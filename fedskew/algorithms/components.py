@@ -36,6 +36,7 @@ from fedskew.algorithms.tensors import (aggregate_prototypes, class_feature_mean
 
 
 class DecorrelationOptions(StrictOptions):
+    search = {'mu1': [0.001, 0.01, 0.1]}  # the bench's search space (fedskew bench)
     mu1: float = Field(0.01, ge=0, description="weight of L_intra")
     intra_form: Literal["code", "paper"] = Field("code", description="code: the authors' code's form, with which "
                                                                      "the paper's mu1 values train (default); "
@@ -137,6 +138,7 @@ class _RestrictedForward(Forward):
 
 
 class RSOptions(StrictOptions):
+    search = {'alpha': [0.5, 0.9]}  # the bench's search space (fedskew bench)
     renamed = {"form": "rs_form"}
     alpha: float = Field(ALPHA, ge=0, le=1, description="scale of missing classes' logits (1: plain softmax)")
     rs_form: Literal["hard", "soft"] = Field("hard", description="hard: s_c = alpha for a class with no local "
@@ -170,6 +172,7 @@ class RestrictedSoftmax(Component):
 
 
 class HPMOptions(StrictOptions):
+    search = {'kt_lambda': [0.001, 0.01, 0.1]}  # the bench's search space (fedskew bench)
     kt: Literal["kd", "mmd"] = "kd"
     kt_lambda: float = Field(0.01, ge=0, le=1, description="L = (1 - lambda) CE + lambda L_kt")
     temperature: float = Field(4.0, gt=0, description="KD temperature T")
@@ -277,6 +280,7 @@ def _hpm(client_state: State) -> State:
 
 
 class FedDecorrOptions(StrictOptions):
+    search = {'beta': [0.01, 0.05, 0.1]}  # the bench's search space (fedskew bench)
     beta: float = Field(0.1, ge=0, description="weight of the decorrelation term (official default 0.1)")
     form: Literal["code", "paper"] = Field("code", description="official code's scale (default) or Eq. 4's")
     eps: float = Field(1e-8, gt=0, description="standardisation (z - mean) / sqrt(var + eps); 1e-8 is the official "

@@ -24,6 +24,7 @@ from fedskew.streams import torch_seed
 
 
 class FedDFOptions(FedAvgOptions):
+    search = {'temperature': [1.0, 3.0], 'distill_lr': [0.0001, 0.001]}  # the bench's search space (fedskew bench)
     public_size: int = Field(500, ge=1, description="unlabelled public samples (MAP Tables I/II: 500 of the "
                                                     "global test set)")
     public_source: Literal["train", "validation", "test_images"] = Field(
@@ -121,6 +122,7 @@ class FedDF(Method):
 
 
 class FedGenOptions(FedAvgOptions):
+    search = {'generative_alpha': [1.0, 10.0], 'generative_beta': [0.1, 1.0]}  # the bench's search space (fedskew bench)
     generative_alpha: float = Field(10.0, ge=0, description="weight of the clients' generated-sample "
                                                             "cross-entropy (official code, MNIST: 10)")
     generative_beta: float = Field(1.0, ge=0, description="weight of the clients' latent KL term (official "

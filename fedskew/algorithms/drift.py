@@ -22,6 +22,7 @@ def _params(names, state, prefix=""):
 
 
 class FedProxOptions(FedAvgOptions):
+    search = {'mu': [0.001, 0.01, 0.1]}  # the bench's search space (fedskew bench)
     mu: float = Field(0.01, ge=0, description="proximal weight")
 
 
@@ -61,6 +62,7 @@ CORRECTION_DOC = ("after_step: p -= lr (c - c_i) after each optimizer step, outs
 
 
 class ScaffoldOptions(FedAvgOptions):
+    search = {'server_lr': [0.5, 1.0]}  # the bench's search space (fedskew bench)
     server_lr: float = Field(1.0, gt=0, description="eta_g")
     control_steps: Literal["momentum", "steps"] = Field(
         "momentum", description="divide the control update by FedNova's momentum-aware a_i(tau, rho) (default; "
@@ -133,6 +135,7 @@ class Scaffold(Method):
 
 
 class FedDynOptions(FedAvgOptions):
+    search = {'alpha': [0.001, 0.01, 0.1]}  # the bench's search space (fedskew bench)
     alpha: float = Field(0.01, gt=0)
     alpha_by_data: bool = Field(False, description="reference code: alpha_k = alpha / (n_k / mean n)")
 
@@ -222,6 +225,7 @@ class FedNova(Method):
 
 
 class FedDCOptions(FedAvgOptions):
+    search = {'alpha': [0.001, 0.01, 0.1]}  # the bench's search space (fedskew bench)
     alpha: float = Field(0.01, gt=0, description="weight of the drift-decoupled proximal term")
     aggregation: Literal["code", "paper"] = Field(
         "code", description="code: mean_S theta_i + mean over all clients of h_i (official code, default); "

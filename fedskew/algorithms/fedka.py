@@ -42,6 +42,7 @@ def ntd_loss(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor,
 
 
 class FedNTDOptions(FedAvgOptions):
+    search = {'ntd_beta': [0.1, 0.3, 1.0, 3.0], 'ntd_tau': [1.0, 3.0]}  # the bench's search space (fedskew bench)
     ntd_beta: float = Field(1.0, ge=0, description="weight of the not-true distillation term")
     ntd_tau: float = Field(1.0, gt=0, description="distillation temperature T")
     tau_squared: bool = Field(False, description="multiply the KL by T^2 (not in the official code; same at T = 1)")
@@ -101,6 +102,7 @@ def knowledge_anchor_loss(local_logits: torch.Tensor, global_logits: torch.Tenso
 
 
 class FedKAOptions(FedAvgOptions):
+    search = {'ka_beta': [0.001, 0.01, 0.1]}  # the bench's search space (fedskew bench)
     ka_beta: float = Field(0.001, ge=0, description="weight of the knowledge-anchor term (paper grid 0.5, 0.1, "
                                                     "0.01, 0.001; 0.1 and 0.01 blow up or lag: docs/methods.md)")
     gamma: float | None = Field(None, gt=0, le=1, description="non-dominant threshold on the class share "

@@ -29,6 +29,7 @@ def ce_grad(fwd, params: State, x: torch.Tensor, y: torch.Tensor) -> tuple[State
 
 
 class PFedMeOptions(FedAvgOptions):
+    search = {'lam': [5.0, 15.0, 30.0], 'personal_lr': [0.005, 0.01, 0.05]}  # the bench's search space (fedskew bench)
     lam: float = Field(15.0, gt=0, description="lambda of the Moreau envelope (paper: 15)")
     personal_lr: float = Field(0.01, gt=0, description="learning rate of the inner problem (paper: 0.01)")
     inner_steps: int = Field(5, ge=1, description="K, inner steps per local step (paper: 5)")
@@ -102,6 +103,7 @@ class PFedMe(Method):
 
 
 class PerFedAvgOptions(FedAvgOptions):
+    search = {'alpha': [0.001, 0.005, 0.02]}  # the bench's search space (fedskew bench)
     alpha: float = Field(0.005, gt=0, description="inner (adaptation) learning rate, the reference's 0.005 (0.01 collapses "
                                                 "the global model on Fashion-MNIST P10C2); the outer one is lr")
     personal_steps: int = Field(1, ge=1, description="adaptation steps of the personalised model (paper: 1)")

@@ -35,6 +35,7 @@ def memory_features(z: torch.Tensor, y: torch.Tensor, vectors: torch.Tensor, alp
 
 
 class EtfGmvOptions(FedAvgOptions):
+    search = {'gmv_alpha': [0.1, 0.5, 0.9]}  # the bench's search space (fedskew bench)
     gmv_alpha: float = Field(0.5, ge=0, description="weight of the memory vector in h = z + alpha mu_y")
     gmv_warmup_rounds: int | None = Field(None, ge=0, description="R_warm: first round trained with memory "
                                                                   "vectors (default: half of the rounds)")

@@ -39,6 +39,7 @@ from fedskew.algorithms.tensors import aggregate_prototypes, balanced_softmax_lo
 
 
 class DittoOptions(FedAvgOptions):
+    search = {'lam': [0.01, 0.1, 1.0]}  # the bench's search space (fedskew bench)
     lam: float = Field(0.1, ge=0, description="lambda of the proximal term (lambda/2) ||v - w||^2")
     personal_fraction: float = Field(1.0, gt=0, le=10, description="personal steps, as a multiple of the "
                                                                    "E-epoch step budget")
@@ -100,6 +101,7 @@ class DittoRS(Composed):
 
 
 class FedRepOptions(FedAvgOptions):
+    search = {'head_fraction': [0.25, 0.5]}  # the bench's search space (fedskew bench)
     head_fraction: float = Field(0.5, gt=0, lt=1, description="share of the E-epoch step budget spent on the "
                                                               "head (reference code: 9 of 10 epochs)")
 
@@ -139,6 +141,7 @@ class FedRep(PartialSharing):
 
 
 class FedBABUOptions(FedAvgOptions):
+    search = {'finetune_fraction': [0.5, 1.0]}  # the bench's search space (fedskew bench)
     finetune_fraction: float = Field(1.0, gt=0, le=10, description="fine-tuning steps, as a multiple of the "
                                                                    "E-epoch step budget")
 
@@ -245,6 +248,7 @@ class FedROD(Method):
 
 
 class FedProtoOptions(FedAvgOptions):
+    search = {'lam': [0.1, 1.0, 10.0]}  # the bench's search space (fedskew bench)
     lam: float = Field(1.0, ge=0, description="weight of the prototype regulariser")
     proto_weighting: Literal["clients", "count"] = Field(
         "clients", description="server prototype = unweighted mean over the clients holding the class (official "
@@ -345,6 +349,7 @@ class FedProto(Method):
 
 
 class FedLCOptions(FedAvgOptions):
+    search = {'tau': [0.1, 0.5, 1.0]}  # the bench's search space (fedskew bench)
     tau: float = Field(1.0, ge=0, description="calibration strength")
 
 

@@ -25,6 +25,7 @@ def moon_contrastive(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch.Tens
 
 
 class MoonOptions(FedAvgOptions):
+    search = {'mu': [0.1, 1.0, 5.0], 'temperature': [0.5, 1.0]}  # the bench's search space (fedskew bench)
     # mu = 1 (the MOON paper's CIFAR-100 / Tiny-ImageNet value): at its CIFAR-10 value 5 MOON ended
     # near chance on 1 of 3 seeds of Fashion-MNIST P10C2 (27.20 mean of last 5 vs 39.59 at mu = 1,
     # seed 0; docs/benchmarks.md "Method health")
@@ -65,6 +66,7 @@ class Moon(Method):
 
 
 class FedMMDOptions(FedAvgOptions):
+    search = {'lam': [0.001, 0.01, 0.1]}  # the bench's search space (fedskew bench)
     # 0.01: at 0.1 FedMMD ended near chance on 2 of 3 seeds of Fashion-MNIST P10C2 (21.65 vs 43.99
     # at 0.01, seed 0; docs/benchmarks.md "Method health")
     lam: float = Field(0.01, ge=0, description="weight of the MMD term")
@@ -99,6 +101,7 @@ def proto_contrastive(z: torch.Tensor, y: torch.Tensor, prototypes: torch.Tensor
 
 
 class FedProcOptions(FedAvgOptions):
+    search = {'temperature': [0.1, 0.5, 1.0]}  # the bench's search space (fedskew bench)
     temperature: float = Field(0.5, gt=0)
 
 

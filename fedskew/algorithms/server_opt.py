@@ -25,12 +25,14 @@ from fedskew.algorithms.base import FedAvgOptions, Method, model_part, weighted_
 
 class FedAvgMOptions(FedAvgOptions):
     """FedAvgM reads eta_g and its momentum only (no second moment, no tau)."""
+    search = {'server_lr': [0.3, 1.0], 'beta1': [0.7, 0.9]}  # the bench's search space (fedskew bench)
 
     server_lr: float = Field(1.0, gt=0, description="eta_g")
     beta1: float = Field(0.9, ge=0, lt=1, description="server momentum beta: m <- beta m + Delta")
 
 
 class AdaptiveOptions(FedAvgOptions):
+    search = {'server_lr': [0.003, 0.01, 0.03]}  # the bench's search space (fedskew bench)
     server_lr: float = Field(0.01, gt=0, description="eta_g (Reddi et al. tune 1e-3..1e-1; 1.0 diverges)")
     beta1: float = Field(0.9, ge=0, lt=1, description="first-moment decay")
     beta2: float = Field(0.99, ge=0, lt=1, description="second-moment decay")
@@ -98,6 +100,7 @@ def spreadout(weight: torch.Tensor, margin: float) -> torch.Tensor:
 
 
 class FedAwSOptions(FedAvgOptions):
+    search = {'margin': [0.3, 0.5, 0.7]}  # the bench's search space (fedskew bench)
     margin: float = Field(0.5, gt=0, le=1, description="cosine-distance margin between classifier rows")
     server_steps: int = Field(5, ge=0)
     server_lr: float = Field(0.1, gt=0)

@@ -84,6 +84,7 @@ def layer_names(info) -> list[str]:
 
 
 class LGFedAvgOptions(FedAvgOptions):
+    search = {'global_layers': [1, 2]}  # the bench's search space (fedskew bench)
     global_layers: int = Field(1, ge=1, description="number of last parameterised layers shared and averaged "
                                                     "(official code's num_layers_keep; 1: the classifier)")
 
@@ -121,6 +122,7 @@ class LGFedAvg(PartialSharing):
 
 
 class APFLOptions(FedAvgOptions):
+    search = {'alpha': [0.25, 0.5, 0.75]}  # the bench's search space (fedskew bench)
     alpha: float = Field(0.5, ge=0, le=1, description="mixing weight of the personal model: v_bar = alpha v + "
                                                       "(1 - alpha) w (FL-bench's initial value); with "
                                                       "alpha_mode=adaptive, every client's starting value")
@@ -225,6 +227,7 @@ class APFL(Method):
 
 
 class FedALAOptions(FedAvgOptions):
+    search = {'eta': [0.1, 1.0]}  # the bench's search space (fedskew bench)
     eta: float = Field(1.0, gt=0, description="learning rate of the aggregation weights")
     rand_percent: float = Field(80, gt=0, le=100, description="percent of the local data the weights learn on (s)")
     layer_idx: int = Field(2, ge=0, description="number of last parameter tensors ALA applies to (p; 0: all); "
@@ -313,6 +316,7 @@ class FedALA(Method):
 
 
 class FedFOMOOptions(FedAvgOptions):
+    search = {'M': [3, 5]}  # the bench's search space (fedskew bench)
     M: int = Field(5, ge=1, description="models each selected client downloads (PFLlib's default)")
     epsilon: float = Field(0.3, ge=0, le=1, description="epsilon-greedy: chance of M random models instead of "
                                                         "the top-M by affinity, at round 0")

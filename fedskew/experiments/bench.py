@@ -13,16 +13,22 @@ far as the registry's ``differs`` notes allow; a GPU or a cluster). Every table 
 smoke or lite cell is never compared as if it were the paper's setting: its delta is printed, but
 labelled as what it is.
 
-Built so far (issue 31, first part): the ``seed-papers`` suite for FedMR (Table 1, FMNIST and
-CIFAR-10 rows) and MAP (Tables I and II, FaMnist MLPNet), and ``niid-bench`` (NIID-Bench's label
-skew on Fashion-MNIST, and on CIFAR-10 at paper scale) beside the numbers Flower's port of it
-reports. Not yet: the ``label-skew`` suite, tuning under one budget on validation, ranks and paired
-tests, HTML.
+Suites: ``seed-papers`` (FedMR Table 1, MAP Tables I and II), ``niid-bench`` (NIID-Bench's label
+skew beside the numbers Flower's port reports) and ``label-skew`` (every registered method under
+#C=1, #C=2, Dir(0.1), Dir(0.5), PxCy and C-K-n, global and personalised accuracy, each method tuned
+under one budget on a validation split: :func:`trials`). The leaderboard (:func:`write_leaderboard`,
+Markdown and HTML) gives per part a methods x settings table (mean +- std over seeds, rank per
+setting, average rank, win/tie/loss against FedAvg by a paired t-test over seeds), the budget and the
+values each method's selection chose, and the published numbers beside ours where a registry entry
+is linked.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
+import random
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,16 +43,26 @@ PAPERS = {
     "fedmr": {"files": ("fedmr.yaml",), "reference": {"smoke": "fmnist", "lite": "fmnist", "paper": "cifar10"}},
     "map": {"files": ("map_table1.yaml", "map_table2.yaml"),
             "reference": {"smoke": "fmnist", "lite": "fmnist", "paper": "fmnist"}},
+    # published on CIFAR only: linked at paper scale
+    "etf": {"files": ("etf_table1.yaml",), "reference": {"paper": "cifar10"}},
+    "fedka": {"files": ("fedka_table1.yaml",), "reference": {"paper": "cifar10"}},
     "niid-fmnist": {"files": ("niid_bench_flower.yaml",),
                     "reference": {"smoke": "fmnist", "lite": "fmnist", "paper": "fmnist"}},
     "niid-cifar10": {"files": ("niid_bench_flower.yaml",),
                      "reference": {"smoke": "cifar10", "lite": "cifar10", "paper": "cifar10"}},
+    # our own suite: no paper ran these methods on these settings, so nothing is linked
+    "label-skew-fmnist": {"files": (), "reference": {}},
+    "label-skew-cifar10": {"files": (), "reference": {}},
 }
 SUITES = {
-    "seed-papers": {"papers": ("fedmr", "map"),
-                    "about": "the seed papers' main tables: FedMR Table 1, MAP Tables I and II"},
+    "seed-papers": {"papers": ("fedmr", "map", "etf", "fedka"),
+                    "about": "the seed papers' main tables: FedMR Table 1, MAP Tables I and II, the neural-collapse "
+                             "paper's Tables 1 and 2, FedKA Tables 1 and 8"},
     "niid-bench": {"papers": ("niid-fmnist", "niid-cifar10"),
                    "about": "NIID-Bench's label skew (IID, Dir(0.5), #C=1/2/3; FedAvg, SCAFFOLD, FedProx, FedNova)"},
+    "label-skew": {"papers": ("label-skew-fmnist", "label-skew-cifar10"),
+                   "about": "every registered method under #C=1, #C=2, Dir(0.1), Dir(0.5), PxCy, C-K-n; global and "
+                            "personalised accuracy; each tuned on validation under one budget"},
 }
 NIID_PARTITIONS = {"IID": {"name": "iid"}, "Dir0.5": {"name": "dirichlet", "alpha": 0.5},
                    "#C=1": {"name": "label_k", "classes_per_client": 1},
@@ -76,11 +92,98 @@ def niid_bench(dataset: str, scale: str, data_root: str | None) -> dict | None:
     return {"name": f"niid-bench {dataset}", "base": base, "partitions": NIID_PARTITIONS, "seeds": seeds,
             "methods": ["fedavg", "scaffold", "fedprox", "fednova"],
             "report": {"metric": "global/test_acc", "baseline": "fedavg"}}
+# ---------------------------------------------------------------------------------------------
+# The label-skew suite: every method, tuned under one budget
+
+
+BUDGET = {"smoke": 2, "lite": 3, "paper": 3}  # trials per method and setting, on the tuning seed
+LR_FACTORS = (1 / 3, 1.0, 3.0)  # the learning rates every method may draw: the base lr times these
+
+
+def trials(method: str, budget: int, lr: float) -> list[dict]:
+    """The points a method is tried at: its defaults at the base ``lr`` first, then ``budget - 1``
+    points drawn without replacement (a fixed draw per method name) from its search space
+    (:func:`fedskew.algorithms.base.search_space`) x the learning rates ``lr * LR_FACTORS``. Every
+    method gets the same number (FedAvg: its three learning rates), except a method with no global
+    model: no validation accuracy can choose among its points, so it runs its defaults only."""
+    from fedskew.algorithms import registered
+    from fedskew.algorithms.base import search_space
+
+    cls = registered()[method]
+    space = search_space(cls.Options)
+    defaults = cls.Options().model_dump()
+    first = {**{k: defaults[k] for k in space}, "lr": lr}
+    if not cls.has_global_model:
+        return [first]
+    lrs = [round(lr * f, 8) for f in LR_FACTORS]
+    keys = sorted(space)
+    points = [{**dict(zip(keys, combo)), "lr": r} for combo in itertools.product(*(space[k] for k in keys))
+              for r in lrs]
+    others = [p for p in points if p != first]
+    random.Random(f"fedskew-bench-{method}").shuffle(others)
+    return [first, *others[:budget - 1]]
+
+
+def label_skew_partitions(num_clients: int, samples_per_class: int) -> dict[str, dict]:
+    """The six label-skew settings of the suite on ``num_clients`` clients."""
+    return {"#C=1": {"name": "label_k", "classes_per_client": 1},
+            "#C=2": {"name": "label_k", "classes_per_client": 2},
+            "Dir0.1": {"name": "dirichlet", "alpha": 0.1},
+            "Dir0.5": {"name": "dirichlet", "alpha": 0.5},
+            f"P{num_clients}C2": {"name": "pcdd", "classes_per_client": 2},
+            f"C-{num_clients}-2": {"name": "label_count", "classes_per_client": 2,
+                                   "samples_per_class": samples_per_class}}
+
+
+def label_skew(dataset: str, scale: str, data_root: str | None, methods: list[str] | None = None) -> dict | None:
+    """Every registered method (or ``methods``) on ``dataset`` under the six settings, tuned on a
+    10% validation hold-out of the training set: ``BUDGET[scale]`` trials on seed 0, the selected
+    point then on seeds 1 and 2. 20% of every client's data is its local test set (personalised
+    accuracy, after one final local pass of every client).
+
+    paper: the full training set, 20 clients, half of them per round, 100 rounds of E = 5, B = 64,
+    SimpleCNN, base lr 0.01 with momentum 0.9. lite: Fashion-MNIST only, 10% of the training set
+    (20% of the test set), an MLP 200-200, 20 rounds of E = 2. smoke: digits, 10 clients, 3 rounds,
+    one seed. CIFAR-10 only at paper scale."""
+    from fedskew.algorithms import registered
+
+    if dataset == "cifar10" and scale != "paper":
+        return None
+    names = sorted(registered()) if methods is None else methods
+    data = {"name": dataset, **({"root": data_root} if data_root else {})}
+    base = {"dataset": data, "model": "simplecnn", "partition": {"num_clients": 20, "local_test_fraction": 0.2},
+            "clients_per_round": 10, "rounds": 100, "local_epochs": 5, "batch_size": 64, "lr": 0.01,
+            "momentum": 0.9, "executor": "vectorized", "checkpoint_every": 10}
+    clients, per_class, seeds = 20, 500, [0, 1, 2]
+    if scale == "lite":
+        base.update({"dataset": {**data, "train_subsample": 0.1, "test_subsample": 0.2},
+                     "model": {"name": "mlp", "hidden": [200, 200]}, "rounds": 20, "local_epochs": 2})
+        per_class = 50
+    elif scale == "smoke":
+        base.update({"dataset": "digits", "model": {"name": "mlp", "hidden": [64]},
+                     "partition": {"num_clients": 10, "local_test_fraction": 0.2}, "clients_per_round": 5,
+                     "rounds": 3, "local_epochs": 1, "batch_size": 16, "lr": 0.05})
+        clients, per_class, seeds = 10, 20, [0]
+    return {"name": f"label-skew {dataset}", "base": base, "partitions": label_skew_partitions(clients, per_class),
+            "seeds": seeds, "methods": [{"name": m, "trials": trials(m, BUDGET[scale], base["lr"])} for m in names],
+            "selection": {"split": "validation", "validation_fraction": 0.1, "tune_seeds": [0]},
+            "report": {"metric": "global/test_acc_mean_last10", "baseline": "fedavg"}}
+
+
 SCALE_NOTE = {"smoke": "smoke: bundled digits, a few rounds, one seed; the published values are the paper's "
                        "setting, not this one: the deltas check the pipeline, not the method",
               "lite": "lite: Fashion-MNIST subsampled, fewer rounds (the presets' small scale); the published "
                       "values are the paper's full setting: not a reproduction",
               "paper": "paper: the published setting (keys that differ are listed under each table)"}
+
+
+LABEL_SKEW_NOTE = {"smoke": "smoke: bundled digits, 10 clients, 3 rounds, 2 trials, one seed: checks the pipeline",
+                   "lite": "lite: Fashion-MNIST, 10% of the training set (a 10% validation hold-out of it) and 20% "
+                           "of the test set, MLP 200-200, 20 clients (10 per round), 20 rounds of E = 2, B = 64, "
+                           "3 trials per method on seed 0, the chosen one on seeds 0, 1, 2",
+                   "paper": "paper: the full training set (10% held out for validation), SimpleCNN, 20 clients "
+                            "(10 per round), 100 rounds of E = 5, B = 64, 3 trials on seed 0, the chosen one on "
+                            "seeds 0, 1, 2"}
 
 
 def suite_names() -> list[str]:
@@ -95,19 +198,32 @@ def check_suite(name: str, scale: str) -> None:
         raise ConfigError(f"bench --scale '{scale}' is not allowed; use one of {', '.join(SCALES)}.")
 
 
-def sweeps(name: str, scale: str, data_root: str | None = None) -> dict[str, dict]:
-    """paper -> the sweep spec (a mapping) of that paper's part of the suite at ``scale``."""
+def sweeps(name: str, scale: str, data_root: str | None = None, methods: list[str] | None = None) -> dict[str, dict]:
+    """part -> the sweep spec (a mapping) of that part of the suite at ``scale``; ``methods``
+    keeps only those methods. A part whose methods search a grid selects on a validation hold-out
+    (``selection.split: validation``): the bench never chooses on test data."""
     from fedskew.experiments.presets import reproduction
+    from fedskew.experiments.sweep import grid_points, load_spec
 
     check_suite(name, scale)
     out = {}
     for paper in SUITES[name]["papers"]:
         if paper.startswith("niid-"):
             spec = niid_bench(paper.split("-", 1)[1], scale, data_root)
-            if spec is None:
-                continue
+        elif paper.startswith("label-skew-"):
+            spec = label_skew(paper.rsplit("-", 1)[1], scale, data_root, methods)
         else:
             spec = reproduction(paper, SCALES[scale], data_root)
+        if spec is None:
+            continue
+        if methods is not None:
+            spec["methods"] = [m for m in spec["methods"] if (m if isinstance(m, str) else m["name"]) in methods]
+            if not spec["methods"]:
+                continue
+        parsed = load_spec(spec)
+        if any(len(grid_points(m.options, m.trials)) > 1 for m in parsed.methods) and \
+                parsed.selection.split != "validation":
+            spec["selection"] = {**spec.get("selection", {}), "split": "validation", "metric": None}
         spec["name"] = f"bench {name} {paper} {scale}"
         out[paper] = spec
     return out
@@ -117,19 +233,50 @@ def suite_dir(name: str, scale: str, out: str | Path | None = None) -> Path:
     return Path(out) if out is not None else Path("runs") / f"bench-{name}-{scale}"
 
 
-def listing() -> list[dict]:
-    """Every suite with its size per scale: papers, runs, published entries linked."""
-    from fedskew.experiments.sweep import load_spec, plan
+def listing(data_root: str | None = None) -> list[dict]:
+    """Every suite with its size per scale: parts, runs, published entries linked, and the time it
+    takes (:func:`estimate`)."""
+    from fedskew.experiments.sweep import load_spec, planned_count
 
     entries = load()
     rows = []
     for name, suite in SUITES.items():
         for scale in SCALES:
-            runs = sum(len(plan(load_spec(spec))) for spec in sweeps(name, scale, "DATA").values())
+            runs = sum(planned_count(load_spec(spec)) for spec in sweeps(name, scale, "DATA").values())
             published = sum(1 for e in entries if any(e.file in PAPERS[p]["files"] for p in suite["papers"]))
             rows.append({"suite": name, "scale": scale, "papers": ", ".join(suite["papers"]), "runs": runs,
-                         "published": published, "about": suite["about"]})
+                         "published": published, "about": suite["about"], "time": estimate(name, scale, runs)})
     return rows
+
+
+def estimate(name: str, scale: str, runs: int, out: str | Path | None = None) -> str:
+    """The time a suite takes with 2 jobs: its runs x the mean run time measured in its folder
+    (``runs/bench-<suite>-<scale>``, when it has finished runs), else the run time measured for the
+    suite on the 2-core CPU machine this project is built on (``bench_timings.yaml``), else
+    "not measured". GPU times are not measured yet."""
+    import sqlite3
+
+    import yaml
+
+    folder, seconds, where = suite_dir(name, scale, out), [], ""
+    for db_path in folder.glob("*/results.sqlite"):
+        db = sqlite3.connect(db_path)
+        try:
+            seconds += [f - s for s, f in db.execute("SELECT started, finished FROM runs WHERE status='done' AND "
+                                                     "started IS NOT NULL AND finished IS NOT NULL")]
+        finally:
+            db.close()
+    if seconds:
+        per_run, where = statistics.fmean(seconds), f"measured in {folder}"
+    else:
+        table = yaml.safe_load((Path(__file__).parent / "bench_timings.yaml").read_text())
+        known = (table.get(name) or {}).get(scale)
+        if not known:
+            return "not measured"
+        per_run, where = float(known["seconds_per_run"]), known["where"]
+    total = runs * per_run / 2
+    text = f"{total / 60:.0f} min" if total < 5400 else f"{total / 3600:.1f} h"
+    return f"~{text} with 2 jobs ({where})"
 
 
 @dataclass
@@ -171,11 +318,13 @@ def leaderboard(name: str, scale: str, out: str | Path | None = None) -> list[Ce
     for paper in sweeps(name, scale, "DATA"):
         sweep_dir = folder / paper
         rows = results_table(sweep_dir) if (sweep_dir / "results.sqlite").exists() else []
-        dataset = PAPERS[paper]["reference"][scale]
+        dataset = PAPERS[paper]["reference"].get(scale)
+        if dataset is None:  # a part no published table is linked to
+            continue
         for e in entries:
             if e.file not in PAPERS[paper]["files"] or e.options or _dataset(e) != dataset:
                 continue
-            ours = [r[e.metric.key] for r in rows if r.get("label") == e.method and r.get("partition") == e.setting.label
+            ours = [r[e.metric.key] for r in rows if r.get("label") == e.run_label and r.get("partition") == e.setting.label
                     and r.get("status") == "done" and r.get("selected", True) and r.get(e.metric.key) is not None
                     and not (isinstance(r.get(e.metric.key), float) and math.isnan(r[e.metric.key]))]
             cells.append(Cell(paper, e, ours))
@@ -191,32 +340,218 @@ def _fmt(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def markdown(name: str, scale: str, cells: list[Cell], command: str) -> str:
-    """The leaderboard as Markdown: one table per (registry table, setting), ours beside published."""
-    lines = [f"# fedskew bench {name} ({scale})", "", f"Scale: {SCALE_NOTE[scale]}.", "",
-             f"Rebuild: `{command}`. Ours: mean +- std over the seeds that finished (percent); published: the "
-             f"paper's value (its spread, see each table); delta = ours - published; 'within' = |delta| <= the "
-             f"published spread.", ""]
+# ---------------------------------------------------------------------------------------------
+# The leaderboard: methods x settings, ranks, paired tests, and the published numbers beside ours
+
+BOARD_METRICS = {"global/test_acc_mean_last10": "global accuracy (test set, mean of the last 10 rounds)",
+                 "personal/final_acc_after": "personalised accuracy (each client's local test split, after one "
+                                             "final local pass from the last global model)"}
+SIGNIFICANCE = 0.05
+
+
+@dataclass
+class Board:
+    """One part of a suite for one metric: the selected point's value per method, setting and seed."""
+
+    part: str
+    metric: str
+    labels: list[str]
+    settings: list[str]
+    values: dict[tuple[str, str], dict[int, float]]
+    chosen: dict[tuple[str, str], dict]
+    tried: dict[tuple[str, str], int]
+    failed: dict[tuple[str, str], int]
+
+    def mean(self, label: str, setting: str) -> float | None:
+        v = list(self.values.get((label, setting), {}).values())
+        return 100 * statistics.fmean(v) if v else None
+
+    def std(self, label: str, setting: str) -> float | None:
+        v = list(self.values.get((label, setting), {}).values())
+        return 100 * statistics.stdev(v) if len(v) > 1 else None
+
+    def ranks(self, setting: str) -> dict[str, float]:
+        """Rank of every method with a value in ``setting`` (1 = best; ties share the mean rank)."""
+        means = {m: self.mean(m, setting) for m in self.labels}
+        return average_ranks({m: v for m, v in means.items() if v is not None})
+
+    def average_rank(self, label: str) -> float | None:
+        r = [self.ranks(s)[label] for s in self.settings if label in self.ranks(s)]
+        return statistics.fmean(r) if r else None
+
+    def versus(self, label: str, setting: str, baseline: str) -> str | None:
+        """'W', 'T' or 'L' against ``baseline`` by :func:`paired_test`; None without two common seeds."""
+        return paired_test(self.values.get((label, setting), {}), self.values.get((baseline, setting), {}))
+
+
+def average_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Rank per key, 1 for the largest value; tied values share the mean of their ranks."""
+    order = sorted(values, key=lambda k: -values[k])
+    out, i = {}, 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in order[i:j + 1]:
+            out[k] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def paired_test(ours: dict[int, float], base: dict[int, float], level: float = SIGNIFICANCE) -> str | None:
+    """Win, tie or loss of ``ours`` against ``base``, paired by seed (same seed: same partition and
+    initialisation): a two-sided paired t-test over the common seeds; 'W' or 'L' when p < ``level``,
+    else 'T'. None with fewer than two common seeds. (Three seeds give the test little power: most
+    differences under a point are ties.)"""
+    from scipy.stats import ttest_rel
+
+    seeds = sorted(set(ours) & set(base))
+    if len(seeds) < 2:
+        return None
+    a, b = [ours[s] for s in seeds], [base[s] for s in seeds]
+    diffs = [x - y for x, y in zip(a, b)]
+    if all(d == diffs[0] for d in diffs):  # no spread: the t statistic is undefined
+        return "T" if diffs[0] == 0 else ("W" if diffs[0] > 0 else "L")
+    p = float(ttest_rel(a, b).pvalue)
+    if p >= level:
+        return "T"
+    return "W" if statistics.fmean(diffs) > 0 else "L"
+
+
+def boards(name: str, scale: str, out: str | Path | None = None) -> list[Board]:
+    """Per part of the suite and per metric of :data:`BOARD_METRICS` that some run recorded: the
+    board of the runs the selection chose."""
+    import yaml
+
+    from fedskew.experiments.store import open_sweep, selected_runs
+
+    check_suite(name, scale)
+    out_boards = []
+    for paper in sweeps(name, scale, "DATA"):
+        folder = suite_dir(name, scale, out) / paper
+        if not (folder / "results.sqlite").is_file():
+            continue
+        spec = yaml.safe_load((folder / "sweep.yaml").read_text()) if (folder / "sweep.yaml").is_file() else {}
+        db = open_sweep(folder)
+        try:
+            res = selected_runs(db, spec)
+            tried = {(r["label"], r["partition"]): r["n"] for r in db.execute(
+                "SELECT label, partition, COUNT(DISTINCT params) AS n FROM runs GROUP BY label, partition")}
+        finally:
+            db.close()
+        chosen = {k: json.loads(v["params"]) for k, v in res.selections.items()}
+        for metric in BOARD_METRICS:
+            values = {k: {r.seed: float(r.summary[metric]) for r in runs if _number(r.summary.get(metric))}
+                      for k, runs in res.runs.items()}
+            if any(values.values()):
+                out_boards.append(Board(paper, metric, res.labels, res.partitions, values, chosen, tried, res.failed))
+    return out_boards
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+def _params_text(params: dict) -> str:
+    return ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(params.items())) or "-"
+
+
+def board_sections(board: Board, baseline: str = "fedavg") -> list:
+    """A board as report sections: the methods x settings table, then the budget and choices."""
+    from fedskew.experiments.report import Section
+
+    base = baseline if baseline in board.labels else None
+    ranks = {s: board.ranks(s) for s in board.settings}
+    rows = []
+    for label in sorted(board.labels, key=lambda m: (board.average_rank(m) is None, board.average_rank(m) or 0, m)):
+        cells, wtl = [label], [0, 0, 0]
+        for s in board.settings:
+            mean, std = board.mean(label, s), board.std(label, s)
+            if mean is None:
+                failed = board.failed.get((label, s), 0)
+                cells.append(f"failed ({failed})" if failed else "none")
+                continue
+            text = f"{mean:.2f}" + (f" +- {std:.2f}" if std is not None else "") + f" (#{ranks[s][label]:g})"
+            cells.append(f"**{text}**" if ranks[s][label] == min(ranks[s].values()) else text)
+            outcome = board.versus(label, s, base) if base and label != base else None
+            if outcome:
+                wtl["WTL".index(outcome)] += 1
+        avg = board.average_rank(label)
+        cells.append("-" if avg is None else f"{avg:.2f}")
+        cells.append("/".join(map(str, wtl)) if base and label != base and sum(wtl) else "-")
+        rows.append(cells)
+    what = BOARD_METRICS[board.metric]
+    table = Section(f"{board.part}: {what}",
+                    f"`{board.metric}`, percent: mean +- std over seeds of the configuration the selection chose, "
+                    f"(#k) its rank in the setting (1 = best; the best in bold), average rank over the settings it "
+                    f"has, and "
+                    f"wins/ties/losses against {base or '-'} by a two-sided paired t-test over seeds "
+                    f"(p < {SIGNIFICANCE}). 'none': the method has no such model; 'failed (n)': n runs failed.",
+                    ["method", *board.settings, "avg rank", f"W/T/L vs {base or '-'}"], rows)
+    if board.metric != next(iter(BOARD_METRICS)):
+        return [table]
+    budget = Section(f"{board.part}: budget and the configuration each method's selection chose",
+                     "Trials: configurations tried per setting on the tuning seed (the same budget for every "
+                     "method; a method with no global model runs its defaults only: no validation accuracy can "
+                     "choose). Chosen: by the mean validation accuracy of the last 10 rounds, never by test data.",
+                     ["method", "trials", *board.settings],
+                     [[m, "/".join(sorted({str(board.tried.get((m, s), 0)) for s in board.settings})),
+                       *(_params_text(board.chosen[(m, s)]) if (m, s) in board.chosen else "-"
+                         for s in board.settings)] for m in board.labels])
+    return [table, budget]
+
+
+def published_sections(cells: list[Cell]) -> list:
+    """One section per (registry table, setting): ours beside the published values."""
+    from fedskew.experiments.report import Section
+
     groups: dict[tuple, list[Cell]] = {}
     for c in cells:
         groups.setdefault((c.paper, c.entry.file, c.entry.setting_id), []).append(c)
+    out = []
     for (paper, file, setting), group in groups.items():
         e0 = group[0].entry
-        lines += [f"## {paper}: {e0.source.table}, {setting} ({e0.metric.key})", "",
-                  f"{e0.source.paper}, {e0.source.venue}. Metric: {e0.metric.meaning}."
-                  + (f" Published spread: {e0.spread_meaning}." if e0.spread_meaning else ""), ""]
+        text = f"{e0.source.paper}, {e0.source.venue}. Metric: {e0.metric.meaning}." + \
+            (f" Published spread: {e0.spread_meaning}." if e0.spread_meaning else "")
         if e0.setting.differs:
-            lines += ["Setting keys that differ from the paper: " + "; ".join(f"`{k}`: {v}" for k, v in
-                                                                              e0.setting.differs.items()) + ".", ""]
-        lines += ["| method | ours | seeds | published | delta | within | source |", "|---|---|---|---|---|---|---|"]
+            text += " Setting keys that differ from the paper: " + "; ".join(
+                f"`{k}`: {v}" for k, v in e0.setting.differs.items()) + "."
+        rows = []
         for c in sorted(group, key=lambda c: -(c.mean if c.mean is not None else -1)):
             ours = "not run" if c.mean is None else f"{c.mean:.2f}" + (f" +- {c.std:.2f}" if c.std is not None else "")
             pub = f"{c.entry.value:.2f}" + (f" ({c.entry.spread:.2f})" if c.entry.spread is not None else "")
             within = "-" if c.within is None else ("yes" if c.within else "no")
-            lines.append(f"| {c.entry.method} | {ours} | {len(c.ours)} | {pub} | {_fmt(c.delta)} | {within} | "
-                         f"{c.entry.cite} |")
-        lines.append("")
-    return "\n".join(lines)
+            rows.append([c.entry.method, ours, str(len(c.ours)), pub, _fmt(c.delta), within, c.entry.cite])
+        out.append(Section(f"{paper}: {e0.source.table}, {setting} ({e0.metric.key})", text,
+                           ["method", "ours", "seeds", "published", "delta", "within", "source"], rows))
+    return out
 
 
-__all__ = ["Cell", "PAPERS", "SCALES", "SUITES", "leaderboard", "listing", "markdown", "suite_dir", "sweeps"]
+def write_leaderboard(name: str, scale: str, command: str, out: str | Path | None = None) -> tuple[Path, Path, list[Cell]]:
+    """``leaderboard.md`` and ``leaderboard.html`` in the suite folder from the runs it has; returns
+    both paths and the published cells (for the console)."""
+    from fedskew.experiments.report import Section, to_html, to_markdown
+
+    folder = suite_dir(name, scale, out)
+    folder.mkdir(parents=True, exist_ok=True)
+    cells = leaderboard(name, scale, folder)
+    intro = Section("How to read it",
+                    f"Scale: {SCALE_NOTE[scale] if cells else LABEL_SKEW_NOTE[scale]}. Rebuild: `{command}` (add "
+                    f"`--report` to rebuild the tables only). Ours: mean +- std over the seeds that finished "
+                    f"(percent) of the configuration chosen on a validation hold-out (never on test data) where a "
+                    f"method had more than one."
+                    + (" Published: the paper's value (its spread, see each table); delta = ours - published; "
+                       "'within' = |delta| <= the published spread." if cells else ""))
+    sections = [intro]
+    for board in boards(name, scale, folder):
+        sections += board_sections(board)
+    sections += published_sections(cells)
+    title = f"fedskew bench {name} ({scale})"
+    md, page = folder / "leaderboard.md", folder / "leaderboard.html"
+    md.write_text(to_markdown(title, sections, folder))
+    page.write_text(to_html(title, sections))
+    return md, page, cells
+
+
+__all__ = ["Board", "Cell", "PAPERS", "SCALES", "SUITES", "average_ranks", "boards", "estimate", "leaderboard", "listing",
+           "paired_test", "suite_dir", "sweeps", "trials", "write_leaderboard"]

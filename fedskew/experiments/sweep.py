@@ -22,6 +22,12 @@ The sweep folder holds ``sweep.yaml`` (the spec as run), ``results.sqlite`` (the
 again skips finished runs, resumes interrupted ones from their last checkpoint and retries failed
 ones.
 
+A method's ``trials`` is an explicit list of points instead of a grid (``fedskew bench`` gives every
+method the same number): ``{name: fedprox, trials: [{mu: 0.01, lr: 0.03}, {mu: 0.1, lr: 0.01}]}``;
+a key that names a run setting (``lr``, ``local_epochs``, ``momentum``, ...) sets it, any other is a
+method option. ``selection.tune_seeds: [0]`` runs the grid on those seeds only, selects, then runs
+the selected point on every other seed (the selection reads the tuning seeds' runs only).
+
 Hyper-parameter selection (``selection.split``): ``test`` picks, per method and partition, the grid
 point with the best mean over seeds of ``selection.metric`` on the test set, as the papers did;
 ``validation`` holds out ``selection.validation_fraction`` of the training set in every run
@@ -59,6 +65,18 @@ class MethodSpec(_Strict):
     label: str | None = None
     options: dict[str, Any] = Field(default_factory=dict, description="method options; a list value is a grid")
     config: dict[str, Any] = Field(default_factory=dict, description="run config keys for this method only")
+    trials: list[dict[str, Any]] | None = Field(None, description="explicit points instead of a grid: method "
+                                                                   "options and run settings (lr, ...)")
+
+    @model_validator(mode="after")
+    def _one_way(self):
+        if self.trials is not None:
+            grid = sorted(k for k, v in self.options.items() if isinstance(v, list))
+            if grid:
+                raise ValueError(f"method '{self.column}' gives both trials and a grid ({grid}); give one")
+            if not self.trials:
+                raise ValueError(f"method '{self.column}' gives an empty trials list")
+        return self
 
     @property
     def column(self) -> str:
@@ -70,6 +88,8 @@ class SelectionSpec(_Strict):
     metric: str | None = Field(None, description="default: global/test_acc_mean_last10 (test) or "
                                                  "global/val_acc_mean_last10 (validation)")
     validation_fraction: float = Field(0.1, gt=0, lt=1)
+    tune_seeds: list[int] | None = Field(None, description="run the grid on these seeds only, then the selected "
+                                                           "point on every other seed (default: the grid on all)")
 
     @model_validator(mode="after")
     def _validation_never_reads_test(self):
@@ -148,8 +168,11 @@ def load_spec(data: dict | str | Path) -> SweepSpec:
 # Planning
 
 
-def grid_points(options: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every combination of the list-valued options (the others fixed), in a stable order."""
+def grid_points(options: dict[str, Any], trials: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Every combination of the list-valued options (the others fixed), in a stable order; with
+    ``trials``, those points over the fixed options."""
+    if trials is not None:
+        return [{**options, **t} for t in trials]
     keys = sorted(k for k, v in options.items() if isinstance(v, list))
     fixed = {k: v for k, v in options.items() if not isinstance(v, list)}
     if any(not options[k] for k in keys):
@@ -166,7 +189,9 @@ def run_config(spec: SweepSpec, method: MethodSpec, params: dict, partition: str
             data[k] = {**base, **v}
         else:
             data[k] = v
-    data["method"] = {"name": method.name, **params}
+    run_keys = {k: v for k, v in params.items() if k in RUN_SETTINGS}
+    data["method"] = {"name": method.name, **{k: v for k, v in params.items() if k not in run_keys}}
+    data.update(run_keys)
     part = data.get("partition", {})
     data["partition"] = {**({"name": part} if isinstance(part, str) else part), **spec.partitions[partition]}
     data["seed"] = seed
@@ -180,15 +205,28 @@ def run_config(spec: SweepSpec, method: MethodSpec, params: dict, partition: str
 
 
 NOT_IDENTITY = ("logger", "logger_group")  # where a run is also logged does not change what it computes
+# run settings a grid point may set (``trials``); any other key of a point is a method option
+RUN_SETTINGS = ("lr", "local_epochs", "batch_size", "momentum", "weight_decay", "lr_decay", "grad_clip")
 
 
-def plan(spec: SweepSpec) -> list[dict]:
-    """Every run of the sweep: id, label, method, grid point, partition, seed, config."""
+def tune_seeds(spec: SweepSpec) -> list[int]:
+    """The seeds the grid runs on (every seed unless ``selection.tune_seeds``)."""
+    return spec.seeds if spec.selection.tune_seeds is None else spec.selection.tune_seeds
+
+
+def plan(spec: SweepSpec, chosen: dict[tuple[str, str], dict] | None = None) -> list[dict]:
+    """Every run of the sweep: id, label, method, grid point, partition, seed, config. With
+    ``selection.tune_seeds``: the grid on those seeds, then, for each (label, partition) in
+    ``chosen`` (:func:`select`'s answer), its point on the other seeds."""
     runs = []
     for method in spec.methods:
-        for params in grid_points(method.options):
+        for params in grid_points(method.options, method.trials):
             for partition in spec.partitions:
-                for seed in spec.seeds:
+                seeds = list(tune_seeds(spec))
+                if spec.selection.tune_seeds is not None and (chosen or {}).get((method.column, partition),
+                                                                               {}).get("params") == params:
+                    seeds += [s for s in spec.seeds if s not in seeds]
+                for seed in seeds:
                     cfg = run_config(spec, method, params, partition, seed)
                     identity = {k: v for k, v in cfg.items() if k not in NOT_IDENTITY}
                     key = json.dumps([method.column, params, partition, seed, identity], sort_keys=True)
@@ -196,6 +234,13 @@ def plan(spec: SweepSpec) -> list[dict]:
                                  "method": method.name, "params": params, "partition": partition, "seed": seed,
                                  "config": cfg})
     return runs
+
+
+def planned_count(spec: SweepSpec) -> int:
+    """How many runs the sweep makes: :func:`plan`'s, plus (with ``selection.tune_seeds``) the
+    selected point of every group on the other seeds."""
+    extra = len([s for s in spec.seeds if s not in tune_seeds(spec)]) * len(spec.methods) * len(spec.partitions)
+    return len(plan(spec)) + (extra if spec.selection.tune_seeds is not None else 0)
 
 
 def _execute(config: dict, run_dir: str) -> tuple[dict, list[dict]]:
@@ -327,83 +372,102 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
         if on_event:
             on_event("failed" if error else "done", {**r, "summary": summary, "error": error})
 
-    run_dir = {r["run_id"]: str(sweep_dir / "runs" / r["run_id"]) for r in runs}
-    if ray is not None:
-        from fedskew.experiments.on_ray import run_on_ray
+    def execute(todo: list[dict]) -> None:
+        """Run ``todo`` here, in worker processes or on Ray."""
+        run_dir = {r["run_id"]: str(sweep_dir / "runs" / r["run_id"]) for r in todo}
+        if ray is not None:
+            from fedskew.experiments.on_ray import run_on_ray
 
-        run_on_ray(todo, {k: str(Path(v).resolve()) for k, v in run_dir.items()}, ray, spec.resources, started,
-                   finished)
-    elif jobs <= 1:
-        for r in todo:
-            started(r)
+            run_on_ray(todo, {k: str(Path(v).resolve()) for k, v in run_dir.items()}, ray, spec.resources, started,
+                       finished)
+        elif jobs <= 1:
+            for r in todo:
+                started(r)
+                try:
+                    summary, history, env = _execute(r["config"], run_dir[r["run_id"]])
+                except Exception as exc:  # any run's failure (even a full disk) is recorded; the others go on
+                    finished(r, None, None, _error_text(exc))
+                    continue
+                finished(r, summary, history, env=env)
+        else:
+            from fedskew.algorithms import external_methods
+
+            external = external_methods()
+
+            def new_pool():
+                return ProcessPoolExecutor(jobs, mp_context=_mp_context(external), initializer=_worker_init,
+                                           initargs=(external,))
+
+            def stop(pool):
+                pool.shutdown(wait=False, cancel_futures=True)
+                for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                    proc.terminate()
+
+            # A run in flight when a worker died is a suspect: it runs again alone, so a run that kills
+            # its worker (out of memory, a crash in native code) fails by itself and no other is lost.
+            pool, queue, running, suspects = new_pool(), list(todo), {}, set()
             try:
-                summary, history, env = _execute(r["config"], run_dir[r["run_id"]])
-            except Exception as exc:  # any run's failure (even a full disk) is recorded; the others go on
-                finished(r, None, None, _error_text(exc))
-                continue
-            finished(r, summary, history, env=env)
-    else:
-        from fedskew.algorithms import external_methods
-
-        external = external_methods()
-
-        def new_pool():
-            return ProcessPoolExecutor(jobs, mp_context=_mp_context(external), initializer=_worker_init,
-                                       initargs=(external,))
-
-        def stop(pool):
-            pool.shutdown(wait=False, cancel_futures=True)
-            for proc in list((getattr(pool, "_processes", None) or {}).values()):
-                proc.terminate()
-
-        # A run in flight when a worker died is a suspect: it runs again alone, so a run that kills
-        # its worker (out of memory, a crash in native code) fails by itself and no other is lost.
-        pool, queue, running, suspects = new_pool(), list(todo), {}, set()
-        try:
-            while queue or running:
-                while queue and len(running) < jobs and not (suspects & {r["run_id"] for r in running.values()}):
-                    if queue[0]["run_id"] in suspects and running:
-                        break
-                    r = queue.pop(0)
-                    try:
-                        fut = pool.submit(_execute, r["config"], run_dir[r["run_id"]])
-                    except BrokenProcessPool:  # a running worker died since the last wait: handled below
-                        queue.insert(0, r)
-                        if not running:
-                            stop(pool)
-                            pool = new_pool()
-                        break
-                    started(r)
-                    running[fut] = r
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
-                lost = []
-                for fut in done:
-                    r = running.pop(fut)
-                    try:
-                        summary, history, env = fut.result()
-                    except BrokenProcessPool:
-                        lost.append(r)
-                        continue
-                    except Exception as exc:
-                        finished(r, None, None, _error_text(exc))
-                        continue
-                    finished(r, summary, history, env=env)
-                if lost:  # a worker died: the pool is gone with every run in it
-                    lost += list(running.values())
-                    running.clear()
-                    stop(pool)
-                    for r in reversed(lost):
-                        if r["run_id"] in suspects and len(lost) == 1:  # it ran alone: it is the cause
-                            finished(r, None, None, "its worker process died while running it (killed, or out of "
-                                                    "memory?); run it alone with `fedskew run` to see why")
-                        else:
-                            suspects.add(r["run_id"])
+                while queue or running:
+                    while queue and len(running) < jobs and not (suspects & {r["run_id"] for r in running.values()}):
+                        if queue[0]["run_id"] in suspects and running:
+                            break
+                        r = queue.pop(0)
+                        try:
+                            fut = pool.submit(_execute, r["config"], run_dir[r["run_id"]])
+                        except BrokenProcessPool:  # a running worker died since the last wait: handled below
                             queue.insert(0, r)
-                    pool = new_pool()
-        except BaseException:  # Ctrl-C: stop the workers now; their runs resume from checkpoints next time
-            stop(pool)
-            raise
-        pool.shutdown()
+                            if not running:
+                                stop(pool)
+                                pool = new_pool()
+                            break
+                        started(r)
+                        running[fut] = r
+                    done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    lost = []
+                    for fut in done:
+                        r = running.pop(fut)
+                        try:
+                            summary, history, env = fut.result()
+                        except BrokenProcessPool:
+                            lost.append(r)
+                            continue
+                        except Exception as exc:
+                            finished(r, None, None, _error_text(exc))
+                            continue
+                        finished(r, summary, history, env=env)
+                    if lost:  # a worker died: the pool is gone with every run in it
+                        lost += list(running.values())
+                        running.clear()
+                        stop(pool)
+                        for r in reversed(lost):
+                            if r["run_id"] in suspects and len(lost) == 1:  # it ran alone: it is the cause
+                                finished(r, None, None, "its worker process died while running it (killed, or out of "
+                                                        "memory?); run it alone with `fedskew run` to see why")
+                            else:
+                                suspects.add(r["run_id"])
+                                queue.insert(0, r)
+                        pool = new_pool()
+            except BaseException:  # Ctrl-C: stop the workers now; their runs resume from checkpoints next time
+                stop(pool)
+                raise
+            pool.shutdown()
+
+    if spec.selection.tune_seeds is None:
+        execute(todo)
+        select(db, spec)
+        return db
+    # one method at a time: its grid on the tuning seeds, then its selected point of each partition on
+    # the other seeds, so that a sweep stopped half-way has whole methods
+    planned = {r["run_id"] for r in runs}
+    for method in spec.methods:
+        execute([r for r in todo if r["label"] == method.column])
+        chosen = select(db, spec)
+        more = [r for r in plan(spec.model_copy(update={"methods": [method]}), chosen) if r["run_id"] not in planned]
+        status = add_planned(db, more, sweep_dir)
+        for r in more:
+            if status.get(r["run_id"]) == "done" and on_event:
+                on_event("skipped", r)
+        execute([r for r in more if status.get(r["run_id"]) != "done"])
     select(db, spec)
     return db
 
@@ -417,9 +481,12 @@ def select(db: sqlite3.Connection, spec: SweepSpec) -> dict[tuple[str, str], dic
     selection metric among finished runs; recorded in ``selections``."""
     metric = spec.selection.key
     chosen = {}
-    rows = db.execute("SELECT label, partition, params, summary FROM runs WHERE status='done'").fetchall()
+    rows = db.execute("SELECT label, partition, params, seed, summary FROM runs WHERE status='done'").fetchall()
     groups: dict[tuple[str, str], dict[str, list[float]]] = {}
+    tuning = set(tune_seeds(spec))
     for row in rows:
+        if row["seed"] not in tuning:
+            continue
         value = json.loads(row["summary"]).get(metric)
         bucket = groups.setdefault((row["label"], row["partition"]), {}).setdefault(row["params"], [])
         if value is not None:
@@ -445,4 +512,5 @@ def default_jobs() -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-__all__ = ["MethodSpec", "ResourcesSpec", "SweepSpec", "default_jobs", "default_sweep_dir", "grid_points", "load_spec", "plan", "run_sweep", "select"]
+__all__ = ["MethodSpec", "ResourcesSpec", "SweepSpec", "default_jobs", "default_sweep_dir", "grid_points", "load_spec",
+           "plan", "planned_count", "run_sweep", "select", "tune_seeds"]

@@ -211,13 +211,14 @@ def run_summary(history: list[dict], totals: dict) -> dict:
         out = {"global/test_acc": last["global/test_acc"],
                "global/test_acc_best": accs[best], "global/test_acc_best_round": evals[best]["round"],
                "global/test_acc_mean_last10": sum(accs[-10:]) / len(accs[-10:]),
+               "global/test_acc_mean_last50": sum(accs[-50:]) / len(accs[-50:]),  # the ETF paper's Table 1
                **{k: v for k, v in last.items() if k.startswith("global/class_acc/")}}
         vals = [h["global/val_acc"] for h in evals if "global/val_acc" in h]
         if vals:
             out.update({"global/val_acc": vals[-1], "global/val_acc_mean_last10": sum(vals[-10:]) / len(vals[-10:])})
     else:  # the method has no global model
         out = {k: None for k in ("global/test_acc", "global/test_acc_best", "global/test_acc_best_round",
-                                 "global/test_acc_mean_last10")}
+                                 "global/test_acc_mean_last10", "global/test_acc_mean_last50")}
     model_total = totals["up_model"] + totals["down_model"]
     return {**out,
             "personal/acc_before": history[-1]["personal/acc_before"],

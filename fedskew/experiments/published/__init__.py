@@ -50,6 +50,9 @@ class EntrySpec(_Strict):
     column: str
     method: str
     options: dict[str, Any] = Field(default_factory=dict)
+    label: str | None = Field(None, description="the sweep label it is compared with (default: the method)")
+    config: dict[str, Any] = Field(default_factory=dict, description="run config keys of this row only "
+                                                                     "(e.g. model.classifier: etf)")
     value: float
     spread: float | None = None
 
@@ -81,6 +84,13 @@ class Entry:
     options: dict
     value: float
     spread: float | None
+    label: str | None = None
+    row_config: dict | None = None
+
+    @property
+    def run_label(self) -> str:
+        """The label of the sweep runs this entry is compared with."""
+        return self.label or self.method
 
     @property
     def cite(self) -> str:
@@ -90,7 +100,11 @@ class Entry:
         """The setting with this entry's method: a config ``fedskew.load_config`` validates."""
         from fedskew.config import nested
 
-        return {**nested(self.setting.config), "method": {"name": self.method, **self.options}}
+        data = nested(self.setting.config)
+        for key, value in nested(self.row_config or {}).items():
+            data[key] = {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict) else \
+                ({"name": data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), str) else value)
+        return {**data, "method": {"name": self.method, **self.options}}
 
 
 def load(folder: Path = HERE) -> list[Entry]:
@@ -109,7 +123,7 @@ def load(folder: Path = HERE) -> list[Entry]:
                 raise ConfigError(f"published-results file '{path.name}': entry {e.row} / {e.column} names setting "
                                   f"'{e.setting}', which the file does not define.")
             out.append(Entry(path.name, spec.source, spec.metric, spec.spread, e.setting, spec.settings[e.setting],
-                             e.row, e.column, e.method, e.options, e.value, e.spread))
+                             e.row, e.column, e.method, e.options, e.value, e.spread, e.label, e.config))
     return out
 
 
