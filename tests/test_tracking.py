@@ -89,6 +89,12 @@ def test_wandb_offline_run_holds_the_records(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)  # offline by default
     res = fedskew.run(SMALL, logger=["wandb"], out_dir=str(tmp_path), run_name="wb")
+    # run.finish() returns before W&B's service process has flushed the transaction log to disk
+    # (a CI run on a loaded 2-core machine read it with no history records yet); teardown waits
+    # for the service to finish, as the atexit hook does at the end of a real process.
+    import wandb
+
+    wandb.teardown()
     history = wandb_history(res.run_dir)
     records = jsonl(res.run_dir)
     assert [h["_step"] for h in history] == [r["round"] for r in records]

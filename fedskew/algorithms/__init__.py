@@ -18,7 +18,7 @@ import sys
 
 from pydantic import BaseModel, ValidationError
 
-from fedskew.algorithms.base import ClientReport, FederationInfo, Forward, Method, State
+from fedskew.algorithms.base import ClientReport, FederationInfo, Forward, Method, State, search_space
 from fedskew.algorithms.compose import Composite
 from fedskew.algorithms.drift import FedDC, FedDyn, FedNova, FedProx, Scaffold
 from fedskew.algorithms.components import COMPONENTS
@@ -202,4 +202,8 @@ def options_reference() -> str:
                 default = field.get_default(call_default_factory=True)
                 lines.append(f"| `{key}{opt}` | `{default!r}` | {allowed_values(field)} | "
                              f"{(field.description or '').replace('|', chr(92) + '|')} |")
+            space = search_space(cls.Options)
+            if kind == "method":
+                lines += ["", "`fedskew bench` searches: " + ", ".join(
+                    [f"`{k}` in {v}" for k, v in space.items()] + ["`lr` x {1/3, 1, 3}"]) + "."]
     return "\n".join(lines[1:]) + "\n"

@@ -361,6 +361,7 @@ class Board:
     chosen: dict[tuple[str, str], dict]
     tried: dict[tuple[str, str], int]
     failed: dict[tuple[str, str], int]
+    ran: set[tuple[str, str]]  # (method, setting) with finished runs of the chosen point
 
     def mean(self, label: str, setting: str) -> float | None:
         v = list(self.values.get((label, setting), {}).values())
@@ -444,7 +445,8 @@ def boards(name: str, scale: str, out: str | Path | None = None) -> list[Board]:
             values = {k: {r.seed: float(r.summary[metric]) for r in runs if _number(r.summary.get(metric))}
                       for k, runs in res.runs.items()}
             if any(values.values()):
-                out_boards.append(Board(paper, metric, res.labels, res.partitions, values, chosen, tried, res.failed))
+                out_boards.append(Board(paper, metric, res.labels, res.partitions, values, chosen, tried, res.failed,
+                                        {k for k, runs in res.runs.items() if runs}))
     return out_boards
 
 
@@ -469,7 +471,7 @@ def board_sections(board: Board, baseline: str = "fedavg") -> list:
             mean, std = board.mean(label, s), board.std(label, s)
             if mean is None:
                 failed = board.failed.get((label, s), 0)
-                cells.append(f"failed ({failed})" if failed else "none")
+                cells.append(f"failed ({failed})" if failed else "none" if (label, s) in board.ran else "not run")
                 continue
             text = f"{mean:.2f}" + (f" +- {std:.2f}" if std is not None else "") + f" (#{ranks[s][label]:g})"
             cells.append(f"**{text}**" if ranks[s][label] == min(ranks[s].values()) else text)
@@ -486,7 +488,8 @@ def board_sections(board: Board, baseline: str = "fedavg") -> list:
                     f"(#k) its rank in the setting (1 = best; the best in bold), average rank over the settings it "
                     f"has, and "
                     f"wins/ties/losses against {base or '-'} by a two-sided paired t-test over seeds "
-                    f"(p < {SIGNIFICANCE}). 'none': the method has no such model; 'failed (n)': n runs failed.",
+                    f"(p < {SIGNIFICANCE}). 'none': the method has no such model; 'failed (n)': n runs failed; "
+                    f"'not run': no finished run yet.",
                     ["method", *board.settings, "avg rank", f"W/T/L vs {base or '-'}"], rows)
     if board.metric != next(iter(BOARD_METRICS)):
         return [table]
