@@ -125,9 +125,10 @@ def run(config: Mapping | str | Path | RunConfig | None = None, /,
 
 def resume(run_dir: str | Path, *, on_round: Callable[[dict], None] | None = None, **changes: Any) -> RunResult:
     """Continue the interrupted run in ``run_dir`` from its last checkpoint (exactly: the result
-    equals an uninterrupted run's); a finished run is reloaded and summarised again. ``changes``
-    (``lr=0.005``, ``rounds=100``, ``grad_clip=1.0``, ...) alter how it continues from the next
-    round on, recorded in its config.yaml (``fedskew.engine.resume.RESUMABLE`` lists them)."""
+    equals an uninterrupted run's). ``changes`` (``lr=0.005``, ``rounds=100``, ``grad_clip=1.0``,
+    ...) alter how it continues from the next round on, recorded in its config.yaml
+    (``fedskew.engine.resume.RESUMABLE`` lists them). A finished run is read-only: with no changes
+    it is read back as it is, ``rounds`` above its rounds extends it, other changes are refused."""
     from fedskew.engine.resume import resume as resume_run
 
     return resume_run(run_dir, on_round, changes)

@@ -149,13 +149,14 @@ def cmd_run(args, console: Console) -> int:
 
 def split_multirun(overrides: list[str]) -> tuple[list[str], dict[str, list]]:
     """Hydra's multirun convention: ``key=a,b,c`` lists values to run each of (a value in brackets,
-    braces or quotes is one value: ``model.hidden=[64,32]``)."""
+    braces or quotes is one value: ``model.hidden=[64,32]``). ``logger`` is a list itself:
+    ``logger=tensorboard,mlflow`` is one run logging to both."""
     import yaml
 
     single, multi = [], {}
     for item in overrides:
         key, _, raw = item.partition("=")
-        if "," in raw and not raw.strip().startswith(("[", "{", "'", '"')):
+        if "," in raw and key != "logger" and not raw.strip().startswith(("[", "{", "'", '"')):
             multi[key] = [yaml.safe_load(v) for v in raw.split(",")]
         else:
             single.append(item)
@@ -221,6 +222,13 @@ def cmd_resume(args, console: Console) -> int:
         if (Path(args.run_dir) / "config.yaml").is_file() else None
     rounds = cfg.rounds if cfg else 0
     args.interrupt_hint = f"`fedskew resume {args.run_dir}` continues it again."
+    if cfg is not None and not changes:
+        from fedskew.engine.resume import finished_rounds
+
+        done = finished_rounds(Path(args.run_dir), {"rounds": cfg.rounds})
+        if done is not None:
+            print(f"fedskew: run '{args.run_dir}' finished its {done} rounds: nothing runs, its results are read "
+                  f"back (`fedskew resume {args.run_dir} rounds=N` with N > {done} extends it).", file=sys.stderr)
     return _execute(lambda on_round: resume(args.run_dir, on_round, changes), rounds, console)
 
 
@@ -389,8 +397,9 @@ def _sweep_tables(sweep_dir: Path, console: Console) -> None:
             continue
         title, scale, unit = metric_title(key)
         table = build_table(cells, res.partitions, res.labels, None)
-        console.print(f"\n[bold]{title}{unit}[/bold]: {key}, mean +- std over {n} seeds (bold: the best mean and "
-                      f"those within the seed spread of it)", highlight=False)
+        how = (f"mean +- std over {n} seeds (bold: the best mean and those within the seed spread of it)" if n > 1
+               else "one seed: no spread, so nothing is bold")
+        console.print(f"\n[bold]{title}{unit}[/bold]: {key}, {how}", highlight=False)
         out = Table()
         out.add_column("partition")
         for c in res.labels:
@@ -420,9 +429,12 @@ def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, conso
                   + (f"; each grid on seeds {spec.selection.tune_seeds}, its chosen point on the others"
                      if spec.selection.tune_seeds is not None else "") + f") into {sweep_dir}, {where}",
                   highlight=False)
-    if args is not None:
-        args.interrupt_hint = (f"finished runs are kept in {sweep_dir}; the same command again continues the sweep "
-                               f"(interrupted runs resume from their checkpoints).")
+    if args is not None:  # (a multirun names a new folder each time: its continuation is named explicitly)
+        where = f"--ray {ray}" if ray is not None else f"--jobs {jobs}"
+        again = (f"`fedskew sweep {sweep_dir / 'sweep.yaml'} --out {sweep_dir} {where}`"
+                 if args.command in ("run", "sweep") else "the same command again")
+        args.interrupt_hint = (f"finished runs are kept in {sweep_dir} (interrupted ones with their checkpoints); "
+                               f"{again} continues the sweep.")
     display = SweepDisplay(console, total, jobs if ray is None else 0)  # (0: as many at once as are running)
     if display.progress is not None:
         with display.progress:
@@ -463,6 +475,10 @@ def cmd_reproduce(args, console: Console) -> int:
 
     spec = load_spec(reproduction(args.name, args.scale, args.data))
     out = args.out or str(Path("runs") / f"reproduce-{args.name}-{args.scale}")
+    if args.scale == "smoke":
+        console.print("smoke test: the paper's pipeline on the bundled digits for a few rounds and one seed; it checks "
+                      "that everything runs and says nothing about the methods (--scale small or paper measures "
+                      "them).", highlight=False)
     return _run_and_report(spec, out, args.jobs, True, console, args)
 
 

@@ -53,6 +53,9 @@ def _name_or_mapping(value: Any) -> Any:
     return {"name": value} if isinstance(value, str) else value
 
 
+SYNTHETIC_MAX_BYTES = 8 * 2**30
+
+
 class DatasetConfig(_Section):
     name: Literal["digits", "synthetic", "mnist", "fmnist", "cifar10", "cifar100", "svhn", "femnist",
                   "shakespeare", "cinic10", "tinyimagenet"] = "digits"
@@ -61,7 +64,7 @@ class DatasetConfig(_Section):
     test_fraction: float = Field(0.2, gt=0, lt=1, description="digits: stratified global test share")
     train_subsample: float = Field(1.0, gt=0, le=1, description="keep this stratified share of the training set")
     test_subsample: float = Field(1.0, gt=0, le=1, description="keep this stratified share of the global test set")
-    num_classes: int = Field(10, ge=2, description="synthetic only")
+    num_classes: int = Field(10, ge=2, le=100_000, description="synthetic only")
     dim: int = Field(60, ge=1, description="synthetic only")
     train_per_class: int = Field(200, ge=1, description="synthetic only")
     test_per_class: int = Field(50, ge=1, description="synthetic only")
@@ -71,6 +74,16 @@ class DatasetConfig(_Section):
     augment: bool = Field(False, description="random crop (padding 4) + horizontal flip of training batches")
     normalize: bool = Field(True, description="image data sets: per-channel mean/std normalisation (false: "
                                               "pixels / 255 only, torchvision's ToTensor, as NIID-Bench)")
+
+    @model_validator(mode="after")
+    def _synthetic_fits(self) -> "DatasetConfig":
+        """Bound the synthetic data set's memory before anything is allocated."""
+        size = 4 * self.num_classes * (self.train_per_class + self.test_per_class) * self.dim
+        if self.name == "synthetic" and size > SYNTHETIC_MAX_BYTES:
+            raise ValueError(f"the synthetic data set would take {size / 2**30:.1f} GiB (num_classes x "
+                             f"(train_per_class + test_per_class) x dim x 4 bytes); at most "
+                             f"{SYNTHETIC_MAX_BYTES / 2**30:g} GiB is allowed")
+        return self
 
     def applies(self) -> set[str]:
         own = {"digits": {"test_fraction"},
@@ -180,6 +193,23 @@ class RunConfig(_Strict):
         lambda cls, v: _name_or_mapping(v))
     _loggers = field_validator("logger", mode="before")(  # logger=tensorboard or logger=tensorboard,wandb
         lambda cls, v: [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v)
+
+    @field_validator("run_name")
+    @classmethod
+    def _run_name(cls, v: str | None) -> str | None:
+        if v is not None and (v in ("", ".", "..") or any(c in v for c in "/\\\0")):
+            raise ValueError("must be one folder name inside out_dir (no '/', not '.' or '..')")
+        if v is not None and len(v.encode()) > 255:
+            raise ValueError(f"is {len(v.encode())} bytes long; a folder name holds at most 255")
+        return v
+
+    @field_validator("out_dir")
+    @classmethod
+    def _out_dir(cls, v: str) -> str:
+        long = [p for p in Path(v).parts if len(p.encode()) > 255]
+        if long:
+            raise ValueError(f"has a folder name {len(long[0].encode())} bytes long; a folder name holds at most 255")
+        return v
 
     @field_validator("device")
     @classmethod

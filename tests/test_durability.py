@@ -169,6 +169,60 @@ def test_workers_die_with_a_killed_sweep(tmp_path):
     assert len(list((tmp_path / "sw" / "runs").glob("*"))) == 2
 
 
+def test_workers_die_with_a_sweep_killed_while_they_start(tmp_path):
+    spec = {"name": "early", "base": {**SMALL, "rounds": 200}, "methods": ["fedavg"], "seeds": [0, 1, 2, 3]}
+    (tmp_path / "e.yaml").write_text(yaml.safe_dump(spec))
+    parent = cli_popen("sweep", "e.yaml", "--out", "sw", "--jobs", "2", "--no-report", cwd=tmp_path)
+    workers = []
+
+    def started():
+        workers[:] = [p for p in children(parent.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        return workers
+
+    wait_for(started, parent)  # a worker exists: it is still importing (seconds before it can run anything)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    wait_for(lambda: not any(alive(p) for p in workers), timeout=30)
+    assert not list((tmp_path / "sw").glob("runs/*/metrics.jsonl"))
+
+
+@pytest.mark.parametrize("sig,code,word,group", [(signal.SIGTERM, 143, "terminated", False),
+                                                 (signal.SIGINT, 130, "interrupted", True)])
+def test_a_signalled_sweep_stops_its_runs_at_a_round_boundary(tmp_path, sig, code, word, group):
+    """`kill` (SIGTERM to the sweep process only, as timeout, Slurm and docker stop send it) or
+    Ctrl-C (SIGINT to the terminal's whole process group): the runs stop after their round with a
+    checkpoint, the database says interrupted, the process ends in seconds with one sentence that
+    names the command that continues, and that command finishes every run exactly."""
+    import sqlite3
+
+    spec = {"name": "signalled", "base": {**SMALL, "rounds": 60}, "methods": ["fedavg"], "seeds": [0, 1, 2]}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    parent = cli_popen("sweep", "s.yaml", "--out", "sw", "--jobs", "2", "--no-report", cwd=tmp_path)
+    wait_for(lambda: sum(len(read_records(p)) > 2 for p in (tmp_path / "sw").glob("runs/*/metrics.jsonl")) == 2,
+             parent)
+    t0 = time.time()
+    os.killpg(parent.pid, sig) if group else parent.send_signal(sig)
+    _, err = parent.communicate(timeout=120)
+    assert time.time() - t0 < 30, err
+    assert parent.returncode == code and "Traceback" not in err, err
+    hint = f"fedskew: {word}; finished runs are kept in sw (interrupted ones with their checkpoints); " \
+           f"`fedskew sweep sw/sweep.yaml --out sw --jobs 2` continues the sweep."
+    assert hint in err, err
+    db = sqlite3.connect(tmp_path / "sw" / "results.sqlite")
+    statuses = sorted(s for (s,) in db.execute("SELECT status FROM runs"))
+    db.close()
+    assert statuses == ["interrupted", "interrupted", "pending"]
+    for p in (tmp_path / "sw").glob("runs/*"):  # each stopped at a round boundary with its checkpoint
+        rounds = len(read_records(p / "metrics.jsonl"))
+        assert torch.load(p / "checkpoint.pt", weights_only=True)["next_round"] == rounds < 60
+    done = subprocess.run([sys.executable, "-m", "fedskew.cli", "sweep", "sw/sweep.yaml", "--out", "sw", "--jobs", "2",
+                           "--no-report"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    direct = fedskew.run({**SMALL, "rounds": 60, "seed": 1}, out_dir=str(tmp_path), run_name="direct")
+    resumed = [p for p in (tmp_path / "sw").glob("runs/*") if yaml.safe_load((p / "config.yaml").read_text())["seed"] == 1]
+    assert records(resumed[0]) == records(direct.run_dir)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2-3. Torn lines, full disks, empty and foreign checkpoints
 
@@ -247,6 +301,16 @@ def test_no_readable_checkpoint_is_one_sentence_that_can_be_followed(tmp_path):
     (tmp_path / "r" / "checkpoint.pt").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"no readable checkpoint in '.*' \(checkpoint.pt: EOFError\); remove the "
                                           r"directory \(or choose another run_name\) and start the run again"):
+        fedskew.resume(tmp_path / "r")
+
+
+def test_a_checkpoint_with_a_negative_round_is_not_read(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        fedskew.run(SMALL, out_dir=str(tmp_path), run_name="r", on_round=crash_after(0))
+    path = tmp_path / "r" / "checkpoint.pt"
+    torch.save({**torch.load(path, weights_only=True), "next_round": -3}, path)
+    with pytest.raises(ConfigError, match=r"no readable checkpoint in '.*' \(checkpoint.pt: its next_round is -3, "
+                                          r"not a round count\)"):
         fedskew.resume(tmp_path / "r")
 
 
@@ -344,6 +408,62 @@ def test_resume_with_a_smaller_learning_rate_is_recorded(tmp_path):
     assert refused.returncode == 2 and "'seed' cannot change when a run resumes" in refused.stderr
 
 
+def test_a_finished_run_is_read_only_unless_extended(tmp_path):
+    """`fedskew resume DIR lr=...` or `rounds=` fewer on a finished run is one sentence and leaves
+    every file as it was; more rounds extend it (other changes with them)."""
+    run = fedskew.run({**SMALL, "final_personalization": True}, out_dir=str(tmp_path), run_name="r")
+    files = {p.name: p.read_bytes() for p in (tmp_path / "r").iterdir() if p.is_file() and p.suffix != ".lock"}
+    for change, why in [(["lr=0.001"], "with lr=0.001"), (["rounds=3"], "with rounds=3"),
+                        (["rounds=4", "lr=0.5"], "with rounds=4 lr=0.5")]:
+        proc = subprocess.run([sys.executable, "-m", "fedskew.cli", "resume", "r", *change], cwd=tmp_path, env=ENV,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert (f"run 'r' finished its 4 rounds and is read-only, so it is not resumed {why}; `fedskew resume r "
+                f"rounds=N` with N > 4 extends it") in proc.stderr
+        assert {p.name: p.read_bytes() for p in (tmp_path / "r").iterdir() if p.name in files} == files
+    with pytest.raises(ConfigError, match="finished its 4 rounds and is read-only"):
+        fedskew.resume(tmp_path / "r", lr=0.001)
+    again = subprocess.run([sys.executable, "-m", "fedskew.cli", "resume", "r"], cwd=tmp_path, env=ENV,
+                           capture_output=True, text=True, timeout=300)  # no change: read back, nothing written
+    assert again.returncode == 0 and "finished its 4 rounds: nothing runs" in again.stderr, again.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "r").iterdir() if p.name in files} == files
+    back = fedskew.resume(tmp_path / "r")
+    assert back.summary == run.summary and back.history == run.history
+    assert all(torch.equal(back.global_state[k], v) for k, v in run.global_state.items())
+    extended = fedskew.resume(tmp_path / "r", rounds=6, lr=0.005)
+    assert [h["lr"] for h in extended.history] == [0.01] * 4 + [0.005] * 2
+    assert extended.history[:4] == run.history
+    cfg = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
+    assert cfg["changes"] == [{"from_round": 5, "rounds": 6, "lr": 0.005}] and extended.summary["rounds"] == 6
+
+
+def test_an_interrupted_run_cannot_shrink_below_what_it_ran(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        fedskew.run(SMALL, out_dir=str(tmp_path), run_name="r", on_round=crash_after(2))
+    with pytest.raises(ConfigError, match=r"rounds = 2 is fewer than the 3 rounds '.*r' has already run; resume it "
+                                          r"with rounds >= 3\."):
+        fedskew.resume(tmp_path / "r", rounds=2)
+    assert len(read_records(tmp_path / "r" / "metrics.jsonl")) == 3
+    assert fedskew.resume(tmp_path / "r", rounds=3).summary["rounds"] == 3
+
+
+@pytest.mark.parametrize("name,why", [("notes", "already exists and is not a fedskew run (it holds keep.txt)"),
+                                      ("../outside", "must be one folder name inside out_dir"),
+                                      ("/abs/x", "must be one folder name inside out_dir"),
+                                      ("..", "must be one folder name inside out_dir"),
+                                      ("x" * 300, "is 300 bytes long; a folder name holds at most 255")])
+def test_a_run_name_never_writes_outside_its_own_new_folder(tmp_path, name, why):
+    out = tmp_path / "out"
+    (out / "notes").mkdir(parents=True)
+    (out / "notes" / "keep.txt").write_text("mine")
+    (tmp_path / "outside").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "fedskew.cli", "run", *SMALL_ARGS, "out_dir=out", f"run_name={name}"],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and why in proc.stderr, proc.stderr
+    assert sorted(p.name for p in (out / "notes").iterdir()) == ["keep.txt"]
+    assert not list((tmp_path / "outside").iterdir())
+
+
 def test_divergence_advice_names_what_exists(tmp_path):
     with pytest.raises(FloatingPointError, match="no checkpoint was written yet: start again with a smaller lr"):
         fedskew.run(SMALL, lr=1e8, out_dir=str(tmp_path), run_name="a")
@@ -379,6 +499,10 @@ def test_absurd_sizes_are_config_errors():
         load_config(None, ["model.hidden=[1000000000]"])
     with pytest.raises(ConfigError, match="local_epochs"):
         load_config(None, ["local_epochs=1000000000"])
+    with pytest.raises(ConfigError, match="dataset.num_classes"):
+        load_config(None, ["dataset=synthetic", "dataset.num_classes=1e9"])
+    with pytest.raises(ConfigError, match=r"the synthetic data set would take 111.8 GiB"):
+        load_config(None, ["dataset=synthetic", "dataset.num_classes=100000", "dataset.dim=1200"])
 
 
 def test_an_idx_decompression_bomb_is_refused_before_inflating(tmp_path):
@@ -414,6 +538,44 @@ def test_a_garbage_results_database_is_one_sentence(tmp_path):
         fedskew.load_results(tmp_path / "sw")
     with pytest.raises(ConfigError, match="is not a fedskew results database"):
         fedskew.sweep({"name": "g", "base": SMALL, "methods": ["fedavg"]}, out=tmp_path / "sw")
+
+
+def test_a_locked_results_database_is_waited_for_then_one_sentence(tmp_path, monkeypatch):
+    """A valid database that another process holds (an exclusive transaction) is not called "not a
+    fedskew results database": the reader waits, then says it is locked."""
+    from fedskew.experiments import store
+
+    sweep_dir = fedskew.sweep({"name": "l", "base": {**SMALL, "rounds": 1}, "methods": ["fedavg"]}, jobs=1,
+                              out=tmp_path / "sw")
+    holder = subprocess.Popen([sys.executable, "-c", "import sqlite3, sys, time; db = sqlite3.connect(sys.argv[1]); "
+                               "db.execute('BEGIN EXCLUSIVE'); print('held', flush=True); time.sleep(60)",
+                               str(sweep_dir / "results.sqlite")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(store, "LOCK_WAIT_S", 0.5)
+        with pytest.raises(ConfigError, match=r"results.sqlite' is locked by another process \(waited 0.5 s\)"):
+            fedskew.load_results(sweep_dir)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert len(fedskew.load_results(sweep_dir)) == 1  # released: read as usual
+
+
+def test_a_read_only_sweep_folder_is_read_without_writing(tmp_path, monkeypatch):
+    """A sweep folder the process cannot write (a read-only mount; simulated: root writes anyway)
+    opens its database read-only for results and reports."""
+    import sqlite3
+
+    from fedskew.experiments import store
+
+    sweep_dir = fedskew.sweep({"name": "ro", "base": {**SMALL, "rounds": 1}, "methods": ["fedavg"]}, jobs=1,
+                              out=tmp_path / "sw")
+    monkeypatch.setattr(store.os, "access", lambda path, mode: False)
+    db = store.open_sweep(sweep_dir)
+    assert db.execute("SELECT status FROM runs").fetchone()["status"] == "done"
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        db.execute("UPDATE runs SET status='x'")
+    db.close()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")

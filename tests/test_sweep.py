@@ -230,12 +230,17 @@ def test_report_of_a_folder_that_is_not_a_sweep(tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(PAPERS))
-def test_reproduce_smoke_runs_every_preset(tmp_path, name):
+def test_reproduce_smoke_runs_every_preset(tmp_path, name, capsys):
     assert main(["reproduce", name, "--scale", "smoke", "--out", str(tmp_path / name), "--jobs", "1"]) == 0
     assert {s for s, _ in statuses(tmp_path / name).values()} == {"done"}
-    header = next(line for line in (tmp_path / name / "report" / "report.md").read_text().splitlines()
-                  if line.startswith("| partition |"))
+    lines = (tmp_path / name / "report" / "report.md").read_text().splitlines()
+    header = next(line for line in lines if line.startswith("| partition |"))
     assert header == "| partition | " + " | ".join(m.column for m in load_spec(reproduction(name, "smoke")).methods) + " |"
+    # one seed: a smoke test says so, shows no "+- 0.00" and bolds no winner
+    out = capsys.readouterr().out
+    assert "smoke test" in out and "says nothing about the methods" in out and "nothing is bold" in out
+    table = [line for line in lines if line.startswith("| ") and "(1 seed)" in line]
+    assert table and not any("**" in line or "+- 0.00" in line for line in table)
 
 
 @pytest.mark.parametrize("name", sorted(PAPERS))

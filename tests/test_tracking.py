@@ -85,6 +85,54 @@ def wandb_history(run_dir: Path) -> list[dict]:
     return out
 
 
+KILLER = """
+import os, signal, sys
+import fedskew
+from fedskew.engine.rundir import RunDir
+
+real, after = RunDir.checkpoint, sys.argv[2] == "after"
+
+def checkpoint(self, state):  # SIGKILL at round 2's checkpoint: just before it or just after it
+    if after:
+        real(self, state)
+    if state["next_round"] == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(self, state)
+
+RunDir.checkpoint = checkpoint
+fedskew.run({**eval(sys.argv[3]), "logger": ["tensorboard", "mlflow"]}, out_dir=sys.argv[1], run_name="k")
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_sigkill_around_the_checkpoint_loses_no_tracked_round(tmp_path, when):
+    """Killed just after the checkpoint (the trackers had not seen the round yet) or just before it
+    (they had, and the round runs again): after the resume TensorBoard and MLflow hold every round
+    once, with metrics.jsonl's values."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    cfg = {**SMALL, "rounds": 4}
+    proc = subprocess.run([sys.executable, "-c", KILLER, str(tmp_path), when, repr(cfg)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    fedskew.resume(tmp_path / "k")
+    records = jsonl(tmp_path / "k")
+    assert [r["round"] for r in records] == [0, 1, 2, 3]
+    events = tensorboard_scalars(tmp_path / "k")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("fedskew").experiment_id])
+    for key in KEYS:
+        assert events[key] == [(r["round"], pytest.approx(r[key], rel=1e-6)) for r in records]
+        history = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+        assert [(m.step, m.value) for m in history] == [(r["round"], pytest.approx(r[key], rel=1e-12))
+                                                        for r in records]
+
+
 def test_wandb_offline_run_holds_the_records(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)  # offline by default

@@ -157,7 +157,7 @@ def test_ctrl_c_stops_a_parallel_sweep_and_the_same_command_finishes_it(tmp_path
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err
-    assert "the same command again continues the sweep" in err
+    assert "`fedskew sweep sw/sweep.yaml --out sw --jobs 2` continues the sweep" in err
     done = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert {r["status"] for r in fedskew.load_results(tmp_path / "sw", frame=False)} == {"done"}
@@ -224,6 +224,9 @@ def test_split_multirun_keeps_bracketed_lists_whole():
                                     "method.mu1=0.01,0.1"])
     assert single == ["model.hidden=[64,32]", "lr=0.1"]
     assert multi == {"method": ["fedavg", "fedmr"], "seed": [0, 1, 2], "method.mu1": [0.01, 0.1]}
+    # README's `fedskew run logger=tensorboard,mlflow` is one run logging to both, not two runs
+    single, multi = split_multirun(["logger=tensorboard,mlflow", "lr=0.1,0.2"])
+    assert single == ["logger=tensorboard,mlflow"] and multi == {"lr": [0.1, 0.2]}
 
 
 def test_multirun_is_a_sweep_stored_and_reported_like_one(tmp_path):
@@ -279,8 +282,13 @@ def test_every_run_records_where_it_ran(tmp_path, sweep_with_a_failure):
     import numpy
     import torch
 
-    res = fedskew.run(rounds=1, out_dir=str(tmp_path), run_name="e", final_personalization=False)
-    env = yaml.safe_load((tmp_path / "e" / "config.yaml").read_text())["environment"]
+    def stop(record):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # interrupted after round 1 of 2: resumed below
+        fedskew.run(rounds=2, out_dir=str(tmp_path), run_name="e", final_personalization=False, on_round=stop)
+    res = fedskew.run(rounds=1, out_dir=str(tmp_path), run_name="e1", final_personalization=False)
+    env = yaml.safe_load((tmp_path / "e1" / "config.yaml").read_text())["environment"]
     assert env == res.environment
     assert env["torch_threads"] == torch.get_num_threads() and env["torch"] == str(torch.__version__)
     assert env["numpy"] == numpy.__version__ and env["device"] == "cpu" and env["fedskew"] == fedskew.__version__

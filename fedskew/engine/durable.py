@@ -9,6 +9,8 @@ writes, and a metrics log whose torn last line is detected.
   never a prefix.
 - :func:`append_line`: one JSON record per line, flushed and fsynced; :func:`read_records`
   drops a torn last line (a crash or a full disk mid-append) and refuses corruption elsewhere.
+- :data:`STOP`: set by :func:`stop_after_this_round` (a sweep worker's SIGTERM/SIGINT handler), it
+  makes the run loop checkpoint after the round it is in and raise :class:`RunInterrupted`.
 """
 
 from __future__ import annotations
@@ -17,11 +19,21 @@ import errno
 import fcntl
 import json
 import os
+import threading
 from pathlib import Path
 
 from fedskew.config import ConfigError
 
 LOCK_NAME = ".fedskew.lock"
+STOP = threading.Event()
+
+
+class RunInterrupted(RuntimeError):
+    """A run stopped at a round boundary, with a checkpoint, because :data:`STOP` was set."""
+
+
+def stop_after_this_round(signum=None, frame=None) -> None:
+    STOP.set()
 
 
 class FolderLock:

@@ -161,6 +161,8 @@ class RunDir:
                 ckpt = torch.load(path, map_location=device, weights_only=True)
                 if not isinstance(ckpt, dict) or "next_round" not in ckpt:
                     raise ValueError("it is not a fedskew checkpoint")
+                if not isinstance(ckpt["next_round"], int) or ckpt["next_round"] < 0:
+                    raise ValueError(f"its next_round is {ckpt['next_round']!r}, not a round count")
                 if any(shapes.get(k) != v.shape for k, v in ckpt["global_state"].items()):
                     raise ValueError("it holds another model's tensors")
             except Exception as exc:  # empty, truncated, corrupt or foreign file: try the previous one

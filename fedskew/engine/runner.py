@@ -28,7 +28,7 @@ from fedskew.algorithms import FederationInfo, build_method, method_validation_f
 from fedskew.algorithms.base import model_part
 from fedskew.config import ConfigError, RunConfig
 from fedskew.data.federated import Federation, load_federation, public_pool, public_samples
-from fedskew.engine.durable import FolderLock, append_line, atomic_write_text, blocking_file
+from fedskew.engine.durable import LOCK_NAME, STOP, FolderLock, RunInterrupted, append_line, atomic_write_text, blocking_file
 from fedskew.engine.local import SequentialExecutor, federated_state, load_state
 from fedskew.engine.protocol import LocalSettings, dispatch, to_device
 from fedskew.engine.rundir import STORAGE_ERRNOS, RunDir, RunResult, StorageError, default_run_dir, environment
@@ -113,9 +113,25 @@ class Experiment:
             key = "out_dir" if run_dir is None else "the run directory"
             raise ConfigError(f"{key} '{self.run_dir if run_dir else cfg.out_dir}' cannot hold a run: '{blocked}' is a "
                               f"file, not a folder; choose another out_dir.")
-        if self.run_dir.is_dir() and os.access(self.run_dir, os.W_OK):
+        if self.run_dir.is_dir() and os.access(self.run_dir, os.W_OK) and not (not resume and self._foreign()):
             FolderLock(self.run_dir, "run directory").acquire().release()  # in use by a running process?
-        if not resume and (self.run_dir / "metrics.jsonl").exists():
+        if not resume:
+            self._refuse_existing()
+
+    def _foreign(self) -> list[str]:
+        """What the run directory holds when it exists and is not a run's (else nothing)."""
+        entries = sorted(p.name for p in self.run_dir.iterdir() if p.name != LOCK_NAME) if self.run_dir.is_dir() else []
+        return [] if {"metrics.jsonl", "config.yaml"} & set(entries) else entries
+
+    def _refuse_existing(self) -> None:
+        """A new run never writes into a folder that holds anything: another run (resume it) or files
+        that are not a run's (a run_name naming an existing folder would overwrite them)."""
+        foreign = self._foreign()
+        if foreign:
+            raise ConfigError(f"run directory '{self.run_dir}' already exists and is not a fedskew run (it holds "
+                              f"{', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); choose another "
+                              f"run_name or out_dir.")
+        if (self.run_dir / "metrics.jsonl").exists() or (self.run_dir / "config.yaml").exists():
             raise ConfigError(f"run directory '{self.run_dir}' already holds a run; continue it with "
                               f"`fedskew resume {self.run_dir}` or choose another run_name.")
 
@@ -155,9 +171,8 @@ class Experiment:
             raise StorageError(f"cannot write in the run directory '{self.run_dir}' ({exc.strerror}); choose another "
                                f"out_dir.") from None
         try:
-            if not self.resume and (self.run_dir / "metrics.jsonl").exists():  # checked again under the lock
-                raise ConfigError(f"run directory '{self.run_dir}' already holds a run; continue it with "
-                                  f"`fedskew resume {self.run_dir}` or choose another run_name.")
+            if not self.resume:  # checked again under the lock
+                self._refuse_existing()
             return self._run(on_round)
         except OSError as exc:  # a full disk, a read-only or vanished folder: nothing written is lost
             if exc.errno not in STORAGE_ERRNOS:
@@ -176,6 +191,9 @@ class Experiment:
         if ckpt is not None:
             start, global_state = ckpt["next_round"], ckpt["global_state"]
             server_state, client_states, totals = ckpt["server_state"], ckpt["client_states"], ckpt["totals"]
+            if start > cfg.rounds:
+                raise ConfigError(f"rounds = {cfg.rounds} is fewer than the {start} rounds '{self.run_dir}' has "
+                                  f"already run; resume it with rounds >= {start}.")
             history = self.files.history_before(start)
             if self.changes:  # settings changed at this resume, from round start + 1 (counted from 1)
                 self.files.record_changes(start, self.changes)
@@ -197,6 +215,21 @@ class Experiment:
         self.model.eval()
         return RunResult(self.run_dir, summary, history, global_state, cfg, self.model, self.environment)
 
+    def finished_result(self) -> RunResult | None:
+        """The finished run in the run directory, read back: its checkpoint, metrics and summary
+        (nothing is written); None when its last checkpoint is unreadable (the one before it was
+        read: resuming from it runs the last rounds again, exactly)."""
+        shapes = {k: v.shape for k, v in federated_state(self.model).items()}
+        ckpt = self.files.load_checkpoint(shapes, self.device)
+        if ckpt is None or ckpt["next_round"] != self.cfg.rounds:
+            return None
+        history = self.files.history_before(ckpt["next_round"])
+        summary = json.loads((self.run_dir / "summary.json").read_text())
+        names = set(self.model.state_dict())
+        load_state(self.model, {k: v for k, v in ckpt["global_state"].items() if k in names})
+        self.model.eval()
+        return RunResult(self.run_dir, summary, history, ckpt["global_state"], self.cfg, self.model, self.environment)
+
     def _rounds(self, start, history, global_state, server_state, client_states, totals, trackers,
                  on_round) -> tuple[dict, dict]:
         """Rounds ``start`` .. the last (records appended to ``history``), then the summary; returns
@@ -206,11 +239,19 @@ class Experiment:
             record = self._round(t, global_state, server_state, client_states, totals)
             global_state, server_state = record.pop("_global"), record.pop("_server")
             history.append(record)
+            # the trackers first: a process killed between them and the checkpoint runs the round again
+            # and the trackers take the replay idempotently (TensorBoard purges the steps after the
+            # checkpoint, MLflow and an online W&B run skip the steps they hold); logged after the
+            # checkpoint, a round killed in between would be missing from them for ever
+            trackers.log(record)
             append_line(record, self.run_dir / "metrics.jsonl")
-            if (t + 1) % cfg.checkpoint_every == 0 or t == cfg.rounds - 1:
+            stop = STOP.is_set() and t < cfg.rounds - 1
+            if (t + 1) % cfg.checkpoint_every == 0 or t == cfg.rounds - 1 or stop:
                 self._checkpoint({"next_round": t + 1, "global_state": global_state, "server_state": server_state,
                                   "client_states": client_states, "totals": totals})
-            trackers.log(record)
+            if stop:
+                raise RunInterrupted(f"'{self.run_dir}' stopped after round {t + 1} of {cfg.rounds}, as asked, with "
+                                     f"its checkpoint: `fedskew resume {self.run_dir}` continues it.")
             if on_round:
                 on_round(record)
 

@@ -12,8 +12,9 @@ parameters, the summary at the end. Runs of a sweep are grouped by the sweep's n
 - ``mlflow``: ``$MLFLOW_TRACKING_URI``, else a SQLite store ``mlflow.db`` beside the run directory
   (``mlflow ui --backend-store-uri sqlite:///runs/mlflow.db``); experiment = the group or ``fedskew``.
 
-A resumed run continues the same tracked run (TensorBoard drops the steps after the checkpoint,
-W&B resumes its run id, MLflow its run) so a crash leaves no duplicate points.
+A round goes to the trackers before its checkpoint, and a resumed run continues the same tracked
+run (TensorBoard drops the steps after the checkpoint, W&B resumes its run id and, online, ignores the
+steps it holds, MLflow resumes its run and skips them), so a crash at any point leaves no round missing and no duplicate point.
 """
 
 from __future__ import annotations
@@ -93,9 +94,11 @@ class MLflow:
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
         tag = str(run_dir.resolve())
         found = self.client.search_runs([experiment_id], filter_string=f"tags.run_dir = '{tag}'")
+        self.seen = -1  # the last step the run holds: a resumed run's replay of it is skipped (no duplicates)
         if found:  # resumed: the same MLflow run
             self.run_id = found[0].info.run_id
             self.client.update_run(self.run_id, status="RUNNING")
+            self.seen = max((m.step for m in self.client.get_metric_history(self.run_id, "lr")), default=-1)
         else:
             self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name,
                                                  tags={"run_dir": tag}).info.run_id
@@ -107,6 +110,8 @@ class MLflow:
 
         from mlflow.entities import Metric
 
+        if step <= self.seen:
+            return
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
 

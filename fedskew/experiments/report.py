@@ -40,7 +40,7 @@ def build_table(cells: dict[tuple[str, str], list[float | None]], rows: list[str
                 baseline: str | None = "fedavg") -> dict[str, dict[str, dict]]:
     """Per row and column: mean, std, n, ``best`` (the row's highest mean, ties all marked),
     ``top`` (the best, and every mean within the seed spread of it: closer to the best mean than
-    the larger of the two standard deviations; what a report bolds), ``gain_baseline`` (mean minus
+    the larger of the two standard deviations; what a report bolds; never with one seed), ``gain_baseline`` (mean minus
     the baseline's mean in the row) and ``gain_best_other`` (mean minus the best mean of the other
     columns of the row)."""
     out: dict[str, dict[str, dict]] = {}
@@ -54,7 +54,8 @@ def build_table(cells: dict[tuple[str, str], list[float | None]], rows: list[str
             m = s["mean"]
             others = [v for k, v in means.items() if k != c]
             s["best"] = m is not None and m == top
-            s["top"] = m is not None and top - m <= max(top_std, s["std"]) + 1e-12
+            # (one seed has no spread to compare within: nothing is bolded)
+            s["top"] = m is not None and s["n"] > 1 and top - m <= max(top_std, s["std"]) + 1e-12
             s["gain_baseline"] = None if m is None or base is None or c == baseline else m - base
             s["gain_best_other"] = None if m is None or not others else m - max(others)
         out[r] = stats
@@ -100,7 +101,7 @@ def cell_text(s: dict, scale: float = 100.0, failed: int = 0) -> str:
     """A table cell: mean +- std (``**bold**`` when among the row's top), ``none`` or ``failed (n)``."""
     if s["mean"] is None:
         return f"failed ({failed})" if failed else "none"
-    text = f"{scale * s['mean']:.2f} +- {scale * s['std']:.2f}"
+    text = f"{scale * s['mean']:.2f}" + (f" +- {scale * s['std']:.2f}" if s.get("n", 2) > 1 else " (1 seed)")
     text = f"**{text}**" if s.get("top") else text
     return f"{text} ({failed} failed)" if failed else text
 

@@ -1,7 +1,7 @@
 """The results store of a sweep: one SQLite file (``results.sqlite``) beside the run directories.
 
 Tables: ``runs`` (one row per planned run: label, method, grid point, partition, seed, status
-pending/running/done/failed, resolved config, summary), ``rounds`` (the scalar metrics of every
+pending/running/interrupted/done/failed, resolved config, summary), ``rounds`` (the scalar metrics of every
 round of every finished run), ``selections`` (the grid point chosen per method and partition, the
 metric and the split it was chosen on). Only the sweep process writes it (design.md, "Sweeps and
 the results store"); reports and :func:`results_table` only read it.
@@ -10,6 +10,7 @@ the results store"); reports and :func:`results_table` only read it.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -28,17 +29,28 @@ CREATE TABLE IF NOT EXISTS selections (
 """
 
 
-def connect(path: Path) -> sqlite3.Connection:
-    db = sqlite3.connect(path, timeout=30)
-    db.row_factory = sqlite3.Row
-    try:
-        db.executescript(SCHEMA)
-    except sqlite3.DatabaseError as exc:
-        db.close()
-        from fedskew.config import ConfigError
+LOCK_WAIT_S = 30.0  # how long a writer or reader waits for another process holding the database
 
+
+def connect(path: Path, read_only: bool = False) -> sqlite3.Connection:
+    """The results database at ``path``, created if new; ``read_only`` (a report, a listing) opens
+    it without writing, as a read-only folder allows. A database that another process holds past
+    :data:`LOCK_WAIT_S`, or a file that is not one, is one sentence."""
+    from fedskew.config import ConfigError
+
+    try:
+        db = (sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=LOCK_WAIT_S) if read_only
+              else sqlite3.connect(path, timeout=LOCK_WAIT_S))
+        db.row_factory = sqlite3.Row
+        db.executescript("SELECT COUNT(*) FROM runs;" if read_only else SCHEMA)
+    except sqlite3.DatabaseError as exc:
+        if "locked" in str(exc) or "busy" in str(exc):
+            raise ConfigError(f"'{path}' is locked by another process (waited {LOCK_WAIT_S:g} s): a sweep writing it, "
+                              f"or a program holding it open; try again when that is done.") from None
         raise ConfigError(f"'{path}' is not a fedskew results database ({exc}); move it away or use another sweep "
                           f"folder.") from None
+    if read_only:
+        return db
     if "environment" not in {row["name"] for row in db.execute("PRAGMA table_info(runs)")}:  # stores before 0.2
         with db:
             db.execute("ALTER TABLE runs ADD COLUMN environment TEXT")
@@ -52,7 +64,7 @@ def open_sweep(sweep_dir: str | Path) -> sqlite3.Connection:
         from fedskew.config import ConfigError
 
         raise ConfigError(f"'{sweep_dir}' is not a sweep folder (it holds no results.sqlite).")
-    return connect(path)
+    return connect(path, read_only=not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)))
 
 
 def run_dir_of(db: sqlite3.Connection, run_id: str) -> Path:
@@ -96,6 +108,13 @@ def record_done(db: sqlite3.Connection, run_id: str, summary: dict, history: lis
                        [(run_id, h["round"], json.dumps(h)) for h in history])
         db.execute("UPDATE runs SET status='done', summary=?, finished=?, environment=? WHERE run_id=?",
                    (json.dumps(summary), time.time(), json.dumps(environment) if environment else None, run_id))
+
+
+def mark_interrupted(db: sqlite3.Connection, run_id: str) -> None:
+    """A run stopped by a signal (its checkpoint kept): the next sweep resumes it."""
+    with db:
+        db.execute("UPDATE runs SET status='interrupted', finished=NULL WHERE run_id=? AND status='running'",
+                   (run_id,))
 
 
 def record_failed(db: sqlite3.Connection, run_id: str, error: str) -> None:

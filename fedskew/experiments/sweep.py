@@ -41,8 +41,9 @@ import hashlib
 import itertools
 import json
 import os
-import time
+import signal
 import sqlite3
+import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -53,9 +54,13 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from fedskew.algorithms.base import StrictOptions
 from fedskew.config import RECORD_KEYS, ConfigError, did_you_mean, load_yaml, nested, set_key, validate_config
-from fedskew.engine.durable import FolderLock, atomic_write_text, blocking_file
-from fedskew.experiments.store import add_planned, connect, mark_running, record_done, record_failed, scalar_metrics
+from fedskew.engine.durable import FolderLock, RunInterrupted, atomic_write_text, blocking_file
+from fedskew.experiments.store import (add_planned, connect, mark_interrupted, mark_running, record_done, record_failed,
+                                      scalar_metrics)
 
+# After SIGTERM or SIGINT, how long the sweep waits for its workers' runs to reach a round boundary
+# and checkpoint; a run still in its round then is stopped and resumes from its last checkpoint.
+STOP_GRACE_S = 60.0
 
 _Strict = StrictOptions  # unknown keys are errors (one strict base for every schema)
 
@@ -268,23 +273,33 @@ def check_data(runs: list[dict]) -> None:
             load_dataset(DatasetConfig.model_validate(r["config"]["dataset"]), r["seed"])
 
 
-def _worker_init(external: dict[str, tuple[str, str]]) -> None:
-    """A sweep worker: one torch thread, and the methods registered from outside the package."""
+def _worker_init(external: dict[str, tuple[str, str]], parent: int) -> None:
+    """A sweep worker: it dies with the sweep process ``parent``, stops its run after the current
+    round on SIGTERM or SIGINT (the sweep forwards them), one torch thread, and the methods
+    registered from outside the package."""
+    import signal
+
+    from fedskew.engine.durable import stop_after_this_round
+
+    _die_with_parent(parent)
+    signal.signal(signal.SIGTERM, stop_after_this_round)
+    signal.signal(signal.SIGINT, stop_after_this_round)
     import torch
 
     from fedskew.algorithms import import_methods
 
     torch.set_num_threads(1)
     import_methods(external)
-    _die_with_parent()
 
 
-def _die_with_parent() -> None:
-    """A worker whose sweep process died (SIGKILL, a crash) exits at once instead of finishing its
-    run and writing a directory the next sweep will write too."""
+def _die_with_parent(parent: int) -> None:
+    """A worker whose sweep process died (SIGKILL, a crash; even while this worker was starting)
+    exits at once instead of finishing its run and writing a directory the next sweep will write
+    too."""
     import threading
 
-    parent = os.getppid()
+    if os.getppid() != parent:
+        os._exit(1)
 
     def watch():
         while True:
@@ -385,7 +400,10 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
                 started(r)
                 try:
                     summary, history, env = _execute(r["config"], run_dir[r["run_id"]])
-                except Exception as exc:  # any run's failure (even a full disk) is recorded; the others go on
+                except BaseException as exc:  # any run's failure (even a full disk) is recorded; the others go on
+                    if not isinstance(exc, Exception) or isinstance(exc, RunInterrupted):
+                        mark_interrupted(db, r["run_id"])
+                        raise
                     finished(r, None, None, _error_text(exc))
                     continue
                 finished(r, summary, history, env=env)
@@ -396,12 +414,27 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
 
             def new_pool():
                 return ProcessPoolExecutor(jobs, mp_context=_mp_context(external), initializer=_worker_init,
-                                           initargs=(external,))
+                                           initargs=(external, os.getpid()))
 
             def stop(pool):
+                workers = list((getattr(pool, "_processes", None) or {}).values())  # (shutdown forgets them)
                 pool.shutdown(wait=False, cancel_futures=True)
-                for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                for proc in workers:
                     proc.terminate()
+
+            def collect(fut, r) -> bool:
+                """Record a finished future's run; False when its worker died."""
+                try:
+                    summary, history, env = fut.result()
+                except BrokenProcessPool:
+                    return False
+                except RunInterrupted:
+                    mark_interrupted(db, r["run_id"])
+                except Exception as exc:
+                    finished(r, None, None, _error_text(exc))
+                else:
+                    finished(r, summary, history, env=env)
+                return True
 
             # A run in flight when a worker died is a suspect: it runs again alone, so a run that kills
             # its worker (out of memory, a crash in native code) fails by itself and no other is lost.
@@ -426,15 +459,8 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
                     lost = []
                     for fut in done:
                         r = running.pop(fut)
-                        try:
-                            summary, history, env = fut.result()
-                        except BrokenProcessPool:
+                        if not collect(fut, r):
                             lost.append(r)
-                            continue
-                        except Exception as exc:
-                            finished(r, None, None, _error_text(exc))
-                            continue
-                        finished(r, summary, history, env=env)
                     if lost:  # a worker died: the pool is gone with every run in it
                         lost += list(running.values())
                         running.clear()
@@ -447,8 +473,21 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
                                 suspects.add(r["run_id"])
                                 queue.insert(0, r)
                         pool = new_pool()
-            except BaseException:  # Ctrl-C: stop the workers now; their runs resume from checkpoints next time
-                stop(pool)
+            except BaseException:  # SIGINT or SIGTERM (the CLI raises them here): stop at the round boundary
+                try:
+                    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                        try:
+                            os.kill(proc.pid, signal.SIGTERM)  # (a terminal's Ctrl-C reached them already)
+                        except OSError:
+                            pass
+                    done, _ = wait(running, timeout=STOP_GRACE_S)  # a second signal: stop now
+                    for fut in done:
+                        if collect(fut, running[fut]):
+                            running.pop(fut)
+                finally:
+                    for r in running.values():
+                        mark_interrupted(db, r["run_id"])
+                    stop(pool)
                 raise
             pool.shutdown()
 
