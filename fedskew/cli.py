@@ -430,8 +430,8 @@ def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, conso
                      if spec.selection.tune_seeds is not None else "") + f") into {sweep_dir}, {where}",
                   highlight=False)
     if args is not None:  # (a multirun names a new folder each time: its continuation is named explicitly)
-        where = f"--ray {ray}" if ray is not None else f"--jobs {jobs}"
-        again = (f"`fedskew sweep {sweep_dir / 'sweep.yaml'} --out {sweep_dir} {where}`"
+        on = f"--ray {ray}" if ray is not None else f"--jobs {jobs}"
+        again = (f"`fedskew sweep {sweep_dir / 'sweep.yaml'} --out {sweep_dir} {on}`"
                  if args.command in ("run", "sweep") else "the same command again")
         args.interrupt_hint = (f"finished runs are kept in {sweep_dir} (interrupted ones with their checkpoints); "
                                f"{again} continues the sweep.")

@@ -113,7 +113,7 @@ class Experiment:
             key = "out_dir" if run_dir is None else "the run directory"
             raise ConfigError(f"{key} '{self.run_dir if run_dir else cfg.out_dir}' cannot hold a run: '{blocked}' is a "
                               f"file, not a folder; choose another out_dir.")
-        if self.run_dir.is_dir() and os.access(self.run_dir, os.W_OK) and not (not resume and self._foreign()):
+        if self.run_dir.is_dir() and os.access(self.run_dir, os.W_OK) and (resume or not self._foreign()):
             FolderLock(self.run_dir, "run directory").acquire().release()  # in use by a running process?
         if not resume:
             self._refuse_existing()
@@ -186,8 +186,7 @@ class Experiment:
         cfg, method = self.cfg, self.method
         self.files.write_record(cfg, self.environment, self.resume)
         self.files.write_partition(self.fed, f"{cfg.dataset.name} / {cfg.partition.name}: {self.fed.num_clients} clients")
-        shapes = {k: v.shape for k, v in federated_state(self.model).items()}
-        ckpt = self.files.load_checkpoint(shapes, self.device) if self.resume else None
+        ckpt = self._load_checkpoint() if self.resume else None
         if ckpt is not None:
             start, global_state = ckpt["next_round"], ckpt["global_state"]
             server_state, client_states, totals = ckpt["server_state"], ckpt["client_states"], ckpt["totals"]
@@ -210,25 +209,27 @@ class Experiment:
                                                  trackers, on_round)
         finally:
             trackers.finish(summary)
+        return self._result(summary, history, global_state)
+
+    def _load_checkpoint(self) -> dict | None:
+        return self.files.load_checkpoint({k: v.shape for k, v in federated_state(self.model).items()}, self.device)
+
+    def _result(self, summary: dict, history: list[dict], global_state: dict) -> RunResult:
+        """The result, with the final global state loaded into ``self.model`` (eval mode)."""
         names = set(self.model.state_dict())
         load_state(self.model, {k: v for k, v in global_state.items() if k in names})
         self.model.eval()
-        return RunResult(self.run_dir, summary, history, global_state, cfg, self.model, self.environment)
+        return RunResult(self.run_dir, summary, history, global_state, self.cfg, self.model, self.environment)
 
     def finished_result(self) -> RunResult | None:
         """The finished run in the run directory, read back: its checkpoint, metrics and summary
         (nothing is written); None when its last checkpoint is unreadable (the one before it was
         read: resuming from it runs the last rounds again, exactly)."""
-        shapes = {k: v.shape for k, v in federated_state(self.model).items()}
-        ckpt = self.files.load_checkpoint(shapes, self.device)
+        ckpt = self._load_checkpoint()
         if ckpt is None or ckpt["next_round"] != self.cfg.rounds:
             return None
-        history = self.files.history_before(ckpt["next_round"])
         summary = json.loads((self.run_dir / "summary.json").read_text())
-        names = set(self.model.state_dict())
-        load_state(self.model, {k: v for k, v in ckpt["global_state"].items() if k in names})
-        self.model.eval()
-        return RunResult(self.run_dir, summary, history, ckpt["global_state"], self.cfg, self.model, self.environment)
+        return self._result(summary, self.files.history_before(ckpt["next_round"]), ckpt["global_state"])
 
     def _rounds(self, start, history, global_state, server_state, client_states, totals, trackers,
                  on_round) -> tuple[dict, dict]:

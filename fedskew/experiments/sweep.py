@@ -416,10 +416,13 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
                 return ProcessPoolExecutor(jobs, mp_context=_mp_context(external), initializer=_worker_init,
                                            initargs=(external, os.getpid()))
 
+            def workers(pool):
+                return list((getattr(pool, "_processes", None) or {}).values())
+
             def stop(pool):
-                workers = list((getattr(pool, "_processes", None) or {}).values())  # (shutdown forgets them)
+                procs = workers(pool)  # (read first: shutdown forgets them)
                 pool.shutdown(wait=False, cancel_futures=True)
-                for proc in workers:
+                for proc in procs:
                     proc.terminate()
 
             def collect(fut, r) -> bool:
@@ -475,7 +478,7 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
                         pool = new_pool()
             except BaseException:  # SIGINT or SIGTERM (the CLI raises them here): stop at the round boundary
                 try:
-                    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                    for proc in workers(pool):
                         try:
                             os.kill(proc.pid, signal.SIGTERM)  # (a terminal's Ctrl-C reached them already)
                         except OSError:
