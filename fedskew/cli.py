@@ -416,6 +416,7 @@ def _sweep_tables(sweep_dir: Path, console: Console) -> None:
 def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, console: Console, args=None,
                     ray: str | None = None) -> int:
     from fedskew.experiments.report import write_report
+    from fedskew.experiments.store import writable
     from fedskew.experiments.sweep import default_jobs, default_sweep_dir, planned_count, run_sweep
 
     sweep_dir = Path(out) if out else default_sweep_dir(spec)
@@ -445,7 +446,11 @@ def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, conso
     db.close()
     console.print(f"{total} runs, {failed} failed; results in {sweep_dir / 'results.sqlite'} "
                   f"({_clock(time.perf_counter() - display.t0)})", highlight=False)
-    if report:
+    if report and not writable(sweep_dir):
+        _sweep_tables(sweep_dir, console)
+        console.print(f"{sweep_dir} is read-only, so no report is written there; `fedskew report {sweep_dir} --out "
+                      f"DIR` writes one elsewhere.", highlight=False)
+    elif report:
         md, page = write_report(sweep_dir)
         _sweep_tables(sweep_dir, console)
         console.print(f"report: {md} and {page}", highlight=False)

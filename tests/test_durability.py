@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -299,7 +300,8 @@ def test_no_readable_checkpoint_is_one_sentence_that_can_be_followed(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         fedskew.run(SMALL, out_dir=str(tmp_path), run_name="r", on_round=crash_after(0))
     (tmp_path / "r" / "checkpoint.pt").write_bytes(b"")
-    with pytest.raises(ConfigError, match=r"no readable checkpoint in '.*' \(checkpoint.pt: EOFError\); remove the "
+    with pytest.raises(ConfigError, match=r"no readable checkpoint in '.*' \(checkpoint.pt: it is not a zip archive "
+                                          r"as torch.save writes \(File is not a zip file\)\); remove the "
                                           r"directory \(or choose another run_name\) and start the run again"):
         fedskew.resume(tmp_path / "r")
 
@@ -311,6 +313,24 @@ def test_a_checkpoint_with_a_negative_round_is_not_read(tmp_path):
     torch.save({**torch.load(path, weights_only=True), "next_round": -3}, path)
     with pytest.raises(ConfigError, match=r"no readable checkpoint in '.*' \(checkpoint.pt: its next_round is -3, "
                                           r"not a round count\)"):
+        fedskew.resume(tmp_path / "r")
+
+
+def test_a_compressed_checkpoint_is_refused_before_it_inflates(tmp_path):
+    """A deflated checkpoint (torch.load inflates it) whose entries declare far more than the file
+    holds is refused from the zip directory alone, before anything is inflated."""
+    with pytest.raises(KeyboardInterrupt):
+        fedskew.run(SMALL, out_dir=str(tmp_path), run_name="r", on_round=crash_after(0))
+    path = tmp_path / "r" / "checkpoint.pt"
+    with zipfile.ZipFile(path) as original:
+        entries = {info.filename: original.read(info) for info in original.infolist()}
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as bomb:
+        for name, data in entries.items():
+            bomb.writestr(name, data)
+        bomb.writestr("archive/padding", bytes(64 << 20))
+    assert path.stat().st_size < (1 << 20)
+    with pytest.raises(ConfigError, match=r"checkpoint.pt: its zip entries inflate to 67,.* bytes from a .*-byte "
+                                          r"file \(torch.save never compresses\)\); remove the directory"):
         fedskew.resume(tmp_path / "r")
 
 
@@ -531,6 +551,21 @@ def test_broken_leaf_files_are_one_sentence(tmp_path, bad):
         load_leaf("femnist", str(tmp_path))
 
 
+@pytest.mark.parametrize("text, says", [
+    ('{"users": ["u"], "num_samples": [1], "user_data": [{"x": [], "y": []}]}', "user_data is a JSON list"),
+    ('{"users": "u", "num_samples": [1], "user_data": {}}', "users is a JSON str"),
+    ('{"users": [["u"]], "num_samples": [1], "user_data": {}}', "users must be strings"),
+    ('{"users": ["u"], "num_samples": [1], "user_data": {"u": [1]}}', "user 'u' should hold 1 samples"),
+    ('{"users": ["u"], "num_samples": [1], "user_data": {"u": {"x": 5, "y": 5}}}', "user 'u' should hold"),
+    ("[" * 200_000 + "]" * 200_000, "nests its JSON deeper")])
+def test_leaf_files_of_the_wrong_structure_are_one_sentence(tmp_path, text, says):
+    for split in ("train", "test"):
+        (tmp_path / split).mkdir()
+        (tmp_path / split / "d.json").write_text(text)
+    with pytest.raises(DatasetError, match=says):
+        load_leaf("femnist", str(tmp_path))
+
+
 def test_a_garbage_results_database_is_one_sentence(tmp_path):
     (tmp_path / "sw").mkdir()
     (tmp_path / "sw" / "results.sqlite").write_bytes(os.urandom(4096))
@@ -561,9 +596,44 @@ def test_a_locked_results_database_is_waited_for_then_one_sentence(tmp_path, mon
     assert len(fedskew.load_results(sweep_dir)) == 1  # released: read as usual
 
 
-def test_a_read_only_sweep_folder_is_read_without_writing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("jobs, fails", [(1, False), (1, True), (2, False)])
+def test_a_full_disk_under_the_results_database_is_one_sentence_and_the_sweep_continues(tmp_path, monkeypatch, jobs,
+                                                                                         fails):
+    """SQLite's own 'database or disk is full' (max_page_count pins the file at its size) while a
+    run's result (done or failed) is recorded: one sentence; the same sweep again finishes, and the
+    run that had finished is read back from its directory rather than trained again."""
+    from fedskew.experiments import sweep as sweep_module
+
+    spec = {"name": "full", "base": {**SMALL, "rounds": 2}, "methods": ["fedavg"], "seeds": [0, 1]}
+    real_add = sweep_module.add_planned
+
+    def add_then_fill(db, runs, sweep_dir):
+        status = real_add(db, runs, sweep_dir)
+        db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
+        return status
+
+    monkeypatch.setattr(sweep_module, "add_planned", add_then_fill)
+    if fails:  # the run fails, and its (long: it needs new pages) error cannot be recorded
+        monkeypatch.setattr(sweep_module, "_execute", lambda config, run_dir: (_ for _ in ()).throw(
+            OSError(errno.ENOSPC, "No space left on device")))
+        monkeypatch.setattr(sweep_module, "_error_text", lambda exc: "x" * 20000)
+    with pytest.raises(StorageError, match=r"writing the results database '.*results.sqlite' failed \(database or "
+                                           r"disk is full\); free space .* run the same sweep again"):
+        fedskew.sweep(spec, jobs=jobs, out=tmp_path / "sw")
+    monkeypatch.undo()
+    trained = []
+    real_run = runner_module.Experiment.run
+    monkeypatch.setattr(runner_module.Experiment, "run", lambda self, *a, **k: trained.append(1) or
+                        real_run(self, *a, **k))
+    fedskew.sweep(spec, jobs=1, out=tmp_path / "sw")
+    assert [r["status"] for r in fedskew.load_results(tmp_path / "sw", frame=False)] == ["done", "done"]
+    assert len(trained) < 2 or fails  # a run finished before the disk filled is not trained again
+
+
+def test_a_read_only_sweep_folder_is_read_without_writing(tmp_path, monkeypatch, capsys):
     """A sweep folder the process cannot write (a read-only mount; simulated: root writes anyway)
-    opens its database read-only for results and reports."""
+    opens its database read-only for results and reports, and a finished sweep run again there
+    gives its results without writing."""
     import sqlite3
 
     from fedskew.experiments import store
@@ -576,6 +646,21 @@ def test_a_read_only_sweep_folder_is_read_without_writing(tmp_path, monkeypatch)
     with pytest.raises(sqlite3.OperationalError, match="readonly"):
         db.execute("UPDATE runs SET status='x'")
     db.close()
+    # the finished sweep run again: its results, nothing written (before: a traceback creating the lock)
+    files = lambda: {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in sweep_dir.rglob("*")}
+    before = files()
+    spec = {"name": "ro", "base": {**SMALL, "rounds": 1}, "methods": ["fedavg"]}
+    (tmp_path / "ro.yaml").write_text(yaml.safe_dump(spec))
+    assert fedskew.sweep(spec, jobs=1, out=sweep_dir) == sweep_dir
+    from fedskew.cli import main
+
+    assert main(["sweep", str(tmp_path / "ro.yaml"), "--out", str(sweep_dir), "--jobs", "1"]) == 0
+    assert f"{sweep_dir} is read-only, so no report is written there; `fedskew report" in \
+        " ".join(capsys.readouterr().out.split())
+    assert files() == before
+    with pytest.raises(StorageError, match=r"sweep folder '.*' is read-only and 5 of its 6 runs have not finished; "
+                                           r"make it writable, or copy it elsewhere"):
+        fedskew.sweep({**spec, "seeds": [0, 1, 2, 3, 4, 5]}, jobs=1, out=sweep_dir)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
@@ -587,6 +672,36 @@ def test_a_read_only_out_dir_is_one_sentence(tmp_path):
             fedskew.run(SMALL, out_dir=str(tmp_path / "ro"), run_name="r")
     finally:
         (tmp_path / "ro").chmod(0o700)
+
+
+def test_a_cifar_batch_cannot_make_numpy_allocate_before_its_data_is_checked(tmp_path):
+    """numpy's allow-listed ``_reconstruct`` allocates whatever shape it is given: a 150-byte pickle
+    asking for 2.86 GiB is refused without the allocation (tracemalloc sees numpy's memory)."""
+    import pickle
+    import tracemalloc
+
+    from fedskew.data.vision import read_cifar_batch
+
+    reconstruct = np.zeros(1).__reduce__()[0]
+
+    class Huge:
+        def __reduce__(self):
+            return reconstruct, (np.ndarray, (3_070_000_000,), b"b")
+
+    class Calls:  # numpy.ndarray itself called with a huge shape
+        def __reduce__(self):
+            return np.ndarray, ((3_070_000_000,), np.uint8)
+
+    for bad in (Huge(), Calls()):
+        (tmp_path / "data_batch_1").write_bytes(pickle.dumps({b"data": bad, b"labels": [0]}, protocol=2))
+        assert (tmp_path / "data_batch_1").stat().st_size < 200
+        tracemalloc.start()
+        try:
+            with pytest.raises(DatasetError, match="CIFAR batch .*data_batch_1 could not be read"):
+                read_cifar_batch(tmp_path / "data_batch_1", b"labels")
+            assert tracemalloc.get_traced_memory()[1] < 50 << 20
+        finally:
+            tracemalloc.stop()
 
 
 def test_a_cifar_batch_of_shared_references_is_refused_without_expanding(tmp_path):

@@ -221,6 +221,85 @@ def test_html_report_renders_in_headless_chromium(swept, tmp_path):
         assert len(img.convert("RGB").getcolors(maxcolors=1 << 20) or []) > 50  # not a blank page
 
 
+def test_a_full_disk_during_a_report_is_one_sentence_and_leaves_no_broken_image(swept, tmp_path, monkeypatch):
+    """ENOSPC half-way through a PNG (matplotlib wrote some bytes): one sentence, and every image of
+    the earlier report is still whole (before: 0-byte and truncated PNGs)."""
+    import errno
+
+    from matplotlib.figure import Figure
+    from PIL import Image
+
+    from fedskew.engine.rundir import StorageError
+
+    out = tmp_path / "rep"
+    write_report(swept, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = Figure.savefig
+    calls = []
+
+    def fill_the_disk(self, fname, **kw):
+        calls.append(1)
+        if len(calls) < 2:
+            return real(self, fname, **kw)
+        fname.write(b"\x89PNG\r\n")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", fill_the_disk)
+    with pytest.raises(StorageError, match=r"writing the report into '.*rep' failed \(No space left on device\); "
+                                           r"free space, or write it elsewhere with `fedskew report .* --out DIR`"):
+        write_report(swept, out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(before)  # no .tmp left behind
+    for p in out.glob("*.png"):
+        with Image.open(p) as img:
+            img.verify()
+    assert (out / "report.md").read_bytes() == before["report.md"]
+    monkeypatch.undo()
+    assert main(["report", str(swept), "--out", str(tmp_path / "ro" / "x")]) == 0
+    monkeypatch.setattr(os, "mkdir", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EROFS, "Read-only file "
+                                                                                                "system")))
+    with pytest.raises(StorageError, match=r"\(Read-only file system\); free space, or write it elsewhere"):
+        write_report(swept, tmp_path / "new")
+
+
+def test_report_plots_tell_methods_apart_and_count_rounds_in_whole_numbers(swept, monkeypatch):
+    """Twelve methods: twelve different line styles, thin bands, integer round ticks; 62 classes
+    (FEMNIST) label every fifth class so the labels do not overlap."""
+    from fedskew.experiments import plots
+    from fedskew.experiments.store import open_sweep, selected_runs
+
+    styles = plots.styles(12)
+    assert len({(s["color"], s["ls"]) for s in styles}) == 12 and len({s["color"] for s in styles}) == 12
+    assert len({(s["color"], s["ls"]) for s in plots.styles(45)}) == 45
+    figures = []
+    monkeypatch.setattr(plots, "save_png", lambda fig, path, dpi=100: figures.append(fig) or path)
+    res = selected_runs(open_sweep(swept), yaml.safe_load((swept / "sweep.yaml").read_text()))
+    part = res.partitions[0]
+    res.labels = [f"m{i}" for i in range(12)]
+    res.runs = {(f"m{i}", part): res.runs[("fedavg", part)] for i in range(12)}
+    plots.plot_curves(res, part, "global/test_acc", swept / "unused.png")
+    ax = figures[-1].axes[0]
+    assert len({(line.get_color(), line.get_linestyle()) for line in ax.get_lines()}) == 12
+    assert all(float(t).is_integer() for t in ax.get_xticks())
+    assert all(c.get_alpha() <= 0.1 for c in ax.collections)
+    for r in res.runs[("m0", part)]:
+        r.summary = {**r.summary, **{f"global/class_acc/{c}": 0.5 for c in range(62)}}
+    plots.plot_class_accuracy(res, part, swept / "unused.png")
+    assert len(figures[-1].axes[0].get_xticks()) == 13  # 0, 5, ..., 60
+
+    from fedskew.data import federated
+
+    monkeypatch.setattr(federated, "save_png", lambda fig, path, dpi=100: figures.append(fig) or path)
+    import torch
+
+    from fedskew.data.datasets import Dataset
+
+    y = torch.arange(620) % 62
+    data = Dataset("femnist", torch.zeros(620, 1), y, torch.zeros(62, 1), y[:62], 62)
+    federated.Federation(data, [torch.arange(k, 620, 10) for k in range(10)], [torch.arange(0)] * 10).heatmap(
+        swept / "unused.png", "femnist")
+    assert len(figures[-1].axes[0].get_xticks()) == 13
+
+
 def test_report_of_a_folder_that_is_not_a_sweep(tmp_path):
     with pytest.raises(ConfigError, match="not a sweep folder"):
         write_report(tmp_path)

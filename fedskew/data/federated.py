@@ -11,6 +11,7 @@ import torch
 
 from fedskew.data.datasets import Dataset, load_dataset
 from fedskew.data.partitions import local_test_split, partition_labels
+from fedskew.engine.durable import save_png
 from fedskew.streams import numpy_rng
 
 
@@ -75,7 +76,7 @@ class Federation:
                        vmin=0, vmax=max(int(counts.max()), 1))
         ax.set_xlabel("class")
         ax.set_ylabel("client")
-        ax.set_xticks(range(c))
+        ax.set_xticks(range(0, c, 1 if c <= 30 else 5))  # FEMNIST's 62 labels would overlap
         if k <= 40:
             ax.set_yticks(range(k))
         if k * c <= 400:
@@ -89,9 +90,10 @@ class Federation:
         fig.tight_layout()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return path
+        try:
+            return save_png(fig, path, dpi=110)
+        finally:
+            plt.close(fig)
 
 
 def build_federation(data: Dataset, partition_cfg, seed: int) -> Federation:

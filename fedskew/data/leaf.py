@@ -34,17 +34,30 @@ def read_leaf_file(path: Path) -> dict:
         opener = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rt", encoding="utf-8") as fh:
             blob = json.load(fh)
+    except RecursionError:
+        raise DatasetError(f"LEAF file {path} nests its JSON deeper than Python can read; LEAF output is at most a "
+                           f"few levels deep, so it is not LEAF output.") from None
     except (OSError, EOFError, ValueError) as exc:
-        raise DatasetError(f"LEAF file {path} could not be read ({str(exc).splitlines()[0][:120]}); it is "
+        raise DatasetError(f"LEAF file {path} could not be read ({(str(exc).splitlines() or [''])[0][:120]}); it is "
                            f"truncated or corrupt.") from None
     if not isinstance(blob, dict) or not {"users", "num_samples", "user_data"} <= set(blob):
         raise DatasetError(f"LEAF file {path} lacks the keys users, num_samples and user_data; it is not LEAF output.")
+    kinds = {"users": list, "num_samples": list, "user_data": dict}
+    for key, kind in kinds.items():
+        if not isinstance(blob[key], kind):
+            raise DatasetError(f"LEAF file {path}: {key} is a JSON {type(blob[key]).__name__}, but LEAF writes a "
+                               f"{'list' if kind is list else 'mapping from user to samples'}; it is not LEAF output.")
+    if not all(isinstance(u, str) for u in blob["users"]) or not all(
+            isinstance(n, int) and n >= 0 for n in blob["num_samples"]):
+        raise DatasetError(f"LEAF file {path}: users must be strings and num_samples non-negative integers; it is "
+                           f"not LEAF output.")
     if len(blob["users"]) != len(blob["num_samples"]):
         raise DatasetError(f"LEAF file {path} lists {len(blob['users'])} users but {len(blob['num_samples'])} "
                            f"sample counts.")
     for user, n in zip(blob["users"], blob["num_samples"]):
         data = blob["user_data"].get(user)
-        if data is None or len(data.get("x", [])) != n or len(data.get("y", [])) != n:
+        if not isinstance(data, dict) or not isinstance(data.get("x"), list) or not isinstance(data.get("y"), list) \
+                or len(data["x"]) != n or len(data["y"]) != n:
             raise DatasetError(f"LEAF file {path}: user {user!r} should hold {n} samples in x and y, but its "
                                f"user_data does not.")
     return blob

@@ -107,16 +107,33 @@ def _locate(name: str, root: str | None, download: bool, present) -> Path:
 
 
 class _ArrayUnpickler(pickle.Unpickler):
-    """Admits only what CIFAR batches hold: dicts, lists, bytes, numbers and numpy arrays."""
+    """Admits only what CIFAR batches hold: dicts, lists, bytes, numbers and numpy arrays.
 
-    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-               ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
-               ("numpy._core.multiarray", "scalar"), ("_codecs", "encode")}
+    numpy pickles an array as ``_reconstruct(ndarray, (0,), b'b')`` and then fills it from the
+    bytes in the file (``__setstate__`` checks their length). The array class is handed out as a
+    token that cannot be called, and ``_reconstruct`` only with that empty shape, so a few bytes of
+    pickle cannot ask numpy for gigabytes before the data is checked."""
+
+    ALLOWED = {("numpy", "dtype"), ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+               ("_codecs", "encode")}
+    RECONSTRUCT = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct")}
+    NDARRAY = object()  # stands for numpy.ndarray inside the pickle
 
     def find_class(self, module, name):
+        if (module, name) == ("numpy", "ndarray"):
+            return self.NDARRAY
+        if (module, name) in self.RECONSTRUCT:
+            return self._reconstruct
         if (module, name) not in self.ALLOWED:
             raise pickle.UnpicklingError(f"the file refers to {module}.{name}, which a CIFAR batch never holds")
         return super().find_class(module, name)
+
+    @classmethod
+    def _reconstruct(cls, subtype, shape, dtype):
+        if subtype is not cls.NDARRAY or shape != (0,):
+            raise pickle.UnpicklingError(f"the file asks numpy for an array of shape {str(shape)[:40]} before its "
+                                         f"data, which numpy's own pickles never do")
+        return np.ndarray((0,), dtype=np.uint8)
 
 
 def read_cifar_batch(path: Path, label_key: bytes) -> tuple[np.ndarray, np.ndarray]:

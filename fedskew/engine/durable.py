@@ -85,19 +85,29 @@ def fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(write, path: Path) -> None:
+def atomic_write(write, path: Path) -> None:
     """``write(fh)`` into a temporary file, fsync it, rename it over ``path``, fsync the folder."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:  # (a full disk: give back what the half-written file took)
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     fsync_folder(path.parent)
 
 
+def save_png(fig, path: Path, dpi: int = 100) -> Path:
+    """A matplotlib figure as a PNG that is complete or absent (never a 0-byte or cut-off image)."""
+    atomic_write(lambda fh: fig.savefig(fh, format="png", dpi=dpi), Path(path))
+    return Path(path)
+
+
 def atomic_write_text(text: str, path: Path) -> None:
-    _atomic_write(lambda fh: fh.write(text.encode()), path)
+    atomic_write(lambda fh: fh.write(text.encode()), path)
 
 
 def atomic_save(obj, path: Path) -> None:
@@ -105,7 +115,7 @@ def atomic_save(obj, path: Path) -> None:
     a large checkpoint is never held twice in memory)."""
     import torch
 
-    _atomic_write(lambda fh: torch.save(obj, fh), path)
+    atomic_write(lambda fh: torch.save(obj, fh), path)
 
 
 def append_line(record: dict, path: Path) -> None:

@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +96,21 @@ class RunResult:
                 f"global/test_acc {shown}, run_dir '{self.run_dir}')")
 
 
+def _check_inflated_size(path: Path) -> None:
+    """Refuse a checkpoint whose zip entries inflate past the file's own size: ``torch.save`` stores
+    entries uncompressed, so only a foreign (or malicious) file compresses, and a 1 MB deflated
+    entry could ask for gigabytes before ``torch.load`` checks anything."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            inflated = sum(info.file_size for info in archive.infolist())
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise ValueError(f"it is not a zip archive as torch.save writes ({exc})") from None
+    size = path.stat().st_size
+    if inflated > size:
+        raise ValueError(f"its zip entries inflate to {inflated:,} bytes from a {size:,}-byte file (torch.save never "
+                         f"compresses)")
+
+
 class RunDir:
     """The files of one run directory, written by the process that holds its lock."""
 
@@ -158,6 +174,7 @@ class RunDir:
         errors = []
         for path in paths:
             try:
+                _check_inflated_size(path)
                 ckpt = torch.load(path, map_location=device, weights_only=True)
                 if not isinstance(ckpt, dict) or "next_round" not in ckpt:
                     raise ValueError("it is not a fedskew checkpoint")

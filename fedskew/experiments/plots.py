@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from fedskew.engine.durable import save_png
 from fedskew.experiments.store import Results
 
 
@@ -31,16 +32,28 @@ def _finish(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str, lege
     else:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    try:
+        return save_png(fig, path)
+    finally:
+        plt.close(fig)
+
+
+def styles(n: int) -> list[dict]:
+    """``n`` line styles no two alike: tab10's colours, then tab20's, then dashed and dotted lines."""
+    import matplotlib
+
+    colours = matplotlib.colormaps["tab10" if n <= 10 else "tab20"].colors
+    dashes = ["-", "--", ":", "-."]
+    return [{"color": colours[i % len(colours)], "ls": dashes[i // len(colours) % len(dashes)]} for i in range(n)]
 
 
 def plot_curves(res: Results, partition: str, key: str, path: Path) -> Path | None:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8 + 0.25 * max(0, len(res.labels) - 5) // 5))
     drawn = False
-    for c in res.labels:
+    for c, style in zip(res.labels, styles(len(res.labels))):
         runs = res.runs.get((c, partition), [])
         series = [[(h["round"] + 1, h[key]) for h in r.history if h.get(key) is not None] for r in runs]
         series = [s for s in series if s]
@@ -51,14 +64,16 @@ def plot_curves(res: Results, partition: str, key: str, path: Path) -> Path | No
         ys = [[s[i][1] * 100 for s in series] for i in range(length)]
         mean = [statistics.mean(v) for v in ys]
         sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in ys]
-        line, = ax.plot(xs, mean, label=c, lw=1.5)
+        ax.plot(xs, mean, label=c, lw=1.2, **style)
         ax.fill_between(xs, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)],
-                        color=line.get_color(), alpha=0.2)
+                        color=style["color"], alpha=0.1, lw=0)
         drawn = True
     if not drawn:
         plt.close(fig)
         return None
-    return _finish(plt, fig, ax, path, "round", f"{key} (%)", f"{partition}: mean +- std over seeds")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
+    return _finish(plt, fig, ax, path, "round", f"{key} (%)", f"{partition}: mean +- std over seeds",
+                   legend_below=len(res.labels) > 5)
 
 
 def plot_class_accuracy(res: Results, partition: str, path: Path) -> Path | None:
@@ -75,9 +90,10 @@ def plot_class_accuracy(res: Results, partition: str, path: Path) -> Path | None
     classes = len(next(iter(data.values())))
     fig, ax = plt.subplots(figsize=(min(3 + 0.5 * classes, 16), 4.4))
     width = 0.8 / len(data)
-    for i, (c, vals) in enumerate(data.items()):
-        ax.bar([j + i * width for j in range(classes)], vals, width, label=c)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(classes)], [str(j) for j in range(classes)])
+    for i, ((c, vals), style) in enumerate(zip(data.items(), styles(len(data)))):
+        ax.bar([j + i * width for j in range(classes)], vals, width, label=c, color=style["color"])
+    shown = range(0, classes, 1 if classes <= 30 else 5)  # FEMNIST's 62 labels would overlap
+    ax.set_xticks([j + 0.4 - width / 2 for j in shown], [str(j) for j in shown])
     ax.set_ylim(0, 100)
     return _finish(plt, fig, ax, path, "class", "global test accuracy (%)",
                    f"{partition}: per-class accuracy of the final global model (mean over seeds)", legend_below=True)
@@ -120,9 +136,10 @@ def plot_fairness(res: Results, partition: str, baseline: str, path: Path) -> Pa
     fig.supylabel("clients x seeds", fontsize=9)
     fig.suptitle(partition, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    try:
+        return save_png(fig, path)
+    finally:
+        plt.close(fig)
 
 
-__all__ = ["plot_class_accuracy", "plot_curves", "plot_fairness"]
+__all__ = ["plot_class_accuracy", "plot_curves", "plot_fairness", "styles"]

@@ -20,6 +20,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedskew.engine.durable import atomic_write, atomic_write_text
 from fedskew.experiments.plots import plot_class_accuracy, plot_curves, plot_fairness
 from fedskew.experiments.store import Results, open_sweep, selected_runs
 
@@ -256,7 +257,7 @@ def build_sections(res: Results, out: Path, metric: str, baseline: str | None) -
         runs = next((r for c in res.labels for r in res.runs.get((c, p), [])), None)
         if runs is not None and (runs.run_dir / "partition.png").is_file():
             target = out / f"partition_{slug}.png"
-            target.write_bytes((runs.run_dir / "partition.png").read_bytes())
+            atomic_write(lambda fh, src=runs.run_dir / "partition.png": fh.write(src.read_bytes()), target)
             sections.append(Section(f"Partition: {p} (seed {runs.seed})", image=target))
         bars = plot_class_accuracy(res, p, out / f"classes_{slug}.png")
         if bars:
@@ -345,16 +346,23 @@ def write_report(sweep_dir: str | Path, out: str | Path | None = None, metric: s
     metric = metric or opts.get("metric", "global/test_acc_mean_last10")
     chosen_baseline = baseline or opts.get("baseline")
     out = Path(out) if out else sweep_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
     try:
         res = selected_runs(db, spec)
     finally:
         db.close()
     check_metric_and_baseline(res, metric, chosen_baseline)
-    sections = build_sections(res, out, metric, chosen_baseline or "fedavg")
     title = f"fedskew report: {res.name}"
-    (out / "report.md").write_text(to_markdown(title, sections, out))
-    (out / "report.html").write_text(to_html(title, sections))
+    try:  # every file is complete or absent; a full disk or a read-only folder is one sentence
+        out.mkdir(parents=True, exist_ok=True)
+        sections = build_sections(res, out, metric, chosen_baseline or "fedavg")
+        atomic_write_text(to_markdown(title, sections, out), out / "report.md")
+        atomic_write_text(to_html(title, sections), out / "report.html")
+    except OSError as exc:
+        from fedskew.engine.rundir import StorageError
+
+        raise StorageError(f"writing the report into '{out}' failed ({exc.strerror or exc}); free space, or write it "
+                           f"elsewhere with `fedskew report {sweep_dir} --out DIR`: the sweep's results are "
+                           f"untouched.") from None
     return out / "report.md", out / "report.html"
 
 

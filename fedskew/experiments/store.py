@@ -13,6 +13,7 @@ import json
 import os
 import sqlite3
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,17 +45,45 @@ def connect(path: Path, read_only: bool = False) -> sqlite3.Connection:
         db.row_factory = sqlite3.Row
         db.executescript("SELECT COUNT(*) FROM runs;" if read_only else SCHEMA)
     except sqlite3.DatabaseError as exc:
-        if "locked" in str(exc) or "busy" in str(exc):
-            raise ConfigError(f"'{path}' is locked by another process (waited {LOCK_WAIT_S:g} s): a sweep writing it, "
-                              f"or a program holding it open; try again when that is done.") from None
+        if _unwritable(exc):
+            raise _write_error(path, exc) from None
         raise ConfigError(f"'{path}' is not a fedskew results database ({exc}); move it away or use another sweep "
                           f"folder.") from None
     if read_only:
         return db
     if "environment" not in {row["name"] for row in db.execute("PRAGMA table_info(runs)")}:  # stores before 0.2
-        with db:
+        with writing(db):
             db.execute("ALTER TABLE runs ADD COLUMN environment TEXT")
     return db
+
+
+def _unwritable(exc: sqlite3.DatabaseError) -> bool:
+    return any(word in str(exc) for word in ("locked", "busy", "full", "readonly", "disk I/O"))
+
+
+def _write_error(path, exc: sqlite3.DatabaseError) -> Exception:
+    """One sentence for a database that cannot be written now (held by another process, a full
+    disk, a read-only folder); the sweep is resumable, so it says how to continue."""
+    from fedskew.config import ConfigError
+    from fedskew.engine.rundir import StorageError
+
+    if "locked" in str(exc) or "busy" in str(exc):
+        return ConfigError(f"'{path}' is locked by another process (waited {LOCK_WAIT_S:g} s): a sweep writing it, "
+                           f"or a program holding it open; try again when that is done.")
+    return StorageError(f"writing the results database '{path}' failed ({exc}); free space (or make the folder "
+                        f"writable) and run the same sweep again: finished runs are kept, the others resume.")
+
+
+@contextmanager
+def writing(db: sqlite3.Connection):
+    """One transaction on ``db``; a database that cannot be written is one sentence."""
+    try:
+        with db:
+            yield db
+    except sqlite3.DatabaseError as exc:
+        if not _unwritable(exc):
+            raise
+        raise _write_error(db.execute("PRAGMA database_list").fetchone()[2], exc) from None
 
 
 def open_sweep(sweep_dir: str | Path) -> sqlite3.Connection:
@@ -64,7 +93,14 @@ def open_sweep(sweep_dir: str | Path) -> sqlite3.Connection:
         from fedskew.config import ConfigError
 
         raise ConfigError(f"'{sweep_dir}' is not a sweep folder (it holds no results.sqlite).")
-    return connect(path, read_only=not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)))
+    return connect(path, read_only=not writable(sweep_dir))
+
+
+def writable(sweep_dir: str | Path) -> bool:
+    """Whether this process may write the sweep folder and its database (False on a read-only
+    mount, where even root may not)."""
+    path = Path(sweep_dir) / "results.sqlite"
+    return os.access(path.parent, os.W_OK) and (not path.exists() or os.access(path, os.W_OK))
 
 
 def run_dir_of(db: sqlite3.Connection, run_id: str) -> Path:
@@ -84,7 +120,7 @@ def scalar_metrics(record: dict) -> dict:
 
 def add_planned(db: sqlite3.Connection, runs: list[dict], sweep_dir: Path) -> dict[str, str]:
     """Insert the planned runs not yet in the database as ``pending``; every run's status."""
-    with db:
+    with writing(db):
         for r in runs:
             db.execute("INSERT OR IGNORE INTO runs (run_id, label, method, params, partition, seed, status, config, "
                        "run_dir) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
@@ -94,7 +130,7 @@ def add_planned(db: sqlite3.Connection, runs: list[dict], sweep_dir: Path) -> di
 
 
 def mark_running(db: sqlite3.Connection, run_id: str) -> None:
-    with db:
+    with writing(db):
         db.execute("UPDATE runs SET status='running', started=?, error=NULL WHERE run_id=?", (time.time(), run_id))
 
 
@@ -102,7 +138,7 @@ def record_done(db: sqlite3.Connection, run_id: str, summary: dict, history: lis
                 environment: dict | None = None) -> None:
     """A finished run: its summary, its per-round scalars and where it ran (versions, threads,
     device, commit: ``fedskew.engine.rundir.environment``)."""
-    with db:
+    with writing(db):
         db.execute("DELETE FROM rounds WHERE run_id=?", (run_id,))
         db.executemany("INSERT INTO rounds (run_id, round, metrics) VALUES (?, ?, ?)",
                        [(run_id, h["round"], json.dumps(h)) for h in history])
@@ -112,13 +148,13 @@ def record_done(db: sqlite3.Connection, run_id: str, summary: dict, history: lis
 
 def mark_interrupted(db: sqlite3.Connection, run_id: str) -> None:
     """A run stopped by a signal (its checkpoint kept): the next sweep resumes it."""
-    with db:
+    with writing(db):
         db.execute("UPDATE runs SET status='interrupted', finished=NULL WHERE run_id=? AND status='running'",
                    (run_id,))
 
 
 def record_failed(db: sqlite3.Connection, run_id: str, error: str) -> None:
-    with db:
+    with writing(db):
         db.execute("UPDATE runs SET status='failed', error=?, finished=? WHERE run_id=?", (error, time.time(), run_id))
 
 
@@ -204,5 +240,5 @@ def results_table(sweep_dir: str | Path, rounds: bool = False) -> list[dict]:
         db.close()
 
 
-__all__ = ["Results", "Run", "add_planned", "connect", "mark_running", "open_sweep", "record_done", "record_failed",
-           "results_table", "scalar_metrics", "selected_runs"]
+__all__ = ["Results", "Run", "add_planned", "connect", "mark_interrupted", "mark_running", "open_sweep", "record_done",
+           "record_failed", "results_table", "scalar_metrics", "selected_runs", "writable", "writing"]

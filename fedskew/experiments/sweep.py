@@ -56,7 +56,7 @@ from fedskew.algorithms.base import StrictOptions
 from fedskew.config import RECORD_KEYS, ConfigError, did_you_mean, load_yaml, nested, set_key, validate_config
 from fedskew.engine.durable import FolderLock, RunInterrupted, atomic_write_text, blocking_file
 from fedskew.experiments.store import (add_planned, connect, mark_interrupted, mark_running, record_done, record_failed,
-                                      scalar_metrics)
+                                      scalar_metrics, writable, writing)
 
 # After SIGTERM or SIGINT, how long the sweep waits for its workers' runs to reach a round boundary
 # and checkpoint; a run still in its round then is stopped and resumes from its last checkpoint.
@@ -343,6 +343,8 @@ def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
 
         check_address(ray)
     runs = plan(spec)
+    if (sweep_dir / "results.sqlite").is_file() and not writable(sweep_dir):
+        return _finished_read_only(spec, sweep_dir, runs, on_event)
     check_data(runs)
     blocked = blocking_file(sweep_dir)
     if blocked is not None:
@@ -353,6 +355,26 @@ def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
         db = _run_locked(spec, sweep_dir, runs, jobs, on_event, ray)
     finally:
         lock.release()
+    return db
+
+
+def _finished_read_only(spec: SweepSpec, sweep_dir: Path, runs: list[dict], on_event) -> sqlite3.Connection:
+    """A sweep folder this process cannot write (a read-only mount, an archive): its results when
+    every planned run has finished, else one sentence."""
+    db = connect(sweep_dir / "results.sqlite", read_only=True)
+    if spec.selection.tune_seeds is not None:
+        runs = plan(spec, select(db, spec, record=False))
+    status = {row["run_id"]: row["status"] for row in db.execute("SELECT run_id, status FROM runs")}
+    todo = sum(status.get(r["run_id"]) != "done" for r in runs)
+    if todo:
+        db.close()
+        from fedskew.engine.rundir import StorageError
+
+        raise StorageError(f"sweep folder '{sweep_dir}' is read-only and {todo} of its {len(runs)} runs have not "
+                           f"finished; make it writable, or copy it elsewhere and run the sweep there.")
+    for r in runs:
+        if on_event:
+            on_event("skipped", r)
     return db
 
 
@@ -488,9 +510,11 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
                         if collect(fut, running[fut]):
                             running.pop(fut)
                 finally:
-                    for r in running.values():
-                        mark_interrupted(db, r["run_id"])
-                    stop(pool)
+                    try:
+                        for r in running.values():
+                            mark_interrupted(db, r["run_id"])
+                    finally:
+                        stop(pool)
                 raise
             pool.shutdown()
 
@@ -518,9 +542,9 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
 # Selection
 
 
-def select(db: sqlite3.Connection, spec: SweepSpec) -> dict[tuple[str, str], dict]:
+def select(db: sqlite3.Connection, spec: SweepSpec, record: bool = True) -> dict[tuple[str, str], dict]:
     """Per (method label, partition): the grid point with the best mean over seeds of the
-    selection metric among finished runs; recorded in ``selections``."""
+    selection metric among finished runs; recorded in ``selections`` unless ``record`` is False."""
     metric = spec.selection.key
     chosen = {}
     rows = db.execute("SELECT label, partition, params, seed, summary FROM runs WHERE status='done'").fetchall()
@@ -533,14 +557,16 @@ def select(db: sqlite3.Connection, spec: SweepSpec) -> dict[tuple[str, str], dic
         bucket = groups.setdefault((row["label"], row["partition"]), {}).setdefault(row["params"], [])
         if value is not None:
             bucket.append(float(value))
-    with db:
-        for (label, partition), candidates in groups.items():
-            means = {p: (sum(v) / len(v) if v else None) for p, v in candidates.items()}
-            scored = [p for p, m in means.items() if m is not None]
-            best = max(scored, key=lambda p: means[p]) if scored else sorted(means)[0]
-            chosen[(label, partition)] = {"params": json.loads(best), "value": means[best]}
-            db.execute("INSERT OR REPLACE INTO selections VALUES (?, ?, ?, ?, ?, ?, ?)",
-                       (label, partition, best, metric, spec.selection.split, means[best], json.dumps(means)))
+    rows = []
+    for (label, partition), candidates in groups.items():
+        means = {p: (sum(v) / len(v) if v else None) for p, v in candidates.items()}
+        scored = [p for p, m in means.items() if m is not None]
+        best = max(scored, key=lambda p: means[p]) if scored else sorted(means)[0]
+        chosen[(label, partition)] = {"params": json.loads(best), "value": means[best]}
+        rows.append((label, partition, best, metric, spec.selection.split, means[best], json.dumps(means)))
+    if record:
+        with writing(db):
+            db.executemany("INSERT OR REPLACE INTO selections VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
     return chosen
 
 
