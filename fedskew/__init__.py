@@ -146,14 +146,24 @@ def sweep(spec: Mapping | str | Path | None = None, /, jobs: int | None = None, 
     (``"local"`` starts an instance; ``"auto"``, ``"host:port"``, ``"ray://host:10001"`` join a
     cluster; per-run resources from the spec's ``resources``; docs/scaling.md). Failed runs are listed by
     :func:`load_results` (``status``, ``error``) and announced with a warning."""
+    import sys
     import warnings
 
     from fedskew.experiments.presets import default_comparison
-    from fedskew.experiments.sweep import default_jobs, default_sweep_dir, load_spec, run_sweep
+    from fedskew.experiments.sweep import default_jobs, default_sweep_dir, load_spec, run_sweep, unguarded_script_line
 
     parsed = load_spec(dict(spec) if isinstance(spec, Mapping) else spec if spec is not None else default_comparison())
     sweep_dir = Path(out) if out is not None else default_sweep_dir(parsed)
-    db = run_sweep(parsed, sweep_dir, jobs or default_jobs(), on_event, ray)
+    jobs = jobs or default_jobs()
+    line = unguarded_script_line(sys._getframe(1)) if jobs > 1 and ray is None else None
+    if line is not None:
+        from fedskew.config import ConfigError
+
+        raise ConfigError(f"{sys.modules['__main__'].__file__}, line {line}, calls fedskew.sweep(jobs={jobs}) outside "
+                          f"`if __name__ == \"__main__\":`; its worker processes start by importing the script, "
+                          f"which would start the sweep again in each of them: put the call under that guard "
+                          f"(or use jobs=1).")
+    db = run_sweep(parsed, sweep_dir, jobs, on_event, ray)
     try:
         failed = db.execute("SELECT COUNT(*) FROM runs WHERE status='failed'").fetchone()[0]
     finally:

@@ -305,3 +305,38 @@ def test_every_run_records_where_it_ran(tmp_path, sweep_with_a_failure):
     fedskew.resume(tmp_path / "e")
     after = yaml.safe_load((tmp_path / "e" / "config.yaml").read_text())
     assert after["environment_previous"][0]["torch_threads"] == 99 and after["environment"] == env
+
+
+def test_a_clone_named_fedskew_beside_a_script_does_not_shadow_the_package(tmp_path):
+    """A script run from the folder that holds a clone named ``fedskew/`` (the editable install's
+    finder comes after the script's folder): before, ``import fedskew`` gave the clone's folder as
+    an empty namespace package (``module 'fedskew' has no attribute 'run'``)."""
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "fedskew").symlink_to(repo, target_is_directory=True)
+    (tmp_path / "script.py").write_text("import fedskew\nprint(fedskew.run.__module__, fedskew.__version__)\n")
+    env = {**os.environ, "PYTHONPATH": ""}
+    out = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["fedskew", fedskew.__version__]
+    assert out.stderr.count("\n") == 1 and "is a fedskew source checkout beside your script" in out.stderr
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_an_unguarded_parallel_sweep_in_a_script_is_one_sentence(tmp_path, guarded):
+    """README's snippet without ``if __name__ == "__main__":`` made every spawned worker start the
+    sweep again (9 min of cascading tracebacks); now the script line is named before any worker."""
+    call = ('fedskew.sweep({"name": "g", "base": {"rounds": 1, "partition.num_clients": 4, "clients_per_round": 2, '
+            '"local_epochs": 1}, "methods": ["fedavg"], "seeds": [0, 1]}, jobs=2, out="sw")')
+    body = "def main():\n    " + call + "\n\n" + ('if __name__ == "__main__":\n    main()\n' if guarded else "main()\n")
+    (tmp_path / "script.py").write_text("import fedskew\n\n" + body)
+    out = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if guarded:
+        assert out.returncode == 0, out.stderr
+        assert len(fedskew.load_results(tmp_path / "sw", frame=False)) == 2
+    else:
+        assert out.returncode == 1 and out.stderr.count("Traceback") == 1
+        assert (f"{tmp_path / 'script.py'}, line 6, calls fedskew.sweep(jobs=2) outside `if __name__ == "
+                f"\"__main__\":`") in out.stderr
+        assert not (tmp_path / "sw").exists()

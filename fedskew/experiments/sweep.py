@@ -323,6 +323,33 @@ def interactive_methods(external: dict[str, tuple[str, str]]) -> bool:
     return any(module == "__main__" and not getattr(main, "__file__", None) for module, _ in external.values())
 
 
+def unguarded_script_line(frame) -> int | None:
+    """The line of the running script (``__main__``, a file) from which ``frame`` was reached, when
+    that line is not under ``if __name__ == "__main__":``. Worker processes start by importing the
+    script again, so such a line would start the sweep again in every worker, and theirs again."""
+    import ast
+    import sys
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"):
+        frame = frame.f_back
+    if frame is None or not path or not str(path).endswith(".py") or frame.f_code.co_filename != path:
+        return None
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    line = frame.f_lineno
+    for node in tree.body:
+        if node.lineno <= line <= (node.end_lineno or node.lineno):
+            guarded = isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and {
+                getattr(n, "id", None) or getattr(n, "value", None) for n in (node.test.left, *node.test.comparators)
+            } == {"__name__", "__main__"}
+            return None if guarded else line
+    return None
+
+
 def _mp_context(external: dict[str, tuple[str, str]]):
     """spawn (a clean interpreter per worker), unless a registered method cannot be imported by a
     new interpreter (:func:`interactive_methods`): then fork, which inherits it."""
