@@ -253,7 +253,7 @@ def _describe(obj) -> str:
 
 def cmd_methods(args, console: Console) -> int:
     from fedskew.config import ConfigError
-    from fedskew.algorithms import COMPONENTS, METHODS, did_you_mean, options_reference
+    from fedskew.algorithms import COMPONENTS, METHODS, allowed_values, did_you_mean, options_reference
 
     if args.markdown:
         print(options_reference(), end="")
@@ -264,10 +264,11 @@ def cmd_methods(args, console: Console) -> int:
                               f"`fedskew methods` lists them.")
         cls = METHODS.get(args.name) or COMPONENTS[args.name]
         console.print(f"[bold]{args.name}[/bold]: {_describe(cls)}", highlight=False)
-        table = Table("option", "default", "meaning")
+        table = Table("option", "default", "allowed", "meaning")
         for key, field in cls.Options.model_fields.items():
             table.add_row(f"method.{key}" if args.name in METHODS else f"method.{args.name}.{key}",
-                          repr(field.get_default(call_default_factory=True)), field.description or "")
+                          repr(field.get_default(call_default_factory=True)), allowed_values(field, markdown=False),
+                          field.description or "")
         console.print(table)
         if args.name in METHODS:
             console.print(f"any method also takes the components {', '.join(sorted(COMPONENTS))} "

@@ -83,3 +83,9 @@ def test_the_registry_holds_classes_only():
     from fedskew.algorithms.base import Method
 
     assert all(isinstance(cls, type) and issubclass(cls, Method) for cls in METHODS.values())
+
+
+def test_every_option_of_every_method_and_component_says_what_it_means():
+    missing = [f"{name}.{key}" for name, cls in {**METHODS, **COMPONENTS}.items()
+               for key, field in cls.Options.model_fields.items() if not (field.description or "").strip()]
+    assert not missing, f"options without a meaning: {missing}"

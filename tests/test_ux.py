@@ -263,7 +263,11 @@ def test_methods_command_lists_every_method_and_its_options(tmp_path):
         assert re.search(rf"│ {re.escape(name)} +│", done.stdout), name
     assert "mu1=0.01" in done.stdout
     one = cli("methods", "fedmr", cwd=tmp_path, env={**ENV, "COLUMNS": "250"})
-    assert one.returncode == 0 and re.search(r"method\.mu1 +│ 0\.01 +│ weight of L_intra", one.stdout)
+    assert one.returncode == 0 and re.search(r"method\.mu1 +│ 0\.01 +│ float >= 0 +│ weight of L_intra", one.stdout)
+    assert re.search(r"method\.inter_classes +│ 'all' +│ all \| local +│ classes j that L_inter", one.stdout)
+    map_ = cli("methods", "map", cwd=tmp_path, env={**ENV, "COLUMNS": "250"}).stdout
+    for option, allowed in (("kt", "kd | mmd"), ("kd_form", "paper | code"), ("rs_form", "hard | soft")):
+        assert re.search(rf"method\.{option} +│ '\w+' +│ {re.escape(allowed)} +│ \w", map_), option
     bad = cli("methods", "fedmrr", cwd=tmp_path)
     assert bad.returncode == 2 and "(did you mean 'fedmr'?)" in bad.stderr
 

@@ -168,15 +168,17 @@ __all__ = ["ClientReport", "FederationInfo", "Forward", "METHODS", "Method", "St
            "validate_method_config"]
 
 
-def allowed_values(field) -> str:
-    """What an option accepts, from its type and constraints (``'hard' | 'soft'``, ``>= 0``, ...)."""
+def allowed_values(field, markdown: bool = True) -> str:
+    """What an option accepts, from its type and constraints (``'hard' | 'soft'``, ``>= 0``, ...);
+    ``markdown=False``: plain text for a terminal."""
     import typing
 
     ann = field.annotation
     args = [a for a in typing.get_args(ann) if a is not type(None)]
     literal = next((a for a in [ann, *args] if typing.get_origin(a) is typing.Literal), None)
     if literal is not None:
-        text = " \\| ".join(f"`{v}`" for v in typing.get_args(literal))
+        text = (" \\| ".join(f"`{v}`" for v in typing.get_args(literal)) if markdown
+                else " | ".join(str(v) for v in typing.get_args(literal)))
     else:
         base = args[0] if args else ann
         text = getattr(base, "__name__", str(base)).replace("NoneType", "none")

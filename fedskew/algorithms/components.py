@@ -45,7 +45,9 @@ class DecorrelationOptions(StrictOptions):
 
 class PrototypeOptions(StrictOptions):
     mu2: float = Field(1e-4, ge=0, description="weight of L_inter (0: prototypes still computed, no margin)")
-    inter_classes: Literal["all", "local"] = "all"
+    inter_classes: Literal["all", "local"] = Field("all", description=
+        "classes j that L_inter keeps a margin against: all: every class with a prototype (the paper's stated "
+        "purpose, space for the missing classes); local: only the client's own classes (the paper's Eq. 4)")
     lite_n: int | None = Field(None, ge=1, description="L_inter on n samples of each batch (Lite)")
     share_fraction: float = Field(1.0, gt=0, le=1, description="fraction of clients that upload prototypes")
 
@@ -173,10 +175,14 @@ class RestrictedSoftmax(Component):
 
 class HPMOptions(StrictOptions):
     search = {'kt_lambda': [0.001, 0.01, 0.1]}  # the bench's search space (fedskew bench)
-    kt: Literal["kd", "mmd"] = "kd"
+    kt: Literal["kd", "mmd"] = Field("kd", description=
+        "knowledge-transfer term from the inherited private model: kd: distillation of its logits; mmd: MMD^2 "
+        "between its features and the trained model's")
     kt_lambda: float = Field(0.01, ge=0, le=1, description="L = (1 - lambda) CE + lambda L_kt")
     temperature: float = Field(4.0, gt=0, description="KD temperature T")
-    kd_form: Literal["paper", "code"] = "paper"
+    kd_form: Literal["paper", "code"] = Field("paper", description=
+        "paper: KL(softmax(g_p / T) || softmax(g / T)) T^2; code: FedPHP reference code's cross-entropy from "
+        "softmax(g_p / T) to softmax(g), no T on the student, no T^2")
     mu_max: float = Field(0.9, ge=0, le=1, description="cap of the HPM momentum")
     schedule: Literal["code", "paper", "fedphp"] = Field(
         "code", description="code: all E epochs uploaded, then max(0.1 S, 5) steps at 0.2 lr (MAP authors' code, "

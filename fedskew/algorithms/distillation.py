@@ -45,7 +45,7 @@ class FedDFOptions(FedAvgOptions):
     distill_steps: int = Field(500, ge=0, description="server distillation steps per round (official code: up "
                                                       "to 10,000 with early stopping on a validation set)")
     distill_lr: float = Field(1e-3, gt=0, description="Adam learning rate of the distillation (paper Section 4)")
-    distill_batch: int = Field(64, ge=1)
+    distill_batch: int = Field(64, ge=1, description="unlabelled samples per server distillation step")
     temperature: float = Field(1.0, gt=0, description="softmax temperature of teacher and student")
 
 
@@ -134,7 +134,7 @@ class FedGenOptions(FedAvgOptions):
                                                       "the generated term weighs gen_batch_size / batch_size")
     bank_per_class: int = Field(8, ge=1, description="generated features per class drawn for a client's "
                                                      "round (the expectation the per-step draws estimate)")
-    noise_dim: int = Field(32, ge=1)
+    noise_dim: int = Field(32, ge=1, description="size of the generator's noise input (official: 32)")
     hidden_dim: int = Field(256, ge=1, description="the generator's hidden layer (official MNIST: 256)")
     noise: Literal["normal", "uniform"] = Field("normal", description="generator input noise: N(0, I) (paper, "
                                                 "FL-bench, the official code's comment) or U[0,1) (the official "

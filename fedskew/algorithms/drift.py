@@ -136,7 +136,8 @@ class Scaffold(Method):
 
 class FedDynOptions(FedAvgOptions):
     search = {'alpha': [0.001, 0.01, 0.1]}  # the bench's search space (fedskew bench)
-    alpha: float = Field(0.01, gt=0)
+    alpha: float = Field(0.01, gt=0, description="weight of FedDyn's dynamic regulariser (the same alpha "
+                                                  "updates the server's h)")
     alpha_by_data: bool = Field(False, description="reference code: alpha_k = alpha / (n_k / mean n)")
 
 

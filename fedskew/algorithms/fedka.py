@@ -108,7 +108,9 @@ class FedKAOptions(FedAvgOptions):
     gamma: float | None = Field(None, gt=0, le=1, description="non-dominant threshold on the class share "
                                                               "(default 1/C)")
     anchor_cap: int = Field(10, ge=1, description="most anchors per client")
-    anchor_strategy: Literal["random", "hard", "proficient"] = "random"
+    anchor_strategy: Literal["random", "hard", "proficient"] = Field("random", description=
+        "which own sample anchors a non-dominant class: random (the paper), or the one with the largest (hard) "
+        "/ smallest (proficient) loss under the received global model")
 
 
 class FedKA(Method):

@@ -39,7 +39,9 @@ class EtfGmvOptions(FedAvgOptions):
     gmv_alpha: float = Field(0.5, ge=0, description="weight of the memory vector in h = z + alpha mu_y")
     gmv_warmup_rounds: int | None = Field(None, ge=0, description="R_warm: first round trained with memory "
                                                                   "vectors (default: half of the rounds)")
-    gmv_weighting: Literal["count", "clients"] = "count"
+    gmv_weighting: Literal["count", "clients"] = Field("count", description=
+        "how the server averages the clients' class means into mu_c: count: weighted by their class-c sample "
+        "counts; clients: each holding client equally (the paper's formula)")
 
 
 class EtfGmv(Method):

@@ -30,7 +30,7 @@ class MoonOptions(FedAvgOptions):
     # near chance on 1 of 3 seeds of Fashion-MNIST P10C2 (27.20 mean of last 5 vs 39.59 at mu = 1,
     # seed 0; docs/benchmarks.md "Method health")
     mu: float = Field(1.0, ge=0, description="weight of the contrastive term (paper: 5 CIFAR-10, 1 CIFAR-100)")
-    temperature: float = Field(0.5, gt=0)
+    temperature: float = Field(0.5, gt=0, description="tau of the model-contrastive loss")
 
 
 class Moon(Method):
@@ -102,7 +102,7 @@ def proto_contrastive(z: torch.Tensor, y: torch.Tensor, prototypes: torch.Tensor
 
 class FedProcOptions(FedAvgOptions):
     search = {'temperature': [0.1, 0.5, 1.0]}  # the bench's search space (fedskew bench)
-    temperature: float = Field(0.5, gt=0)
+    temperature: float = Field(0.5, gt=0, description="tau of the prototype-contrastive loss L_pc")
 
 
 class FedProcBase(Method):

@@ -102,8 +102,9 @@ def spreadout(weight: torch.Tensor, margin: float) -> torch.Tensor:
 class FedAwSOptions(FedAvgOptions):
     search = {'margin': [0.3, 0.5, 0.7]}  # the bench's search space (fedskew bench)
     margin: float = Field(0.5, gt=0, le=1, description="cosine-distance margin between classifier rows")
-    server_steps: int = Field(5, ge=0)
-    server_lr: float = Field(0.1, gt=0)
+    server_steps: int = Field(5, ge=0, description=
+        "gradient steps of the spreadout regulariser on the classifier rows after each aggregation (0: FedAvg)")
+    server_lr: float = Field(0.1, gt=0, description="learning rate of those server steps")
 
 
 class FedAwS(Method):

@@ -234,7 +234,8 @@ class FedALAOptions(FedAvgOptions):
                                                 "lower ones take the global model's values")
     threshold: float = Field(0.1, gt=0, description="first ALA: learn until the std of the last num_pre_loss "
                                                     "epoch losses is below this")
-    num_pre_loss: int = Field(10, ge=2)
+    num_pre_loss: int = Field(10, ge=2, description=
+        "how many recent epoch losses the first ALA's stopping test takes the std of")
     max_start_epochs: int = Field(100, ge=1, description="cap on the first ALA's epochs (the official code has none)")
 
 
