@@ -135,14 +135,21 @@ def resume(run_dir: str | Path, *, on_round: Callable[[dict], None] | None = Non
 
 
 def sweep(spec: Mapping | str | Path | None = None, /, jobs: int | None = None, out: str | Path | None = None, *,
-          on_event: Callable[[str, dict], None] | None = None, ray: str | None = None) -> Path:
+          on_event: Callable[[str, dict], None] | None = None, ray: str | None = None,
+          on_progress: Callable[[dict], None] | None = None, progress: bool = False) -> Path:
     """Run a sweep (methods x option grids x partitions x seeds) into a folder with a SQLite results
     store and one run directory per run; returns the folder (default ``runs/sweep-<name>``).
 
     ``spec``: a mapping or a YAML file in the format of :mod:`fedskew.experiments.sweep`; None is
     ``fedskew sweep``'s default comparison. ``jobs`` runs at once (default min(2, cores)), one torch
     thread each. Running it again skips finished runs and resumes interrupted ones. ``on_event`` is
-    called with ``("skipped" | "started" | "done" | "failed", run)``. ``ray``: run on Ray instead
+    called with ``("skipped" | "started" | "round" | "done" | "failed", run)`` (``"round"``: after
+    each round of a run in this process or a worker, with ``run["round"]`` rounds done of
+    ``run["rounds"]``; Ray reports none). ``on_progress`` is called after every event with the
+    sweep's progress: ``runs_done``, ``runs_running``, ``runs_failed``, ``runs_total``,
+    ``rounds_done``, ``rounds_total``, ``elapsed_s`` and ``eta_s`` (from the measured round rate;
+    None until a round is done); ``progress=True`` prints it as a line to stderr every 30 s and
+    after each run. ``ray``: run on Ray instead
     (``"local"`` starts an instance; ``"auto"``, ``"host:port"``, ``"ray://host:10001"`` join a
     cluster; per-run resources from the spec's ``resources``; docs/scaling.md). Failed runs are listed by
     :func:`load_results` (``status``, ``error``) and announced with a warning."""
@@ -150,7 +157,8 @@ def sweep(spec: Mapping | str | Path | None = None, /, jobs: int | None = None, 
     import warnings
 
     from fedskew.experiments.presets import default_comparison
-    from fedskew.experiments.sweep import default_jobs, default_sweep_dir, load_spec, run_sweep, unguarded_script_line
+    from fedskew.experiments.sweep import (SweepProgress, default_jobs, default_sweep_dir, load_spec, planned_count,
+                                           progress_line, rounds_per_run, run_sweep, unguarded_script_line)
 
     parsed = load_spec(dict(spec) if isinstance(spec, Mapping) else spec if spec is not None else default_comparison())
     sweep_dir = Path(out) if out is not None else default_sweep_dir(parsed)
@@ -163,6 +171,19 @@ def sweep(spec: Mapping | str | Path | None = None, /, jobs: int | None = None, 
                           f"`if __name__ == \"__main__\":`; its worker processes start by importing the script, "
                           f"which would start the sweep again in each of them: put the call under that guard "
                           f"(or use jobs=1).")
+    if on_progress is not None or progress:
+        tracker, user_event, last = SweepProgress(planned_count(parsed), rounds_per_run(parsed)), on_event, [0.0]
+
+        def on_event(kind: str, run: dict) -> None:
+            if user_event is not None:
+                user_event(kind, run)
+            snap = tracker.update(kind, run)
+            if on_progress is not None:
+                on_progress(snap)
+            if progress and (kind in ("done", "failed") or snap["elapsed_s"] - last[0] >= 30):
+                last[0] = snap["elapsed_s"]
+                print(f"fedskew sweep: {progress_line(snap)}", file=sys.stderr, flush=True)
+
     db = run_sweep(parsed, sweep_dir, jobs, on_event, ray)
     try:
         failed = db.execute("SELECT COUNT(*) FROM runs WHERE status='failed'").fetchone()[0]

@@ -307,69 +307,56 @@ def cmd_partition(args, console: Console) -> int:
     return 0
 
 
-def _clock(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
-        f"{seconds // 60}:{seconds % 60:02d}"
-
-
 class SweepDisplay:
-    """Runs done / running / pending / failed with elapsed time and an ETA (a rich bar on a
-    terminal, numbered plain lines otherwise), and one short line per finished run."""
+    """A sweep's progress (runs done / running / failed, rounds across every worker, elapsed time,
+    an ETA from the measured round rate): a rich bar on a terminal, else a plain progress line at
+    most every ``PLAIN_EVERY_S`` seconds; and one short line per finished run."""
 
-    def __init__(self, console: Console, total: int, jobs: int):
-        self.console, self.total, self.jobs = console, total, jobs
-        self.t0 = time.perf_counter()
-        self.counts = {"done": 0, "failed": 0, "skipped": 0}
-        self.running: dict[str, float] = {}
-        self.durations: list[float] = []
+    PLAIN_EVERY_S = 30.0
+
+    def __init__(self, console: Console, total: int, rounds_per_run: float):
+        from fedskew.experiments.sweep import SweepProgress, progress_line
+
+        self.console, self.line = console, progress_line
+        self.tracker = SweepProgress(total, rounds_per_run)
+        self.t0 = self.tracker.t0
+        self.started: dict[str, float] = {}
+        self.last_line = self.t0
         self.progress = None
         if console.is_terminal:
             from rich.progress import BarColumn, Progress, TextColumn
 
             self.progress = Progress(BarColumn(), TextColumn("{task.description}"), console=console,
                                      refresh_per_second=2)
-            self.task = self.progress.add_task(self.status(), total=total)
-
-    def status(self) -> str:
-        finished = sum(self.counts.values())
-        pending = self.total - finished - len(self.running)
-        now = time.perf_counter()
-        if self.durations:  # runs left x mean run time / parallel workers, minus what the running ones did
-            mean = sum(self.durations) / len(self.durations)
-            left = pending * mean + sum(max(0.0, mean - (now - t)) for t in self.running.values())
-            eta = _clock(left / max(1, min(self.jobs or len(self.running), pending + len(self.running))))
-        else:
-            eta = "?"
-        return (f"{finished}/{self.total} runs: done {self.counts['done'] + self.counts['skipped']}, running "
-                f"{len(self.running)}, pending {pending}, failed {self.counts['failed']}; "
-                f"{_clock(now - self.t0)} elapsed, ETA {eta}")
+            self.task = self.progress.add_task(progress_line(self.tracker.snapshot()), total=self.tracker.rounds)
 
     def __call__(self, kind: str, r: dict) -> None:
         name = f"{r['label']}{''.join(f' {k}={v}' for k, v in r['params'].items())} {r['partition']} s{r['seed']}"
-        line = None
+        now = time.perf_counter()
         if kind == "started":
-            self.running[r["run_id"]] = time.perf_counter()
-        elif kind == "skipped":
-            self.counts["skipped"] += 1
-        else:
-            took = time.perf_counter() - self.running.pop(r["run_id"], time.perf_counter())
-            self.counts[kind] += 1
-            if kind == "done":
-                self.durations.append(took)
-                acc = r["summary"].get("global/test_acc_mean_last10")
-                pers = r["summary"].get("personal/final_acc_after")
-                line = (f"{name}: global {_pct(acc)} personal {_pct(pers)} ({took:.0f}s)")
-            else:
-                line = f"{name}: FAILED ({r['error'][:200]})"
+            self.started[r["run_id"]] = now
+        took = now - self.started.pop(r["run_id"], now) if kind in ("done", "failed") else 0.0
+        snap = self.tracker.update(kind, r)
+        line = None
+        if kind == "done":
+            acc = r["summary"].get("global/test_acc_mean_last10")
+            pers = r["summary"].get("personal/final_acc_after")
+            line = f"{name}: global {_pct(acc)} personal {_pct(pers)} ({took:.0f}s)"
+        elif kind == "failed":
+            line = f"{name}: FAILED ({r['error'][:200]})"
         if self.progress is not None:
             if line:
                 self.progress.console.print(line, highlight=False, markup=False)
-            self.progress.update(self.task, completed=sum(self.counts.values()), description=self.status())
-        elif line or kind == "skipped":
-            finished = sum(self.counts.values())
-            self.console.print(f"[{finished}/{self.total}] {line or name + ': already done'}", highlight=False,
-                               markup=False, soft_wrap=True)
+            self.progress.update(self.task, completed=snap["rounds_done"], description=self.line(snap))
+            return
+        if kind == "skipped":
+            line = f"{name}: already done"
+        if line:
+            self.console.print(f"[{snap['runs_done']}/{snap['runs_total']}] {line}", highlight=False, markup=False,
+                               soft_wrap=True)
+        if kind in ("done", "failed") or kind == "round" and now - self.last_line >= self.PLAIN_EVERY_S:
+            self.last_line = now
+            self.console.print(f"progress: {self.line(snap)}", highlight=False, markup=False, soft_wrap=True)
 
 
 def _pct(v) -> str:
@@ -418,7 +405,8 @@ def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, conso
                     ray: str | None = None) -> int:
     from fedskew.experiments.report import write_report
     from fedskew.experiments.store import writable
-    from fedskew.experiments.sweep import default_jobs, default_sweep_dir, planned_count, run_sweep
+    from fedskew.experiments.sweep import (clock, default_jobs, default_sweep_dir, planned_count, rounds_per_run,
+                                           run_sweep)
 
     sweep_dir = Path(out) if out else default_sweep_dir(spec)
     total = planned_count(spec)
@@ -437,7 +425,7 @@ def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, conso
                  if args.command in ("run", "sweep") else "the same command again")
         args.interrupt_hint = (f"finished runs are kept in {sweep_dir} (interrupted ones with their checkpoints); "
                                f"{again} continues the sweep.")
-    display = SweepDisplay(console, total, jobs if ray is None else 0)  # (0: as many at once as are running)
+    display = SweepDisplay(console, total, rounds_per_run(spec))
     if display.progress is not None:
         with display.progress:
             db = run_sweep(spec, sweep_dir, jobs, display, ray)
@@ -446,7 +434,7 @@ def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, conso
     failed = db.execute("SELECT COUNT(*) FROM runs WHERE status='failed'").fetchone()[0]
     db.close()
     console.print(f"{total} runs, {failed} failed; results in {sweep_dir / 'results.sqlite'} "
-                  f"({_clock(time.perf_counter() - display.t0)})", highlight=False)
+                  f"({clock(time.perf_counter() - display.t0)})", highlight=False)
     if report and not writable(sweep_dir):
         _sweep_tables(sweep_dir, console)
         console.print(f"{sweep_dir} is read-only, so no report is written there; `fedskew report {sweep_dir} --out "

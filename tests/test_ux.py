@@ -179,6 +179,7 @@ def test_sweep_progress_lines_count_and_fit(tmp_path):
     assert [int(re.match(r"\[(\d+)/6\]", line).group(1)) for line in counted] == [1, 2, 3, 4, 5, 6]
     assert all(len(line) <= 120 for line in counted)
     assert "fedprox mu=0.1 default s1: global" in done.stdout
+    assert "progress: 6/6 runs (0 running, 0 failed), 12/12 rounds; " in done.stdout  # a plain line for logs
     # the final table is a terminal table titled with the metric and its unit
     assert "Global accuracy, mean of the last 10 evaluations (%): global/test_acc_mean_last10" in done.stdout
     assert re.search(r"┃ partition ┃ +fedavg ┃ +fedprox ┃", done.stdout)
@@ -211,8 +212,8 @@ def test_sweep_progress_on_a_terminal_shows_counts_and_eta(tmp_path):
     proc.wait(timeout=60)
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode(errors="replace"))
     assert proc.returncode == 0
-    assert re.search(r"\d/3 runs: done \d, running \d, pending \d, failed 0; \d+:\d\d elapsed, ETA (\d+:\d\d|\?)", text)
-    assert "3/3 runs: done 3, running 0, pending 0, failed 0" in text
+    assert re.search(r"\d/3 runs \(\d running, 0 failed\), [1-5]/6 rounds; \d+:\d\d elapsed, ETA \d+:\d\d", text)
+    assert "3/3 runs (0 running, 0 failed), 6/6 rounds" in text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,3 +345,25 @@ def test_an_unguarded_parallel_sweep_in_a_script_is_one_sentence(tmp_path, guard
         assert (f"{tmp_path / 'script.py'}, line 6, calls fedskew.sweep(jobs=2) outside `if __name__ == "
                 f"\"__main__\":`") in out.stderr
         assert not (tmp_path / "sw").exists()
+
+
+def test_a_parallel_sweep_reports_every_workers_rounds_to_python(tmp_path, capsys):
+    """Progress per round across workers (before: only when a run finished, "ETA ?" for the whole
+    first run), an ETA from the measured round rate, and a plain line from ``fedskew.sweep``."""
+    spec = {"name": "p", "base": {"rounds": 3, "partition.num_clients": 4, "clients_per_round": 2,
+                                  "local_epochs": 1, "model.hidden": [16]}, "methods": ["fedavg"], "seeds": [0, 1]}
+    events, snaps = [], []
+    fedskew.sweep(spec, jobs=2, out=tmp_path / "sw", on_event=lambda kind, run: events.append((kind, run)),
+                  on_progress=snaps.append, progress=True)
+    rounds = [(run["run_id"], run["round"], run["rounds"]) for kind, run in events if kind == "round"]
+    assert sorted(rounds) == sorted((rid, k, 3) for rid in {r[0] for r in rounds} for k in (1, 2, 3))
+    assert len({r[0] for r in rounds}) == 2  # both workers' runs, each round of each
+    first_done = next(i for i, (kind, _) in enumerate(events) if kind == "done")
+    assert any(kind == "round" for kind, _ in events[:first_done])  # rounds arrive while runs are running
+    assert [s["rounds_done"] for s in snaps] == sorted(s["rounds_done"] for s in snaps)  # never goes back
+    assert snaps[-1] | {"elapsed_s": 0, "eta_s": 0} == {"runs_done": 2, "runs_failed": 0, "runs_running": 0,
+                                                       "runs_total": 2, "rounds_done": 6, "rounds_total": 6,
+                                                       "elapsed_s": 0, "eta_s": 0}
+    assert snaps[-1]["eta_s"] == 0 and all(s["eta_s"] is not None for s in snaps if s["rounds_done"])
+    err = capsys.readouterr().err
+    assert "fedskew sweep: 2/2 runs (0 running, 0 failed), 6/6 rounds; " in err

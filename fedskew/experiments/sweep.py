@@ -248,15 +248,79 @@ def planned_count(spec: SweepSpec) -> int:
     return len(plan(spec)) + (extra if spec.selection.tune_seeds is not None else 0)
 
 
-def _execute(config: dict, run_dir: str) -> tuple[dict, list[dict]]:
-    """Run (or resume, when its directory already holds one) a single run; worker entry point."""
+def rounds_per_run(spec: SweepSpec) -> float:
+    """The mean number of rounds of the sweep's runs (what its progress counts in)."""
+    runs = plan(spec)
+    return sum(int(r["config"].get("rounds", 0) or 0) for r in runs) / max(1, len(runs))
+
+
+_ROUNDS = None  # in a worker: the queue on which it tells the sweep process (run_id, rounds done, rounds)
+
+
+def _execute(config: dict, run_dir: str, report: Callable[[tuple], None] | None = None) -> tuple[dict, list[dict]]:
+    """Run (or resume, when its directory already holds one) a single run; worker entry point.
+    After each round, ``report`` (in a worker: its queue to the sweep) gets (run_id, rounds done,
+    rounds)."""
     from fedskew.engine.runner import Experiment
 
     run_dir_p = Path(run_dir)
     cfg = validate_config({k: v for k, v in config.items() if k not in RECORD_KEYS})
     resume = (run_dir_p / "config.yaml").is_file()
-    result = Experiment(cfg, run_dir_p, resume=resume).run()
+    report = report or (_ROUNDS.put if _ROUNDS is not None else None)
+    on_round = None if report is None else lambda record: report((run_dir_p.name, record["round"] + 1, cfg.rounds))
+    result = Experiment(cfg, run_dir_p, resume=resume).run(on_round)
     return result.summary, [scalar_metrics(h) for h in result.history], result.environment
+
+
+class SweepProgress:
+    """A sweep's progress from its events ("skipped", "started", "round", "done", "failed"): runs
+    and rounds done, the runs running, elapsed seconds and an ETA from the round rate measured in
+    this process (every worker's rounds together, so parallelism is in it; resumed and skipped
+    rounds are not)."""
+
+    def __init__(self, runs: int, rounds_per_run: float):
+        self.runs, self.rounds = runs, round(runs * rounds_per_run)
+        self.t0 = time.perf_counter()
+        self.counts = {"done": 0, "failed": 0, "skipped": 0}
+        self.running: dict[str, int | None] = {}  # run_id -> rounds done (None: none reported yet)
+        self.finished_rounds = 0
+        self.trained = 0  # rounds trained since this process started
+
+    def update(self, kind: str, r: dict) -> dict:
+        rid = r["run_id"]
+        if kind == "started":
+            self.running[rid] = None
+        elif kind == "round":
+            before = self.running.get(rid)
+            self.trained += 1 if before is None else max(0, r["round"] - before)
+            self.running[rid] = r["round"]
+        elif kind in self.counts:
+            self.counts[kind] += 1
+            self.running.pop(rid, None)
+            self.finished_rounds += int(r["config"].get("rounds", 0) or 0)
+        return self.snapshot()
+
+    def snapshot(self) -> dict:
+        elapsed = time.perf_counter() - self.t0
+        rounds_done = min(self.rounds, self.finished_rounds + sum(v or 0 for v in self.running.values()))
+        rate = self.trained / elapsed if self.trained and elapsed > 0 else None
+        return {"runs_done": sum(self.counts.values()), "runs_failed": self.counts["failed"],
+                "runs_running": len(self.running), "runs_total": self.runs, "rounds_done": rounds_done,
+                "rounds_total": self.rounds, "elapsed_s": elapsed,
+                "eta_s": (self.rounds - rounds_done) / rate if rate else None}
+
+
+def progress_line(p: dict) -> str:
+    """One plain line of a :class:`SweepProgress` snapshot (logs, ``fedskew.sweep(progress=True)``)."""
+    eta = "?" if p["eta_s"] is None else clock(p["eta_s"])
+    return (f"{p['runs_done']}/{p['runs_total']} runs ({p['runs_running']} running, {p['runs_failed']} failed), "
+            f"{p['rounds_done']}/{p['rounds_total']} rounds; {clock(p['elapsed_s'])} elapsed, ETA {eta}")
+
+
+def clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
+        f"{seconds // 60}:{seconds % 60:02d}"
 
 
 def check_data(runs: list[dict]) -> None:
@@ -273,11 +337,14 @@ def check_data(runs: list[dict]) -> None:
             load_dataset(DatasetConfig.model_validate(r["config"]["dataset"]), r["seed"])
 
 
-def _worker_init(external: dict[str, tuple[str, str]], parent: int) -> None:
+def _worker_init(external: dict[str, tuple[str, str]], parent: int, rounds=None) -> None:
     """A sweep worker: it dies with the sweep process ``parent``, stops its run after the current
-    round on SIGTERM or SIGINT (the sweep forwards them), one torch thread, and the methods
-    registered from outside the package."""
+    round on SIGTERM or SIGINT (the sweep forwards them), reports each round on ``rounds``, one
+    torch thread, and the methods registered from outside the package."""
     import signal
+
+    global _ROUNDS
+    _ROUNDS = rounds
 
     from fedskew.engine.durable import stop_after_this_round
 
@@ -436,8 +503,16 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
         if on_event:
             on_event("failed" if error else "done", {**r, "summary": summary, "error": error})
 
+    by_id = {r["run_id"]: r for r in runs}
+
+    def round_done(report: tuple) -> None:
+        run_id, done_rounds, total = report
+        if on_event and run_id in by_id:
+            on_event("round", {**by_id[run_id], "round": done_rounds, "rounds": total})
+
     def execute(todo: list[dict]) -> None:
-        """Run ``todo`` here, in worker processes or on Ray."""
+        """Run ``todo`` here, in worker processes or on Ray (Ray reports no rounds)."""
+        by_id.update({r["run_id"]: r for r in todo})
         run_dir = {r["run_id"]: str(sweep_dir / "runs" / r["run_id"]) for r in todo}
         if ray is not None:
             from fedskew.experiments.on_ray import run_on_ray
@@ -448,7 +523,7 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
             for r in todo:
                 started(r)
                 try:
-                    summary, history, env = _execute(r["config"], run_dir[r["run_id"]])
+                    summary, history, env = _execute(r["config"], run_dir[r["run_id"]], round_done)
                 except BaseException as exc:  # any run's failure (even a full disk) is recorded; the others go on
                     if not isinstance(exc, Exception) or isinstance(exc, RunInterrupted):
                         mark_interrupted(db, r["run_id"])
@@ -460,10 +535,16 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
             from fedskew.algorithms import external_methods
 
             external = external_methods()
+            context = _mp_context(external)
+            rounds = context.SimpleQueue()
 
             def new_pool():
-                return ProcessPoolExecutor(jobs, mp_context=_mp_context(external), initializer=_worker_init,
-                                           initargs=(external, os.getpid()))
+                return ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_init,
+                                           initargs=(external, os.getpid(), rounds))
+
+            def drain():
+                while not rounds.empty():
+                    round_done(rounds.get())
 
             def workers(pool):
                 return list((getattr(pool, "_processes", None) or {}).values())
@@ -507,7 +588,8 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
                             break
                         started(r)
                         running[fut] = r
-                    done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    done, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
+                    drain()
                     lost = []
                     for fut in done:
                         r = running.pop(fut)
@@ -607,5 +689,5 @@ def default_jobs() -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-__all__ = ["MethodSpec", "ResourcesSpec", "SweepSpec", "default_jobs", "default_sweep_dir", "grid_points", "load_spec",
-           "plan", "planned_count", "run_sweep", "select", "tune_seeds"]
+__all__ = ["MethodSpec", "ResourcesSpec", "SweepProgress", "SweepSpec", "clock", "default_jobs", "default_sweep_dir",
+           "grid_points", "load_spec", "plan", "planned_count", "progress_line", "rounds_per_run", "run_sweep", "select", "tune_seeds"]
