@@ -290,8 +290,8 @@ class SweepProgress:
         rid = r["run_id"]
         if kind == "started":
             self.running[rid] = None
-        elif kind == "round":
-            before = self.running.get(rid)
+        elif kind == "round" and rid in self.running:  # (a late report of a finished run changes nothing)
+            before = self.running[rid]
             self.trained += 1 if before is None else max(0, r["round"] - before)
             self.running[rid] = r["round"]
         elif kind in self.counts:
@@ -536,15 +536,16 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
 
             external = external_methods()
             context = _mp_context(external)
-            rounds = context.SimpleQueue()
+            rounds = []  # one queue per pool: a worker killed while it writes leaves its queue's lock held
 
             def new_pool():
+                rounds.append(context.SimpleQueue())
                 return ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_init,
-                                           initargs=(external, os.getpid(), rounds))
+                                           initargs=(external, os.getpid(), rounds[-1]))
 
             def drain():
-                while not rounds.empty():
-                    round_done(rounds.get())
+                while not rounds[-1].empty():
+                    round_done(rounds[-1].get())
 
             def workers(pool):
                 return list((getattr(pool, "_processes", None) or {}).values())
