@@ -302,7 +302,9 @@ def cmd_partition(args, console: Console) -> int:
     out = Path(args.out) if args.out else \
         Path(cfg.out_dir) / f"partition-{cfg.dataset.name}-{cfg.partition.name}-s{cfg.seed}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
-    fed.heatmap(out)
+    from fedskew.engine.durable import save_png
+
+    save_png(fed.heatmap(), out, dpi=110)
     console.print(f"heatmap written to {out}")
     return 0
 

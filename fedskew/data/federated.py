@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -11,7 +10,6 @@ import torch
 
 from fedskew.data.datasets import Dataset, load_dataset
 from fedskew.data.partitions import local_test_split, partition_labels
-from fedskew.engine.durable import save_png
 from fedskew.streams import numpy_rng
 
 
@@ -61,8 +59,9 @@ class Federation:
                  "counts": {int(c): int(tr[k, c]) for c in np.flatnonzero(tr[k])}}
                 for k in range(self.num_clients)]
 
-    def heatmap(self, path: Path, title: str = "") -> Path:
-        """Draw clients x classes training counts (FedMR Fig. 6 / FedKA Fig. 7 style) as a PNG."""
+    def heatmap(self, title: str = ""):
+        """Clients x classes training counts (FedMR Fig. 6 / FedKA Fig. 7 style) as a matplotlib
+        figure (``fedskew.engine.durable.save_png`` writes it)."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -88,12 +87,7 @@ class Federation:
         fig.colorbar(im, ax=ax, label="training samples")
         ax.set_title(title or f"{self.data.name}: {k} clients x {c} classes")
         fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            return save_png(fig, path, dpi=110)
-        finally:
-            plt.close(fig)
+        return fig
 
 
 def build_federation(data: Dataset, partition_cfg, seed: int) -> Federation:

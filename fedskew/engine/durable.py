@@ -101,8 +101,14 @@ def atomic_write(write, path: Path) -> None:
 
 
 def save_png(fig, path: Path, dpi: int = 100) -> Path:
-    """A matplotlib figure as a PNG that is complete or absent (never a 0-byte or cut-off image)."""
-    atomic_write(lambda fh: fig.savefig(fh, format="png", dpi=dpi), Path(path))
+    """A matplotlib figure as a PNG that is complete or absent (never a 0-byte or cut-off image);
+    the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    try:
+        atomic_write(lambda fh: fig.savefig(fh, format="png", dpi=dpi), Path(path))
+    finally:
+        plt.close(fig)
     return Path(path)
 
 

@@ -23,7 +23,7 @@ import yaml
 
 from fedskew import __version__
 from fedskew.config import ConfigError, RunConfig
-from fedskew.engine.durable import atomic_save, atomic_write_text, read_records
+from fedskew.engine.durable import atomic_save, atomic_write_text, read_records, save_png
 
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
 
@@ -137,7 +137,7 @@ class RunDir:
 
     def write_partition(self, fed, title: str) -> None:
         (self.path / "partition.json").write_text(json.dumps(fed.summary_rows()))
-        fed.heatmap(self.path / "partition.png", title)
+        save_png(fed.heatmap(title), self.path / "partition.png", dpi=110)
 
     def record_changes(self, start: int, changes: dict) -> None:
         """Settings changed at a resume, in config.yaml's ``changes``, from round ``start + 1``."""

@@ -20,7 +20,7 @@ def _plt():
     return plt
 
 
-def _finish(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str, legend_below: bool = False) -> Path:
+def _finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str, legend_below: bool = False) -> Path:
     """Label, legend (inside at its best place, or below the axes where it would cover data), save
     as PNG, close."""
     ax.set_xlabel(xlabel)
@@ -32,10 +32,7 @@ def _finish(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str, lege
     else:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    try:
-        return save_png(fig, path)
-    finally:
-        plt.close(fig)
+    return save_png(fig, path)
 
 
 def styles(n: int) -> list[dict]:
@@ -72,7 +69,7 @@ def plot_curves(res: Results, partition: str, key: str, path: Path) -> Path | No
         plt.close(fig)
         return None
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
-    return _finish(plt, fig, ax, path, "round", f"{key} (%)", f"{partition}: mean +- std over seeds",
+    return _finish(fig, ax, path, "round", f"{key} (%)", f"{partition}: mean +- std over seeds",
                    legend_below=len(res.labels) > 5)
 
 
@@ -95,7 +92,7 @@ def plot_class_accuracy(res: Results, partition: str, path: Path) -> Path | None
     shown = range(0, classes, 1 if classes <= 30 else 5)  # FEMNIST's 62 labels would overlap
     ax.set_xticks([j + 0.4 - width / 2 for j in shown], [str(j) for j in shown])
     ax.set_ylim(0, 100)
-    return _finish(plt, fig, ax, path, "class", "global test accuracy (%)",
+    return _finish(fig, ax, path, "class", "global test accuracy (%)",
                    f"{partition}: per-class accuracy of the final global model (mean over seeds)", legend_below=True)
 
 
@@ -136,10 +133,7 @@ def plot_fairness(res: Results, partition: str, baseline: str, path: Path) -> Pa
     fig.supylabel("clients x seeds", fontsize=9)
     fig.suptitle(partition, fontsize=10)
     fig.tight_layout()
-    try:
-        return save_png(fig, path)
-    finally:
-        plt.close(fig)
+    return save_png(fig, path)
 
 
 __all__ = ["plot_class_accuracy", "plot_curves", "plot_fairness", "styles"]
