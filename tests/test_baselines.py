@@ -126,7 +126,8 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
                  for j in range(2)]
         else:
             delta = [avg[j] - x[j] for j in range(2)]
-            b1, b2, tau, lr_g = opts.get("beta1", 0.9), opts.get("beta2", 0.99), opts.get("tau", 1e-3), opts["server_lr"]
+            b1 = opts.get("beta1", 0.0 if method == "fedadagrad" else 0.9)
+            b2, tau, lr_g = opts.get("beta2", 0.99), opts.get("tau", 1e-3), opts["server_lr"]
             for j in range(2):
                 if method == "fedavgm":
                     m[j] = b1 * m[j] + delta[j]
@@ -134,7 +135,10 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
                     continue
                 m[j] = b1 * m[j] + (1 - b1) * delta[j]
                 d2 = delta[j] ** 2
-                v[j] = b2 * v[j] + (1 - b2) * d2 if method == "fedadam" else v[j] - (1 - b2) * d2 * np.sign(v[j] - d2)
+                if method == "fedadagrad":  # Reddi et al. Algorithm 2: v accumulates
+                    v[j] = v[j] + d2
+                else:
+                    v[j] = b2 * v[j] + (1 - b2) * d2 if method == "fedadam" else v[j] - (1 - b2) * d2 * np.sign(v[j] - d2)
                 x[j] = x[j] + lr_g * m[j] / (np.sqrt(v[j]) + tau)
     return x
 
@@ -150,6 +154,8 @@ CASES = [
     ("fedavgm", {"server_lr": 1.0, "beta1": 0.8}),
     ("fedadam", {"server_lr": 0.05}),
     ("fedyogi", {"server_lr": 0.05}),
+    ("fedadagrad", {"server_lr": 0.05}),                 # its default: no server momentum
+    ("fedadagrad", {"server_lr": 0.05, "beta1": 0.5}),   # Algorithm 2's momentum
 ]
 
 

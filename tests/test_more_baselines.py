@@ -65,6 +65,20 @@ def test_fedper_trains_everything_and_shares_the_body(tmp_path):
     assert res.history[0]["personal/acc_after"] == pytest.approx(local_test_acc(exp, k, trained))
 
 
+def test_local_trains_each_client_alone_and_shares_nothing(tmp_path):
+    """Local-only (issue 33): the client's kept model is torch.optim.SGD's replay of E epochs from
+    the first global model; nothing is sent, the server's model never moves."""
+    exp, init, res, k, state = one_round(tmp_path, ["method=local"])
+    batches, personal, _ = stages(exp, k)
+    assert not personal
+    trained = replay(exp, k, init, batches, exp.cfg.lr, ce)
+    close(own(state, "own."), trained, list(init))
+    close(res.global_state, init, list(init), atol=0)
+    assert res.history[0]["comm/up_floats"] == 0 == res.history[0]["comm/down_floats"]
+    assert res.history[0]["global/test_acc"] is None
+    assert res.history[0]["personal/acc_after"] == pytest.approx(local_test_acc(exp, k, trained))
+
+
 def test_lgfedavg_shares_the_top_layers_and_keeps_the_body(tmp_path):
     exp, init, res, k, state = one_round(tmp_path, ["method=lgfedavg", "method.global_layers=2"])
     top = [n for n in init if n.startswith(("classifier.", "backbone.3."))]  # MLP 64-200-200-10: last 2 layers

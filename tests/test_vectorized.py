@@ -131,6 +131,8 @@ def assert_same(a, b, tol=TOL):
     # prepare, a batch-statistics regulariser (grouped), server-side calibration and distillation
     ["method=fedbn", "model=cnnbn", "model.width=4"],
     ["method=fedper"],
+    ["method=local"],  # issue 33: nothing shared, a whole model kept per client
+    ["method=fedadagrad"],
     ["method=lgfedavg", "method.global_layers=2"],
     ["method=apfl", "method.alpha=0.3"],
     ["method=fedala", "rounds=3", "clients_per_round=5"],

@@ -31,18 +31,19 @@ from fedskew.algorithms.personalized import Ditto, DittoRS, FedBABU, FedLC, FedP
 from fedskew.algorithms.representation import FedDecorr, FedMMD, FedProc, Moon
 from fedskew.algorithms.classifier import CCVR, FedNH, FedPAC
 from fedskew.algorithms.distillation import FedDF, FedGen
-from fedskew.algorithms.sharing import APFL, FLDA, FedALA, FedBN, FedFOMO, FedPer, LGFedAvg
-from fedskew.algorithms.server_opt import FedAdam, FedAvgM, FedAwS, FedYogi
+from fedskew.algorithms.sharing import APFL, FLDA, FedALA, FedBN, FedFOMO, FedPer, LGFedAvg, Local
+from fedskew.algorithms.server_opt import FedAdagrad, FedAdam, FedAvgM, FedAwS, FedYogi
 
 METHODS: dict[str, type[Method]] = {
     "fedavg": Method, "fedmr": FedMR, "fedprox": FedProx, "scaffold": Scaffold, "feddyn": FedDyn,
-    "fednova": FedNova, "fedavgm": FedAvgM, "fedadam": FedAdam, "fedyogi": FedYogi, "fedaws": FedAwS,
+    "fednova": FedNova, "fedavgm": FedAvgM, "fedadam": FedAdam, "fedyogi": FedYogi, "fedadagrad": FedAdagrad,
+    "fedaws": FedAwS,
     "moon": Moon, "fedmmd": FedMMD, "feddc": FedDC, "fedproc": FedProc,
     "fedrs": FedRS, "fedphp": FedPHP, "map": MAP, "etf_gmv": EtfGmv,
     "fedntd": FedNTD, "fedka": FedKA,
     "ditto": Ditto, "dittors": DittoRS, "fedrep": FedRep, "fedbabu": FedBABU, "fedrod": FedROD,
     "fedproto": FedProto, "fedlc": FedLC, "pfedme": PFedMe, "perfedavg": PerFedAvg,
-    "fedbn": FedBN, "fedper": FedPer, "lgfedavg": LGFedAvg, "apfl": APFL, "fedala": FedALA,
+    "fedbn": FedBN, "fedper": FedPer, "lgfedavg": LGFedAvg, "local": Local, "apfl": APFL, "fedala": FedALA,
     "feddecorr": FedDecorr, "ccvr": CCVR, "fednh": FedNH, "feddf": FedDF, "fedgen": FedGen, "fedetf": FedETF,
     "fedfomo": FedFOMO, "fedpac": FedPAC, "flda": FLDA,
 }

@@ -1,10 +1,12 @@
-"""Server optimisers: FedAvgM, FedAdam, FedYogi (Reddi et al., 2021, "Adaptive Federated
-Optimization", Algorithm 2; FedAvgM: Hsu et al., 2019).
+"""Server optimisers: FedAvgM, FedAdagrad, FedAdam, FedYogi (Reddi et al., 2021, "Adaptive
+Federated Optimization", Algorithm 2; FedAvgM: Hsu et al., 2019).
 
 Pseudo-gradient Delta = sum_k p_k theta_k - x (FedAvg weights p_k). Then
 - FedAvgM: m <- beta m + Delta; x <- x + eta_g m.
 - FedAdam: m <- b1 m + (1 - b1) Delta; v <- b2 v + (1 - b2) Delta^2; x <- x + eta_g m / (sqrt(v) + tau).
 - FedYogi: as FedAdam but v <- v - (1 - b2) Delta^2 sign(v - Delta^2).
+- FedAdagrad: as FedAdam but v <- v + Delta^2; b1 = 0 by default (no server momentum, as Flower's
+  FedAdagrad; b1 > 0 is Algorithm 2's momentum).
 No bias correction (Reddi et al.); v starts at tau^2 (their v_{-1} >= tau^2), m at 0. This is not
 torch.optim.Adam. With tau = 1e-3 the first adaptive step is about eta_g * sign(Delta) per
 coordinate (|step| <= eta_g (1 - b1) / sqrt(1 - b2) = eta_g), so eta_g = 1 moves every weight by
@@ -39,10 +41,19 @@ class AdaptiveOptions(FedAvgOptions):
     tau: float = Field(1e-3, gt=0, description="adaptivity; v starts at tau^2")
 
 
+class AdagradOptions(FedAvgOptions):
+    """FedAdagrad has no second-moment decay: v accumulates every Delta^2."""
+    search = {'server_lr': [0.003, 0.01, 0.03]}  # the bench's search space (fedskew bench)
+    server_lr: float = Field(0.01, gt=0, description="eta_g (Reddi et al. tune 1e-3..1e-1)")
+    beta1: float = Field(0.0, ge=0, lt=1, description="first-moment decay (0: no server momentum, Flower's "
+                                                      "FedAdagrad; Algorithm 2 allows any)")
+    tau: float = Field(1e-3, gt=0, description="adaptivity; v starts at tau^2")
+
+
 class ServerOpt(Method):
     """A server optimiser over the pseudo-gradient (module docstring)."""
 
-    kind: Literal["avgm", "adam", "yogi"] = "avgm"
+    kind: Literal["avgm", "adagrad", "adam", "yogi"] = "avgm"
     Options: type[FedAvgOptions] = FedAvgMOptions
 
     def server_init(self, global_state, info):
@@ -64,7 +75,12 @@ class ServerOpt(Method):
             else:
                 m = o.beta1 * m + (1 - o.beta1) * delta
                 v, d2 = server_state["v." + k], delta.pow(2)
-                v = o.beta2 * v + (1 - o.beta2) * d2 if self.kind == "adam" else v - (1 - o.beta2) * d2 * torch.sign(v - d2)
+                if self.kind == "adagrad":
+                    v = v + d2
+                elif self.kind == "adam":
+                    v = o.beta2 * v + (1 - o.beta2) * d2
+                else:
+                    v = v - (1 - o.beta2) * d2 * torch.sign(v - d2)
                 state["v." + k] = v
                 new[k] = global_state[k] + o.server_lr * m / (v.sqrt() + o.tau)
             state["m." + k] = m
@@ -75,6 +91,12 @@ class FedAvgM(ServerOpt):
     """FedAvgM (Hsu et al., 2019): server momentum over the pseudo-gradient, m <- beta m + Delta."""
 
     name, kind = "fedavgm", "avgm"
+
+
+class FedAdagrad(ServerOpt):
+    """FedAdagrad (Reddi et al., 2021, Algorithm 2): Adagrad on the server, v <- v + Delta^2."""
+
+    name, kind, Options = "fedadagrad", "adagrad", AdagradOptions
 
 
 class FedAdam(ServerOpt):

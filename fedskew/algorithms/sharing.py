@@ -73,6 +73,22 @@ class FedPer(PartialSharing):  # FedRep (personalized.py) is the same sharing wi
         return not key.startswith(HEAD)
 
 
+class Local(PartialSharing):
+    """Local training only: each client trains its own model (initialised from the first global
+    model) on its own data, E epochs in each round it is selected; nothing is sent or averaged.
+    The lower bound a personalised method must beat (PFLlib's "Local"). Personalised model: the
+    client's own model. No global model: ``global/*`` is none.
+
+    Down and up: nothing. Keeps a whole model per client."""
+
+    name = "local"
+    keep = "own."
+    has_global_model = False
+
+    def shared(self, key):
+        return False
+
+
 def layer_names(info) -> list[str]:
     """The model's parameterised layers (module paths), input to output, in parameter order."""
     layers: list[str] = []
