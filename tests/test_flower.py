@@ -101,11 +101,14 @@ def test_a_killed_supernode_leaves_the_round_to_the_others(tmp_path):
         assert r["global/test_acc"] is not None
 
 
-def test_simulation_runtime_matches_fedskew_run(tmp_path):
+@pytest.mark.parametrize("extra", [["method=map", "model.classifier_bias=false"], ["method=local"],
+                                   ["method=fedadagrad"]], ids=["map", "local", "fedadagrad"])
+def test_simulation_runtime_matches_fedskew_run(tmp_path, extra):
+    """MAP; Local (nothing is sent either way); FedAdagrad (server state m, v)."""
     pytest.importorskip("ray")
     from fedskew.flower.app import simulate
 
-    cfg = load_config(None, BASE + ["method=map", "model.classifier_bias=false"])
+    cfg = load_config(None, BASE + extra)
     run(cfg, tmp_path / "local")
     simulate(cfg, tmp_path / "flower")
     assert_same_run(tmp_path / "local", tmp_path / "flower")
