@@ -49,7 +49,9 @@ METHODS = {"fedavg": [], "fedrs": [], "fedphp": [], "map": [],
            "perfedavg": ["method.alpha=0.01"],
            # issue 22's baselines, each at its defaults (FedBN is FedAvg on this BN-free MLP)
            "fedper": [], "lgfedavg": [], "apfl": [], "fedala": [], "feddecorr": [], "ccvr": [], "fednh": [],
-           "feddf": [], "fedetf": [], "fedfomo": [], "fedpac": [], "fedgen": [], "flda": []}
+           "feddf": [], "fedetf": [], "fedfomo": [], "fedpac": [], "fedgen": [], "flda": [],
+           # issue 33's, at their defaults
+           "local": [], "fedadagrad": []}
 BASE_METHODS = ["fedavg", "fedrs", "fedphp", "map"]
 
 
