@@ -296,8 +296,11 @@ class SweepProgress:
             self.running[rid] = r["round"]
         elif kind in self.counts:
             self.counts[kind] += 1
+            rounds = int(r["config"].get("rounds", 0) or 0)
+            if kind == "done" and rid in self.running and self.running[rid] is None:
+                self.trained += rounds  # a run that reported no rounds (Ray): its rounds at once
             self.running.pop(rid, None)
-            self.finished_rounds += int(r["config"].get("rounds", 0) or 0)
+            self.finished_rounds += rounds
         return self.snapshot()
 
     def snapshot(self) -> dict:
