@@ -367,3 +367,23 @@ def test_a_parallel_sweep_reports_every_workers_rounds_to_python(tmp_path, capsy
     assert snaps[-1]["eta_s"] == 0 and all(s["eta_s"] is not None for s in snaps if s["rounds_done"])
     err = capsys.readouterr().err
     assert "fedskew sweep: 2/2 runs (0 running, 0 failed), 6/6 rounds; " in err
+
+
+def test_sweep_progress_counts_rounds_by_hand():
+    from fedskew.experiments.sweep import SweepProgress, progress_line
+
+    p = SweepProgress(4, 10)
+    run = lambda rid: {"run_id": rid, "config": {"rounds": 10}}
+    p.update("skipped", run("s"))                      # finished earlier: its rounds done, not trained
+    p.update("started", run("a"))
+    p.update("round", {**run("a"), "round": 4})        # resumed at round 3: one round trained
+    snap = p.update("round", {**run("a"), "round": 6})
+    assert (snap["rounds_done"], snap["rounds_total"], p.trained, snap["runs_running"]) == (16, 40, 3, 1)
+    p.update("done", run("a"))
+    p.update("round", {**run("a"), "round": 10})       # a late report of a finished run changes nothing
+    p.update("started", run("r"))
+    snap = p.update("done", run("r"))                  # on Ray: no round reports, its rounds count at the end
+    assert (snap["runs_done"], snap["rounds_done"], p.trained, snap["runs_running"]) == (3, 30, 13, 0)
+    assert snap["eta_s"] == pytest.approx(10 / (13 / snap["elapsed_s"]), rel=0.05)
+    assert progress_line({**snap, "elapsed_s": 75, "eta_s": 3725}) == \
+        "3/4 runs (0 running, 0 failed), 30/40 rounds; 1:15 elapsed, ETA 1:02:05"
