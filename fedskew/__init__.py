@@ -172,7 +172,7 @@ def sweep(spec: Mapping | str | Path | None = None, /, jobs: int | None = None, 
                           f"which would start the sweep again in each of them: put the call under that guard "
                           f"(or use jobs=1).")
     if on_progress is not None or progress:
-        tracker, user_event, last = SweepProgress(planned_count(parsed), rounds_per_run(parsed)), on_event, [0.0]
+        tracker, user_event = SweepProgress(planned_count(parsed), rounds_per_run(parsed)), on_event
 
         def on_event(kind: str, run: dict) -> None:
             if user_event is not None:
@@ -180,8 +180,7 @@ def sweep(spec: Mapping | str | Path | None = None, /, jobs: int | None = None, 
             snap = tracker.update(kind, run)
             if on_progress is not None:
                 on_progress(snap)
-            if progress and (kind in ("done", "failed") or snap["elapsed_s"] - last[0] >= 30):
-                last[0] = snap["elapsed_s"]
+            if progress and tracker.line_due(kind):
                 print(f"fedskew sweep: {progress_line(snap)}", file=sys.stderr, flush=True)
 
     db = run_sweep(parsed, sweep_dir, jobs, on_event, ray)

@@ -311,10 +311,8 @@ def cmd_partition(args, console: Console) -> int:
 
 class SweepDisplay:
     """A sweep's progress (runs done / running / failed, rounds across every worker, elapsed time,
-    an ETA from the measured round rate): a rich bar on a terminal, else a plain progress line at
-    most every ``PLAIN_EVERY_S`` seconds; and one short line per finished run."""
-
-    PLAIN_EVERY_S = 30.0
+    an ETA from the measured round rate): a rich bar on a terminal, else a plain progress line
+    when :meth:`SweepProgress.line_due`; and one short line per finished run."""
 
     def __init__(self, console: Console, total: int, rounds_per_run: float):
         from fedskew.experiments.sweep import SweepProgress, progress_line
@@ -323,7 +321,6 @@ class SweepDisplay:
         self.tracker = SweepProgress(total, rounds_per_run)
         self.t0 = self.tracker.t0
         self.started: dict[str, float] = {}
-        self.last_line = self.t0
         self.progress = None
         if console.is_terminal:
             from rich.progress import BarColumn, Progress, TextColumn
@@ -356,8 +353,7 @@ class SweepDisplay:
         if line:
             self.console.print(f"[{snap['runs_done']}/{snap['runs_total']}] {line}", highlight=False, markup=False,
                                soft_wrap=True)
-        if kind in ("done", "failed") or kind == "round" and now - self.last_line >= self.PLAIN_EVERY_S:
-            self.last_line = now
+        if self.tracker.line_due(kind):
             self.console.print(f"progress: {self.line(snap)}", highlight=False, markup=False, soft_wrap=True)
 
 

@@ -285,6 +285,7 @@ class SweepProgress:
         self.running: dict[str, int | None] = {}  # run_id -> rounds done (None: none reported yet)
         self.finished_rounds = 0
         self.trained = 0  # rounds trained since this process started
+        self.last_line = self.t0
 
     def update(self, kind: str, r: dict) -> dict:
         rid = r["run_id"]
@@ -302,6 +303,15 @@ class SweepProgress:
             self.running.pop(rid, None)
             self.finished_rounds += rounds
         return self.snapshot()
+
+    def line_due(self, kind: str, every_s: float = 30.0) -> bool:
+        """Whether a plain progress line is due after this event: after each finished run, and
+        for round reports at most every ``every_s`` seconds."""
+        now = time.perf_counter()
+        if kind in ("done", "failed") or kind == "round" and now - self.last_line >= every_s:
+            self.last_line = now
+            return True
+        return False
 
     def snapshot(self) -> dict:
         elapsed = time.perf_counter() - self.t0
