@@ -51,7 +51,7 @@ METHODS = {"fedavg": [], "fedrs": [], "fedphp": [], "map": [],
            "fedper": [], "lgfedavg": [], "apfl": [], "fedala": [], "feddecorr": [], "ccvr": [], "fednh": [],
            "feddf": [], "fedetf": [], "fedfomo": [], "fedpac": [], "fedgen": [], "flda": [],
            # issue 33's, at their defaults
-           "local": [], "fedadagrad": []}
+           "local": [], "fedadagrad": [], "feddisco": [], "fedsam": [], "fedasam": [], "feduv": [], "fedlmd": [], "fedvls": [], "fedgela": []}
 BASE_METHODS = ["fedavg", "fedrs", "fedphp", "map"]
 
 

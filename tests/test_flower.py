@@ -102,9 +102,11 @@ def test_a_killed_supernode_leaves_the_round_to_the_others(tmp_path):
 
 
 @pytest.mark.parametrize("extra", [["method=map", "model.classifier_bias=false"], ["method=local"],
-                                   ["method=fedadagrad"]], ids=["map", "local", "fedadagrad"])
+                                   ["method=fedadagrad"], ["method=fedasam", "method.disco.disco_a=1.0"]],
+                         ids=["map", "local", "fedadagrad", "fedasam+disco"])
 def test_simulation_runtime_matches_fedskew_run(tmp_path, extra):
-    """MAP; Local (nothing is sent either way); FedAdagrad (server state m, v)."""
+    """MAP; Local (nothing is sent either way); FedAdagrad (server state m, v); FedASAM's two
+    passes in the ClientApp with FedDisco's weights on the server."""
     pytest.importorskip("ray")
     from fedskew.flower.app import simulate
 

@@ -17,7 +17,7 @@ import pytest
 
 from fedskew.config import load_config
 from fedskew.engine.runner import run
-from fedskew.algorithms import METHODS
+from fedskew.algorithms import METHODS, Method
 
 ROUNDS = 20
 FLOOR = 0.5
@@ -28,10 +28,18 @@ BY_PRODUCT = {"flda": "the global model trains only through each client's gate (
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
-def test_method_trains_at_its_defaults(name, tmp_path):
+def test_method_trains_at_its_defaults(name, tmp_path, monkeypatch):
     cfg = load_config(None, [f"method={name}", f"rounds={ROUNDS}", "executor=vectorized",
                              "final_personalization=false", f"checkpoint_every={ROUNDS}"])
+    weighted = []  # rounds whose aggregation read Method.client_weights
+    plain = Method.client_weights
+    monkeypatch.setattr(Method, "client_weights", lambda self, reports: weighted.append(1) or plain(self, reports))
     result = run(cfg, tmp_path / name)  # a NaN loss or model raises FloatingPointError: the test fails
+    # the declaration a reweighting component (method.disco) trusts; Local calls it on no tensor
+    if METHODS[name].fedavg_weighted:
+        assert len(weighted) >= ROUNDS, f"{name} declares fedavg_weighted but aggregates without client_weights"
+    elif name != "local":
+        assert not weighted, f"{name} aggregates with client_weights: declare fedavg_weighted = True"
     last = result.history[-1]
     assert math.isfinite(last["train/loss"])
     if name in BY_PRODUCT:

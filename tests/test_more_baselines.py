@@ -3,13 +3,14 @@ FedDF, FedETF, FedFOMO, FedPAC, FedGen): each checked against a hand computation
 plain torch (torch.optim.SGD / Adam on an nn.Module, numpy)."""
 
 import copy
+import math
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fedskew.config import load_config
+from fedskew.config import ConfigError, load_config
 from fedskew.engine.local import federated_state, load_state, module_forward
 from fedskew.engine.runner import Experiment
 from fedskew.algorithms.base import ClientData, ClientReport
@@ -737,3 +738,336 @@ def test_fedpac_alignment_term_by_hand(tmp_path):
     no_global, _ = exp.method.local_loss(fwd, {}, x, y, {"pac.g": torch.full((C, d), float("nan"))},
                                          {"pac.local": local})
     assert no_global.item() == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-6)
+
+
+# -- FedDisco ----------------------------------------------------------------------------------
+
+
+def official_disco(counts: np.ndarray, participants: list[int], n: np.ndarray, metric: str, a: float, b: float):
+    """MediaBrain-SJTU/FedDisco disco.py, replayed in numpy/scipy: the uniform ``global_dist``,
+    ``get_distribution_difference`` then ``disco_weight_adjusting`` on the round's n_k / sum n."""
+    from scipy import special
+
+    local = counts[np.array(participants), :]
+    local = local / local.sum(axis=1)[:, None]
+    hypo = np.ones(counts.shape[1]) / counts.shape[1]
+    if metric == "cosine":
+        d = 1.0 - local.dot(hypo) / (np.linalg.norm(local, axis=1) * np.linalg.norm(hypo))
+    elif metric == "l1":
+        d = np.linalg.norm(local - hypo, ord=1, axis=1)
+    elif metric == "l2":
+        d = np.linalg.norm(local - hypo, axis=1)
+    else:
+        d = np.sum(special.kl_div(local, hypo), axis=1)
+        d = np.zeros(len(d)) if np.sum(d) == 0 else d / np.sum(d)
+    freqs = n[participants] / n[participants].sum()
+    w = freqs - a * d + b
+    w[w < 0.0] = 0.0
+    return w / w.sum()
+
+
+@pytest.mark.parametrize("metric,a,b", [("kl", 0.5, 0.1), ("l1", 0.5, 0.1), ("l2", 1.0, 0.0), ("cosine", 2.0, 0.05)])
+def test_feddisco_weights_equal_the_official_code(metric, a, b):
+    """The aggregate of one round is sum_k w_k theta_k with the official weights (some clients
+    clipped to 0 where a d_k > p_k + b)."""
+    from fedskew.algorithms import FederationInfo, build_method
+    from fedskew.algorithms.base import ClientReport
+    from fedskew.config import MethodConfig
+
+    rng = np.random.default_rng(3)
+    counts = rng.integers(0, 40, size=(8, 10)) * (rng.random((8, 10)) < 0.4)
+    counts[:, 0] += 1  # every client has a sample
+    counts[7] = 30  # one balanced client: d = 0
+    info = FederationInfo(8, 10, torch.tensor(counts), 1, 5, 0)
+    method = build_method(MethodConfig(name="feddisco", disco_metric=metric, disco_a=a, disco_b=b), info)
+    participants = [1, 3, 4, 6, 7]
+    n = counts.sum(1)
+    uploads = [{"model.w": torch.full((3,), float(k), dtype=torch.float64)} for k in participants]
+    reports = [ClientReport(k, int(n[k]), 1) for k in participants]
+    server = method.server_init({"w": torch.zeros(3)}, info)
+    new, server_after = method.aggregate(server, {"w": torch.zeros(3)}, uploads, reports)
+    w = official_disco(counts.astype(float), participants, n.astype(float), metric, a, b)
+    assert (w == 0).any() or metric != "cosine"  # the cosine case clips a client
+    assert new["w"][0].item() == pytest.approx(float(np.dot(w, participants)), rel=1e-6)  # float32 model
+    assert set(server_after) == {"disco.counts"}
+    assert method.weight_hooks == () and method.base.weight_hooks == ()  # the hook lives for one aggregation
+
+
+def test_feddisco_weights_by_hand():
+    """Two clients of 10 samples each; client 0 balanced (KL 0), client 1 one class (KL log C):
+    normalised d = (0, 1); a = 0.5, b = 0.1: w = (0.6, 0.1) / 0.7."""
+    from fedskew.algorithms.tensors import disco_weights, label_discrepancy
+
+    counts = torch.tensor([[5.0, 5.0], [10.0, 0.0]])
+    d = label_discrepancy(counts, "kl")
+    assert d.tolist() == [0.0, 1.0]
+    w = disco_weights(torch.tensor([0.5, 0.5], dtype=torch.float64), d, 0.5, 0.1)
+    assert w.tolist() == pytest.approx([6 / 7, 1 / 7])
+    # no positive weight: the FedAvg weights stay (the official code fails there)
+    assert disco_weights(torch.tensor([0.5, 0.5], dtype=torch.float64), d, 10.0, -1.0).tolist() == [0.5, 0.5]
+
+
+def test_disco_attaches_to_fedavg_weighted_methods_and_refuses_the_others():
+    cfg = load_config(None, ["method=moon", "method.disco.disco_a=0.5"])
+    assert cfg.method.options["disco"] == {"disco_a": 0.5}
+    assert load_config(None, ["method=scaffold", "method.disco.disco_a=0.5"]).method.options["disco"]
+    for name in ("feddyn", "fednova", "feddc", "fedproto", "fedfomo", "local"):
+        with pytest.raises(ConfigError, match=rf"method.disco reweights FedAvg's aggregation weights, but method "
+                                              rf"{name} does not aggregate with them"):
+            load_config(None, [f"method={name}", "method.disco.disco_a=0.5"])
+
+
+# -- FedSAM / FedASAM ----------------------------------------------------------------------------
+
+
+def official_sam_replay(exp, k, start, batches, lr, rho, eta, adaptive):
+    """debcaldarola/fedsam's SAMClient / ASAMClient loop, replayed: loss at w, backward, the
+    minimizer's ascent step (w += eps in place), loss at w + eps, backward, descent step (w -= eps,
+    SGD step), on torch.optim.SGD with the run's momentum."""
+    model = exp.model
+    load_state(model, start)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=exp.cfg.momentum, weight_decay=exp.cfg.weight_decay)
+    opt.zero_grad()
+    idx = exp.fed.train_idx[k]
+    for pos in batches:
+        x, y = exp.fed.data.x_train[idx[pos]], exp.fed.data.y_train[idx[pos]]
+        F.cross_entropy(model(x), y).backward()
+        eps = {}
+        with torch.no_grad():  # ASAM.ascent_step / SAM.ascent_step
+            named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+            if adaptive:
+                t = {n: p.abs() + eta for n, p in named if "weight" in n}
+                for n, p in named:
+                    if n in t:
+                        p.grad.mul_(t[n])
+            norm = torch.norm(torch.stack([torch.norm(p.grad, p=2) for _, p in named]), p=2) + 1e-16
+            for n, p in named:
+                if adaptive and n in t:
+                    p.grad.mul_(t[n])
+                eps[n] = p.grad * (rho / norm)
+                p.add_(eps[n])
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        with torch.no_grad():  # descent_step
+            for n, p in model.named_parameters():
+                p.sub_(eps[n])
+        opt.step()
+        opt.zero_grad()
+    return federated_state(model)
+
+
+@pytest.mark.parametrize("method,rho,eta,adaptive", [("fedsam", 0.1, 0.0, False), ("fedasam", 0.7, 0.2, True)])
+def test_fedsam_and_fedasam_equal_a_replay_of_the_official_minimizers(tmp_path, method, rho, eta, adaptive):
+    exp, init, res, k, state = one_round(tmp_path, [f"method={method}"])
+    batches, _, _ = stages(exp, k)
+    sam = official_sam_replay(exp, k, init, batches, exp.cfg.lr, rho, eta, adaptive)
+    plain = replay(exp, k, init, batches, exp.cfg.lr, ce)
+    close(res.global_state, sam, list(init))  # one client: the aggregate is its model
+    assert max((res.global_state[n] - plain[n]).abs().max().item() for n in init) > 1e-3  # not plain SGD
+    assert res.history[0]["comm/up_floats"] == sum(v.numel() for v in init.values())  # as FedAvg
+
+
+def test_sam_perturbation_by_hand():
+    """SAM: eps = rho g / ||g||; ASAM: eps = rho T^2 g / ||T g||, T = |w| + eta on weights only."""
+    from fedskew.algorithms.tensors import sam_perturbation
+
+    w = {"l.weight": torch.tensor([[3.0, -1.0]]), "l.bias": torch.tensor([[2.0]])}
+    g = {"l.weight": torch.tensor([[1.0, 2.0]]), "l.bias": torch.tensor([[2.0]])}
+    eps = sam_perturbation(w, g, 0.3)
+    assert eps["l.weight"].flatten().tolist() == pytest.approx([0.1, 0.2]) and eps["l.bias"].item() == pytest.approx(0.2)
+    eps = sam_perturbation(w, g, 1.0, adaptive=True, eta=1.0)  # T = (4, 2), 1; T g = (4, 4), 2; norm 6
+    assert eps["l.weight"].flatten().tolist() == pytest.approx([16 / 6, 8 / 6]) and eps["l.bias"].item() == pytest.approx(2 / 6)
+
+
+def test_sam_attaches_to_any_method_and_refuses_fp16_and_a_second_sam():
+    assert load_config(None, ["method=fedprox", "method.sam.rho=0.05"]).method.options["sam"] == {"rho": 0.05}
+    with pytest.raises(ConfigError, match="not precision = fp16"):
+        load_config(None, ["method=fedasam", "precision=fp16"])
+    with pytest.raises(ConfigError, match="takes sharpness-aware local steps twice"):
+        load_config(None, ["method=fedsam", "method.sam.rho=0.05"])
+    with pytest.raises(ConfigError, match="eta applies only with adaptive = true"):
+        load_config(None, ["method=fedsam", "method.eta=0.1"])
+
+
+# -- FedUV ---------------------------------------------------------------------------------------
+
+
+def official_uvreg(logits, z, std_coeff, unif_coeff):
+    """sonhamin/FedUV algs/feduv.py ``UVReg.forward`` on (out, pro1), replayed."""
+    gamma = torch.eye(logits.shape[1]).std(dim=0).mean().item()
+    pdist_x = torch.pdist(z, p=2).pow(2)
+    sigma = torch.median(pdist_x[pdist_x != 0])
+    unif = pdist_x.mul(-1 / sigma).exp().mean()
+    std = torch.mean(F.relu(gamma - torch.softmax(logits, dim=1).std(dim=0)))
+    return std_coeff * std + unif_coeff * unif
+
+
+def test_feduv_loss_and_gradient_equal_the_official_regulariser(tmp_path):
+    exp = Experiment(load_config(None, ["method=feduv", "method.std_coeff=1.5", "method.unif_coeff=0.7"]), run_dir=None)
+    model = exp.model
+    x, y = exp.fed.data.x_train[:32], exp.fed.data.y_train[:32]
+    params = dict(model.named_parameters())
+    loss, aux = exp.method.local_loss(module_forward(model), params, x, y, {}, {})
+    ours = torch.autograd.grad(loss, list(params.values()))
+    feats, out = model(x, return_features=True)  # the official nets' (pro1, out)
+    ref = F.cross_entropy(out, y) + official_uvreg(out, feats, 1.5, 0.7)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    for a, b in zip(ours, torch.autograd.grad(ref, list(params.values()))):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert set(aux) >= {"feduv/std", "feduv/unif"}
+
+
+def test_feduv_terms_by_hand():
+    """Two samples with one-hot-like softmax far apart: the variance term is 0 where the std
+    reaches 1/sqrt(C); uniformity of one pair is exp(-d/d) = e^-1."""
+    from fedskew.algorithms.tensors import uniformity_loss, variance_loss
+
+    assert uniformity_loss(torch.tensor([[0.0, 0.0], [3.0, 4.0]])).item() == pytest.approx(math.exp(-1))
+    big = torch.tensor([[50.0, 0.0], [0.0, 50.0]])  # softmax rows (1, 0), (0, 1): std per class 0.7071 = 1/sqrt(2)
+    assert variance_loss(big).item() == pytest.approx(0.0, abs=1e-6)
+    flat = torch.zeros(4, 2)  # every softmax row (0.5, 0.5): std 0, loss gamma = 1/sqrt(2)
+    assert variance_loss(flat).item() == pytest.approx(1 / math.sqrt(2))
+    assert uniformity_loss(torch.ones(1, 3)).item() == 0.0 and variance_loss(torch.ones(1, 3)).item() == 0.0
+
+
+# -- FedLMD --------------------------------------------------------------------------------------
+
+
+def official_lmd_criterion(logits_student, logits_teacher, target, T, major_labels):
+    """wnma3mz/FedLMD src/algorithms/fedlmd/criterion.py ``lmd_criterion``, replayed."""
+    bs = logits_student.size(0)
+    gt_mask = torch.zeros_like(logits_student).scatter_(1, target.reshape(-1).unsqueeze(1), 1).bool()
+    label_mask = torch.zeros_like(logits_student).scatter_(1, major_labels.repeat(bs, 1), 1).bool()
+    pred_t = F.softmax(logits_teacher / T - 1000 * label_mask - 1000 * gt_mask, dim=1)
+    pred_s = F.log_softmax(logits_student / T - 1000 * gt_mask, dim=1)
+    return torch.nn.KLDivLoss(reduction="batchmean")(pred_s, pred_t) * (T ** 2)
+
+
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+def test_fedlmd_loss_and_gradient_equal_the_official_criterion(tmp_path, tau):
+    """CE + beta * lmd on a client's batch against the received global model, the major classes
+    those above the mean class count (official server: np.where(data_map > mean))."""
+    exp = Experiment(load_config(None, ["method=fedlmd", "method.lmd_beta=0.7", f"method.lmd_tau={tau}"]), run_dir=None)
+    k = 0
+    counts = np.bincount(exp.fed.data.y_train[exp.fed.train_idx[k]].numpy(), minlength=10)  # data_map[k]
+    major_official = torch.tensor(np.where(np.array(counts) > np.mean(np.array(counts)))[0])
+    state = exp.method.client_init(k, federated_state(exp.model), exp.info)
+    assert torch.equal(torch.nonzero(state["lmd.major"]).flatten(), major_official)
+    model = exp.model
+    teacher = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    payload = {"model." + n: v for n, v in federated_state(teacher).items()}
+    idx = exp.fed.train_idx[k][:24]
+    x, y = exp.fed.data.x_train[idx], exp.fed.data.y_train[idx]
+    params = dict(model.named_parameters())
+    loss, _ = exp.method.local_loss(module_forward(model), params, x, y, payload, state)
+    out = model(x)
+    with torch.no_grad():
+        teacher.eval()
+        dg = teacher(x)
+    ref = F.cross_entropy(out, y) + 0.7 * official_lmd_criterion(out, dg, y, tau, major_official)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    for a, b in zip(torch.autograd.grad(loss, list(params.values())), torch.autograd.grad(ref, list(params.values()))):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+# -- FedVLS --------------------------------------------------------------------------------------
+
+
+def official_vls_losses(output, teach_output, y, num_per_class, lamda):
+    """krumpguo/FedVLS system/flcore/clients/clientvls.py, replayed on CPU: PriorCELoss +
+    new_LADEloss + lamda * VLSloss."""
+    C = output.shape[1]
+    prior = num_per_class / num_per_class.sum()
+    no_exist = torch.where(prior == 0)[0]
+    cls_weight = num_per_class.float() / torch.sum(num_per_class.float())
+    balanced_prior = torch.tensor(1. / C).float()
+    pred_spread = (output - torch.log(prior + 1e-9) + torch.log(balanced_prior + 1e-9)).T * \
+        (y != torch.arange(0, C).view(-1, 1).type_as(y))
+    second_term = torch.logsumexp(pred_spread, -1) - np.log(pred_spread.size(-1))
+    lade = -torch.sum((-second_term) * cls_weight) * 0.005
+    prior_ce = F.cross_entropy(output + torch.log(prior + 1e-9), y)
+    vls = torch.nn.KLDivLoss(reduction="batchmean")(F.log_softmax(output[:, no_exist], dim=1),
+                                                     F.softmax(teach_output[:, no_exist], dim=1))
+    return prior_ce + lade + vls * lamda
+
+
+def test_fedvls_loss_and_gradient_equal_the_official_client():
+    """The official code adds log(1/C + 1e-9) where fedskew adds log(1/C): equal to float rounding."""
+    exp = Experiment(load_config(None, ["method=fedvls", "method.vls_lambda=0.4"]), run_dir=None)
+    k = 1
+    state = exp.method.client_init(k, federated_state(exp.model), exp.info)
+    counts = torch.bincount(exp.fed.data.y_train[exp.fed.train_idx[k]], minlength=10).float()
+    assert (counts == 0).any() and torch.equal(state["vls.vacant"], (counts == 0).float())
+    model = exp.model
+    teacher = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    payload = {"model." + n: v for n, v in federated_state(teacher).items()}
+    idx = exp.fed.train_idx[k][:24]
+    x, y = exp.fed.data.x_train[idx], exp.fed.data.y_train[idx]
+    params = dict(model.named_parameters())
+    loss, aux = exp.method.local_loss(module_forward(model), params, x, y, payload, state)
+    with torch.no_grad():
+        teacher.eval()
+        t = teacher(x)
+    ref = official_vls_losses(model(x), t, y, counts, 0.4)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    for a, b in zip(torch.autograd.grad(loss, list(params.values())), torch.autograd.grad(ref, list(params.values()))):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert aux["fedvls/vacant_kd"] > 0
+
+
+def test_fedvls_vacant_distillation_is_zero_without_vacant_classes():
+    from fedskew.algorithms.fedka import vacant_distillation
+
+    z = torch.randn(5, 4, requires_grad=True)
+    value = vacant_distillation(z, torch.randn(5, 4), torch.zeros(4))
+    (g,) = torch.autograd.grad(value, z)
+    assert value.item() == 0.0 and torch.isfinite(g).all() and not g.any()
+
+
+# -- FedGELA -------------------------------------------------------------------------------------
+
+
+def test_fedgela_equals_a_replay_of_the_official_client_and_predicts_with_its_scaled_head(tmp_path):
+    """MediaBrain-SJTU/FedGELA ``train_net``: NLL(log_softmax(z (E_w * M) / T)), SGD with the
+    run's momentum and weight decay, gradients clipped at norm 20 (``grad_clip=20`` here); E_w =
+    C n_c / n from ``produce_Ew``; the personalised model predicts with E_w * M
+    (``compute_accuracy_l``), the global one with M (``compute_accuracy_g``)."""
+    exp, init, res, k, state = one_round(tmp_path, ["method=fedgela", "grad_clip=20", "method.gela_temperature=0.5"])
+    batches, personal, _ = stages(exp, k)
+    assert not personal
+    model = exp.model
+    M = model.classifier.weight.T.clone()  # [d, C], the fixed simplex ETF (the official ``ETF``)
+    counts = torch.bincount(exp.fed.data.y_train[exp.fed.train_idx[k]], minlength=10).float()
+    ew = counts / counts.sum() * 10
+    assert torch.allclose(state["gela.ew"], ew)
+    load_state(model, init)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=exp.cfg.lr, momentum=exp.cfg.momentum, weight_decay=exp.cfg.weight_decay)
+    idx = exp.fed.train_idx[k]
+    for pos in batches:
+        x, y = exp.fed.data.x_train[idx[pos]], exp.fed.data.y_train[idx[pos]]
+        opt.zero_grad()
+        z, _ = model(x, return_features=True)
+        loss = F.nll_loss(F.log_softmax(torch.matmul(z, ew * M) / 0.5, dim=1), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=20, norm_type=2)
+        opt.step()
+    trained = federated_state(model)
+    close(res.global_state, trained, list(init))  # one client: the aggregate is its model
+    assert "classifier.weight" not in init and res.history[0]["comm/up_floats"] == sum(v.numel() for v in init.values())
+    test = exp.fed.test_idx[k]
+    with torch.no_grad():
+        model.eval()
+        z, _ = model(exp.fed.data.x_train[test], return_features=True)
+    y_test = exp.fed.data.y_train[test]
+    scaled = (torch.matmul(z, ew * M).argmax(1) == y_test).float().mean().item()
+    assert res.history[0]["personal/acc_after"] == pytest.approx(scaled)
+    assert local_test_acc(exp, k, trained) == pytest.approx((torch.matmul(z, M).argmax(1) == y_test).float().mean().item())
+

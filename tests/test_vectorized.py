@@ -133,6 +133,20 @@ def assert_same(a, b, tol=TOL):
     ["method=fedper"],
     ["method=local"],  # issue 33: nothing shared, a whole model kept per client
     ["method=fedadagrad"],
+    # issue 33: reweighted aggregation; SAM/ASAM's second pass inside the vmapped step (padded,
+    # grouped, with BatchNorm updated by both passes, on a method with its own loss and correction)
+    ["method=feddisco", "method.disco_metric=l1"],
+    ["method=fedsam"],
+    ["method=fedasam", "pad_batches=false"],
+    ["method=fedasam", "model=cnnbn", "model.width=4"],
+    ["method=scaffold", "method.sam.rho=0.05", "method.disco.disco_a=1.0", "rounds=3"],
+    ["method=fedlmd", "method.lmd_tau=2.0"],  # per-client major-class mask, frozen global logits, padded
+    ["method=fedlmd", "model=cnnbn", "model.width=4"],
+    ["method=fedgela"],  # per-client scaled ETF head: training logits and the personalised state's head
+    ["method=fedgela", "model=cnnbn", "model.width=4", "method.gela_temperature=0.5"],
+    ["method=fedvls"],  # prior-adjusted CE, batch logsumexp (grouped), vacant-class KL under masks
+    ["method=feduv"],  # batch statistics (std, pairwise median): grouped, never padded
+    ["method=moon", "method.uv.unif_coeff=1.0", "model=cnnbn", "model.width=4"],
     ["method=lgfedavg", "method.global_layers=2"],
     ["method=apfl", "method.alpha=0.3"],
     ["method=fedala", "rounds=3", "clients_per_round=5"],

@@ -20,31 +20,32 @@ from pydantic import BaseModel, ValidationError
 
 from fedskew.algorithms.base import ClientReport, FederationInfo, Forward, Method, State, search_space
 from fedskew.algorithms.compose import Composite
-from fedskew.algorithms.drift import FedDC, FedDyn, FedNova, FedProx, Scaffold
+from fedskew.algorithms.drift import FedASAM, FedDC, FedDyn, FedNova, FedProx, FedSAM, Scaffold
 from fedskew.algorithms.components import COMPONENTS
 from fedskew.algorithms.fedmr import FedMR
 from fedskew.algorithms.map import MAP, FedPHP, FedRS
-from fedskew.algorithms.fedka import FedKA, FedNTD
+from fedskew.algorithms.fedka import FedKA, FedLMD, FedNTD, FedVLS
 from fedskew.algorithms.meta import PerFedAvg, PFedMe
-from fedskew.algorithms.neural_collapse import EtfGmv, FedETF
+from fedskew.algorithms.neural_collapse import EtfGmv, FedETF, FedGELA
 from fedskew.algorithms.personalized import Ditto, DittoRS, FedBABU, FedLC, FedProto, FedRep, FedROD
-from fedskew.algorithms.representation import FedDecorr, FedMMD, FedProc, Moon
+from fedskew.algorithms.representation import FedDecorr, FedMMD, FedProc, FedUV, Moon
 from fedskew.algorithms.classifier import CCVR, FedNH, FedPAC
 from fedskew.algorithms.distillation import FedDF, FedGen
 from fedskew.algorithms.sharing import APFL, FLDA, FedALA, FedBN, FedFOMO, FedPer, LGFedAvg, Local
-from fedskew.algorithms.server_opt import FedAdagrad, FedAdam, FedAvgM, FedAwS, FedYogi
+from fedskew.algorithms.server_opt import FedAdagrad, FedAdam, FedAvgM, FedAwS, FedDisco, FedYogi
 
 METHODS: dict[str, type[Method]] = {
     "fedavg": Method, "fedmr": FedMR, "fedprox": FedProx, "scaffold": Scaffold, "feddyn": FedDyn,
     "fednova": FedNova, "fedavgm": FedAvgM, "fedadam": FedAdam, "fedyogi": FedYogi, "fedadagrad": FedAdagrad,
-    "fedaws": FedAwS,
+    "fedaws": FedAwS, "feddisco": FedDisco, "fedsam": FedSAM, "fedasam": FedASAM,
     "moon": Moon, "fedmmd": FedMMD, "feddc": FedDC, "fedproc": FedProc,
     "fedrs": FedRS, "fedphp": FedPHP, "map": MAP, "etf_gmv": EtfGmv,
-    "fedntd": FedNTD, "fedka": FedKA,
+    "fedntd": FedNTD, "fedlmd": FedLMD, "fedvls": FedVLS, "fedka": FedKA,
     "ditto": Ditto, "dittors": DittoRS, "fedrep": FedRep, "fedbabu": FedBABU, "fedrod": FedROD,
     "fedproto": FedProto, "fedlc": FedLC, "pfedme": PFedMe, "perfedavg": PerFedAvg,
     "fedbn": FedBN, "fedper": FedPer, "lgfedavg": LGFedAvg, "local": Local, "apfl": APFL, "fedala": FedALA,
-    "feddecorr": FedDecorr, "ccvr": CCVR, "fednh": FedNH, "feddf": FedDF, "fedgen": FedGen, "fedetf": FedETF,
+    "feddecorr": FedDecorr, "feduv": FedUV, "ccvr": CCVR, "fednh": FedNH, "feddf": FedDF, "fedgen": FedGen,
+    "fedetf": FedETF, "fedgela": FedGELA,
     "fedfomo": FedFOMO, "fedpac": FedPAC, "flda": FLDA,
 }
 BUILTIN = frozenset(METHODS)
@@ -116,6 +117,8 @@ def _validate(schema: type[BaseModel], data: dict, where: str, what: str) -> Bas
             allowed = sorted(schema.model_fields) + (sorted(COMPONENTS) if where == "method" else [])
             hint = did_you_mean(key, allowed)
             raise ValueError(f"{where}.{key} is not an option of {what}{hint}; allowed: {allowed}") from None
+        if not key:  # a check across options (model_validator)
+            raise ValueError(f"{where} options of {what}: {err['msg'].removeprefix('Value error, ')}") from None
         raise ValueError(f"{where}.{key} = {err.get('input')!r} is not allowed: {err['msg']}") from None
 
 
@@ -136,7 +139,8 @@ def _parse(cfg):
 
 
 def validate_method_config(cfg) -> None:
-    _parse(cfg)
+    """Options valid, and the method buildable with its components (one sentence if not)."""
+    build_method(cfg)
 
 
 def method_validation_fraction(cfg) -> float:

@@ -80,6 +80,9 @@ class FederationInfo:
     # labels, in an order drawn once from the seed; a method's public set is the first n, which it
     # declares visible to every client and the server (FedDF's distillation data)
     public_pool: Callable | None = field(default=None, compare=False, repr=False)
+    # the model's fixed architecture tensors (``model.fixed_keys``: the ETF head), built from the
+    # seed by every party and never sent; a personalised state may override them (FedGELA's head)
+    fixed_state: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -299,6 +302,16 @@ class Method:
     # parameters the built model must have (True) or lack (False), with what gives them: when a
     # config overrode the option the method's defaults set, ``__init__`` says so in one sentence
     model_requires: dict[str, tuple[bool, str]] = {}
+    # False: ``aggregate`` does not weigh the clients by ``client_weights`` (SCAFFOLD's and FedDyn's
+    # uniform mean, FedNova's, FedProto's per-class counts, ...): a component that reweights the
+    # FedAvg weights (``method.disco``) refuses it. tests/test_health.py checks every declaration.
+    fedavg_weighted = True
+    # (weights, reports) -> weights, applied in order by ``client_weights``: set by a Composite
+    # for the time of its aggregation (Component.reweight)
+    weight_hooks: tuple = ()
+    # sharpness-aware local steps (Component ``sam``: its options rho, adaptive, eta), read by the
+    # executors for the uploaded model's training; None: plain SGD
+    sam = None
 
     def __init__(self, options: BaseModel | None = None, info: FederationInfo | None = None):
         self.opt = options if options is not None else self.Options()
@@ -399,14 +412,18 @@ class Method:
 
     # -- up ------------------------------------------------------------------------------------
     def client_weights(self, reports: list[ClientReport]) -> torch.Tensor:
-        """FedAvg weights p_k: by samples n_k (default), by local batches, or uniform."""
+        """FedAvg weights p_k: by samples n_k (default), by local batches, or uniform; then any
+        component's reweighting (``weight_hooks``, e.g. FedDisco's)."""
         if self.opt.weighting == "samples":
             w = torch.tensor([r.num_samples for r in reports], dtype=torch.float64)
         elif self.opt.weighting == "batches":
             w = torch.tensor([r.num_steps for r in reports], dtype=torch.float64)
         else:
             w = torch.ones(len(reports), dtype=torch.float64)
-        return w / w.sum()
+        w = w / w.sum()
+        for hook in self.weight_hooks:
+            w = hook(w, reports)
+        return w
 
     def aggregate(self, server_state: State, global_state: State, uploads: list[State],
                   reports: list[ClientReport]) -> tuple[State, State]:

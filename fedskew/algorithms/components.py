@@ -10,6 +10,10 @@ config key         component                from
 ``rs``             RestrictedSoftmax        FedRS (Li & Zhan, KDD 2021; MAP paper Eq. 8)
 ``hpm``            InheritedPrivateModel    FedPHP (Li et al., ECML-PKDD 2021; MAP Algorithm 1)
 ``feddecorr``      Decorrelation            FedDecorr (Shi et al., ICLR 2023, Eq. 4)
+``uv``             UniformityVariance       FedUV (Son et al., CVPR 2024): variance, uniformity
+``disco``          Discrepancy              FedDisco (Ye et al., ICML 2023): aggregation weights
+``sam``            SharpnessAware           FedSAM / FedASAM (Qu et al., ICML 2022; Caldarola et
+                                            al., ECCV 2022): SAM / ASAM local steps
 =================  =======================  ====================================================
 
 A component's options have one name wherever it is attached: ``method.rs.rs_form`` and
@@ -23,13 +27,14 @@ import math
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from fedskew.algorithms.base import ClientReport, Forward, State, StrictOptions, reference_tensor, strip_prefix
 from fedskew.algorithms.compose import Component
 from fedskew.algorithms.tensors import (aggregate_prototypes, class_feature_means, decorrelation_loss,
-                                        hpm_momentum, inter_class_margin, intra_class_loss, kd_loss, mmd2,
-                                        rs_scales, sharing_clients)
+                                        disco_weights, hpm_momentum, inter_class_margin, intra_class_loss, kd_loss,
+                                        label_discrepancy, mmd2, rs_scales, sharing_clients, uniformity_loss,
+                                        variance_loss)
 
 # ---------------------------------------------------------------------------------------------
 # FedMR's two pieces
@@ -307,6 +312,96 @@ class Decorrelation(Component):
         return self.opt.beta * value, {"feddecorr/loss": value.detach()}
 
 
+# ---------------------------------------------------------------------------------------------
+# FedUV
+
+
+class UVOptions(StrictOptions):
+    search = {'unif_coeff': [0.1, 0.5, 1.0]}  # the bench's search space (fedskew bench)
+    std_coeff: float = Field(2.5, ge=0, description="weight of the classifier-variance term; the official default 2.5")
+    unif_coeff: float = Field(0.5, ge=0, description="weight of the hyperspherical-uniformity term; the official "
+                                                     "default 0.5")
+
+
+class UniformityVariance(Component):
+    """FedUV's two local regularisers on every mini-batch (official ``UVReg``):
+    std_coeff * :func:`variance_loss` of the logits + unif_coeff * :func:`uniformity_loss` of the
+    features z the classifier reads (the official networks' ``pro1``, the last hidden layer). No
+    state, nothing sent. Reads batch statistics, so never padded (Method.padding_exact)."""
+
+    prefix = "uv."
+    Options = UVOptions
+
+    def loss(self, fwd, params, x, y, payload, client_state):
+        z, logits = fwd(x)
+        std, unif = variance_loss(logits), uniformity_loss(z)
+        return self.opt.std_coeff * std + self.opt.unif_coeff * unif, {"feduv/std": std.detach(),
+                                                                       "feduv/unif": unif.detach()}
+
+
+# ---------------------------------------------------------------------------------------------
+# FedDisco
+
+
+class DiscoOptions(StrictOptions):
+    search = {'disco_a': [0.1, 0.5, 1.0]}  # the bench's search space (fedskew bench)
+    disco_a: float = Field(0.5, ge=0, description="a in ReLU(p_k - a d_k + b); the official default 0.5")
+    disco_b: float = Field(0.1, description="b in ReLU(p_k - a d_k + b); the official default 0.1")
+    disco_metric: Literal["kl", "l1", "l2", "cosine"] = Field(
+        "kl", description="discrepancy d_k between a client's label distribution and the uniform one; kl (divided by "
+                          "its sum over the round's clients) is the official default")
+
+
+class Discrepancy(Component):
+    """FedDisco's discrepancy-aware aggregation weights on any method that aggregates with FedAvg's
+    weights p_k: p_k <- ReLU(p_k - a d_k + b) / sum, d_k the discrepancy of client k's label
+    distribution from the uniform one (:func:`label_discrepancy`, :func:`disco_weights`). The
+    server keeps ``disco.counts`` [K, C], the clients' label counts, which each client tells it once
+    at the start (the official code reads them from the partition too); nothing is sent per round."""
+
+    prefix = "disco."
+    Options = DiscoOptions
+
+    def server_init(self, global_state, info):
+        return {"disco.counts": info.class_counts.double().clone()}
+
+    def reweight(self, server_state, weights, reports):
+        counts = server_state["disco.counts"].cpu()[[r.client_id for r in reports]]
+        d = label_discrepancy(counts, self.opt.disco_metric)
+        return disco_weights(weights, d, self.opt.disco_a, self.opt.disco_b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharpness-aware local steps (FedSAM, FedASAM)
+
+
+class SAMOptions(StrictOptions):
+    search = {'rho': [0.02, 0.05, 0.1]}  # the bench's search space (fedskew bench)
+    rho: float = Field(0.1, gt=0, description="radius of the ascent step; FedSAM's official CIFAR-10 script uses 0.1")
+    adaptive: bool = Field(False, description="ASAM's scale-invariant radius T = |w| + eta (FedASAM) instead of SAM's")
+    eta: float = Field(0.2, ge=0, description="ASAM's eta in T = |w| + eta (adaptive only); FedASAM's script: 0.2")
+
+    @model_validator(mode="after")
+    def _eta_needs_adaptive(self):
+        if "eta" in self.model_fields_set and not self.adaptive:
+            raise ValueError("eta applies only with adaptive = true (ASAM); SAM has no eta")
+        return self
+
+
+class SharpnessAware(Component):
+    """Every local step of the uploaded model's training is a SAM (or ASAM) step: the gradient
+    g at w gives the ascent eps (:func:`~fedskew.algorithms.tensors.sam_perturbation`), the loss is
+    differentiated again at w + eps (a second forward in train mode, as the official
+    ``SAMClient.run_epoch``, BatchNorm statistics included), and SGD steps from w with that second
+    gradient. Both executors take the two passes (the vectorised one inside its vmapped step); the
+    personalisation stage takes plain steps. No state, nothing sent."""
+
+    prefix = "sam."
+    Options = SAMOptions
+    sharpness_aware = True
+
+
 COMPONENTS: dict[str, type[Component]] = {"decorrelation": IntraDecorrelation, "prototypes": PrototypeMargin,
                                           "rs": RestrictedSoftmax, "hpm": InheritedPrivateModel,
-                                          "feddecorr": Decorrelation}
+                                          "feddecorr": Decorrelation, "uv": UniformityVariance, "disco": Discrepancy,
+                                          "sam": SharpnessAware}

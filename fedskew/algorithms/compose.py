@@ -46,6 +46,7 @@ class Component:
     personalizes = False
     personal_first = False
     per_sample_loss = True  # no loss term, logits as they are (Method.padding_exact)
+    sharpness_aware = False  # True: ``opt`` holds rho, adaptive, eta of SAM local steps (Method.sam)
 
     def __init__(self, options: BaseModel):
         self.opt = options
@@ -88,6 +89,12 @@ class Component:
     def aggregate(self, server_state: State, uploads: list[State], reports: list[ClientReport]) -> State:
         return server_state
 
+    def reweight(self, server_state: State, weights: torch.Tensor, reports: list[ClientReport]) -> torch.Tensor:
+        """The base method's FedAvg weights p_k (float64, summing to 1) changed by this component
+        (FedDisco). Default: as they are; a component that overrides this needs a base method that
+        aggregates with them (``Method.fedavg_weighted``)."""
+        return weights
+
 
 def _own(d: State, prefix: str) -> State:
     return {k: v for k, v in d.items() if k.startswith(prefix)}
@@ -121,6 +128,19 @@ class Composite(Method):
                              f"at most one is allowed.")
         self._personal = next((c for c in components if c.personalizes), None)
         self.personal_first = (self._personal or base).personal_first
+        self._leaf = base
+        while isinstance(self._leaf, Composite):
+            self._leaf = self._leaf.base
+        self._reweighting = [c for c in components if type(c).reweight is not Component.reweight]
+        if self._reweighting and not self._leaf.fedavg_weighted:
+            raise ValueError(f"method.{self._reweighting[0].prefix.rstrip('.')} reweights FedAvg's aggregation weights, "
+                             f"but method {base.name} does not aggregate with them (its own weighting); use it "
+                             f"with a method that does, such as fedavg, fedprox or moon")
+        sam = [c.opt for c in components if c.sharpness_aware] + ([base.sam] if base.sam is not None else [])
+        if len(sam) > 1:
+            raise ValueError(f"method {self.name} takes sharpness-aware local steps twice (method.sam on a method "
+                             f"that already has them); set its own rho/adaptive/eta instead")
+        self.sam = sam[0] if sam else None
 
     def server_init(self, global_state, info):
         state = self.base.server_init(global_state, info)
@@ -215,8 +235,14 @@ class Composite(Method):
 
     def aggregate(self, server_state, global_state, uploads, reports):
         base_uploads = [_others(u, self._prefixes) for u in uploads]
-        new_global, base_state = self.base.aggregate(_others(server_state, self._prefixes), global_state,
-                                                     base_uploads, reports)
+        before = self._leaf.weight_hooks
+        self._leaf.weight_hooks = before + tuple(
+            (lambda w, r, c=c: c.reweight(_own(server_state, c.prefix), w, r)) for c in self._reweighting)
+        try:
+            new_global, base_state = self.base.aggregate(_others(server_state, self._prefixes), global_state,
+                                                         base_uploads, reports)
+        finally:
+            self._leaf.weight_hooks = before
         new_state = dict(base_state)
         for c in self.components:
             new_state.update(c.aggregate(_own(server_state, c.prefix), [_own(u, c.prefix) for u in uploads], reports))
@@ -226,7 +252,10 @@ class Composite(Method):
 def options_of(schema: type[BaseModel], opt: BaseModel) -> BaseModel:
     """``schema``'s options taken by name from a named method's options (``Composed.parts``): an
     option has one name in the method and in the component it configures."""
-    return schema(**{k: getattr(opt, k) for k in schema.model_fields if k in type(opt).model_fields})
+    # validated already as the method's options; constructed, so that only what the user set
+    # counts as set (a validator reading ``model_fields_set`` sees the same in both)
+    return schema.model_construct(_fields_set=opt.model_fields_set & set(schema.model_fields),
+                                  **{k: getattr(opt, k) for k in schema.model_fields if k in type(opt).model_fields})
 
 
 class Composed(Composite):

@@ -1,4 +1,5 @@
-"""Client-drift baselines: FedProx, SCAFFOLD, FedDyn, FedNova.
+"""Client-drift baselines: FedProx, SCAFFOLD, FedDyn, FedNova; and sharpness-aware local steps,
+FedSAM and FedASAM (FedAvg + the ``sam`` component; the two passes live in the executors' step).
 
 Each is FedAvg with the pieces its paper changes. SCAFFOLD's and FedDC's control correction is a
 step correction applied after each optimizer step, outside momentum (``Method.step_correction``);
@@ -15,6 +16,8 @@ import torch
 from pydantic import Field
 
 from fedskew.algorithms.base import FedAvgOptions, Method, as_model_part, model_part, weighted_mean
+from fedskew.algorithms.components import SAMOptions, SharpnessAware
+from fedskew.algorithms.compose import Composed, options_of
 
 
 def _params(names, state, prefix=""):
@@ -153,6 +156,8 @@ class FedDyn(Method):
     Down |theta|, up |theta|; client state g_k (|params|), server state h (|params|).
     """
 
+    fedavg_weighted = False  # uniform mean plus h (Method.fedavg_weighted)
+
     name = "feddyn"
     Options = FedDynOptions
     per_sample_loss = True  # Method.padding_exact
@@ -201,6 +206,8 @@ class FedNova(Method):
     x <- x - (sum_i p_i a_i) sum_i p_i d_i. BatchNorm statistics: sample-weighted mean.
     Sends and keeps what FedAvg does.
     """
+
+    fedavg_weighted = False  # normalised averaging (Method.fedavg_weighted)
 
     name = "fednova"
     Options = FedAvgOptions
@@ -260,6 +267,8 @@ class FedDC(Method):
     Down |theta| + |params| (model, c); up |theta| + |params| (model or model + drift, w_i (c_i+ - c_i)).
     Client keeps h_i, c_i and w_i (2 |params| + 1); server keeps c (and the mean drift in ``code``).
     """
+
+    fedavg_weighted = False  # uniform mean plus drift (Method.fedavg_weighted)
 
     name = "feddc"
     Options = FedDCOptions
@@ -332,3 +341,38 @@ class FedDC(Method):
                 state["hbar." + k] = hbar
                 mean[k] = mean[k] + hbar
         return mean, state
+
+
+# ---------------------------------------------------------------------------------------------
+# FedSAM, FedASAM
+
+
+class FedSAMOptions(SAMOptions, FedAvgOptions):
+    pass
+
+
+class FedASAMOptions(FedSAMOptions):
+    rho: float = Field(0.7, gt=0, description="radius of the ascent step; FedASAM's official CIFAR-10 script: 0.7")
+    adaptive: bool = Field(True, description="ASAM's scale-invariant radius T = |w| + eta (FedASAM)")
+    search = {'rho': [0.3, 0.7, 1.0]}  # the bench's search space (fedskew bench)
+
+
+class FedSAM(Composed):
+    """FedSAM (Qu et al., ICML 2022; Caldarola et al., ECCV 2022): FedAvg whose local steps are
+    SAM steps (:class:`~fedskew.algorithms.components.SharpnessAware`); any other method takes
+    them as ``method.sam.rho=0.1``. Two forward-backward passes per step; sends and keeps what
+    FedAvg does."""
+
+    name = "fedsam"
+    Options = FedSAMOptions
+
+    def parts(self, opt):
+        return [SharpnessAware(options_of(SAMOptions, opt))]
+
+
+class FedASAM(FedSAM):
+    """FedASAM (Caldarola et al., ECCV 2022): FedSAM with ASAM's adaptive radius (rho 0.7, eta 0.2
+    as the official CIFAR-10 script)."""
+
+    name = "fedasam"
+    Options = FedASAMOptions

@@ -1,4 +1,6 @@
-"""FedNTD (Lee et al., NeurIPS 2022) and FedKA (knowledge anchor, 2023) (docs/methods.md, "FedNTD and FedKA").
+"""FedNTD (Lee et al., NeurIPS 2022), FedLMD (Lu et al., ACM MM 2023), FedVLS (Guo et al., AAAI 2025)
+and FedKA (knowledge anchor, 2023) (docs/methods.md, "FedNTD and FedKA"; FedLMD and FedVLS in
+"Issue 33's methods").
 
 Both keep the received global model's knowledge of the classes a client lacks: FedNTD distils the
 global model's *not-true* class distribution on every batch; FedKA distils the global model's
@@ -7,6 +9,7 @@ logits of missing and non-dominant classes on a small anchor set (one sample per
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import numpy as np
@@ -62,6 +65,123 @@ class FedNTD(Method):
         _, global_logits = fwd.frozen(model_part(payload), x)
         ntd = ntd_loss(logits, global_logits, y, self.opt.ntd_tau, self.opt.tau_squared, fwd.mean)
         return fwd.cross_entropy(logits, y) + self.opt.ntd_beta * ntd, {"fedntd/ntd": ntd.detach()}
+
+
+# ---------------------------------------------------------------------------------------------
+# FedLMD
+
+
+def major_classes(counts: torch.Tensor) -> torch.Tensor:
+    """[C] counts -> [C] 1.0 where a class holds more samples than the mean over all C classes
+    (zeros included), as the official server's ``client_y_lst`` (wnma3mz/FedLMD)."""
+    counts = counts.double()
+    return (counts > counts.mean()).float()
+
+
+def lmd_loss(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor, major: torch.Tensor,
+             tau: float = 1.0, mean=torch.mean) -> torch.Tensor:
+    """The official ``lmd_criterion``: T^2 KL(p_t || p_s), batch mean, with p_t = softmax(g / T -
+    1000 [c major] - 1000 [c = y]) (the global model's logits, the client's major classes and the
+    true class masked out) and p_s = softmax(z / T - 1000 [c = y])."""
+    gt = F.one_hot(y, logits.shape[-1]).to(logits.dtype)
+    t = global_logits / tau - 1000 * major.to(logits.dtype) - 1000 * gt
+    log_p_t = F.log_softmax(t, dim=-1)
+    kl = (log_p_t.exp() * (log_p_t - F.log_softmax(logits / tau - 1000 * gt, dim=-1))).sum(-1)
+    return mean(kl) * tau ** 2
+
+
+class FedLMDOptions(FedAvgOptions):
+    search = {'lmd_beta': [0.3, 1.0, 3.0]}  # the bench's search space (fedskew bench)
+    lmd_beta: float = Field(1.0, ge=0, description="weight of the label-masking distillation term; the official "
+                                                   "config's 1")
+    lmd_tau: float = Field(1.0, gt=0, description="distillation temperature T; the official config's 1")
+
+
+class FedLMD(Method):
+    """FedLMD (Lu et al., ACM MM 2023; official code wnma3mz/FedLMD): L = CE(z, y) + beta *
+    :func:`lmd_loss`(z, frozen received global model's logits): the global model teaches the
+    classes the client has few or none of (its major classes and the sample's true class masked
+    from the teacher). Keeps ``lmd.major`` [C] per client; communication as FedAvg."""
+
+    name = "fedlmd"
+    Options = FedLMDOptions
+    per_sample_loss = True  # Method.padding_exact
+
+    def client_init(self, client_id, global_state, info):
+        device = reference_tensor(global_state).device
+        return {"lmd.major": major_classes(info.class_counts[client_id]).to(device)}
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        _, logits = fwd(x)
+        _, global_logits = fwd.frozen(model_part(payload), x)
+        lmd = lmd_loss(logits, global_logits, y, client_state["lmd.major"], self.opt.lmd_tau, fwd.mean)
+        return fwd.cross_entropy(logits, y) + self.opt.lmd_beta * lmd, {"fedlmd/lmd": lmd.detach()}
+
+
+# ---------------------------------------------------------------------------------------------
+# FedVLS
+
+
+def prior_ce(logits: torch.Tensor, y: torch.Tensor, prior: torch.Tensor, ce=F.cross_entropy) -> torch.Tensor:
+    """The official ``PriorCELoss`` (krumpguo/FedVLS clientvls.py): CE(z + log(pi + 1e-9), y),
+    pi the client's label distribution (logit adjustment)."""
+    return ce(logits + torch.log(prior + 1e-9), y)
+
+
+def logit_suppression(logits: torch.Tensor, y: torch.Tensor, prior: torch.Tensor, scale: float = 0.005) -> torch.Tensor:
+    """The official ``new_LADEloss``: for each class c, s_c = logsumexp over the batch of
+    (z_nc - log(pi_c + 1e-9) + log(1/C)) [y_n != c] - log N (a sample of class c enters as 0, as
+    the code multiplies by the mask), and the loss scale * sum_c pi_c s_c: the adjusted logit of
+    every present class pushed down on the samples of other classes."""
+    n, c = logits.shape
+    spread = (logits - torch.log(prior + 1e-9) + math.log(1.0 / c)) * (y[:, None] != torch.arange(c, device=y.device))
+    second = torch.logsumexp(spread, dim=0) - math.log(n)
+    return scale * (second * prior).sum()
+
+
+def vacant_distillation(logits: torch.Tensor, teacher_logits: torch.Tensor, vacant: torch.Tensor,
+                        mean=torch.mean) -> torch.Tensor:
+    """The official ``VLSloss``: KL(softmax(t_V) || softmax(z_V)), batch mean, over the client's
+    vacant classes V only (``vacant`` [C], 1.0 for a class with no local sample); 0 when it has
+    none. Written with masks (no data-dependent shapes), so it runs under ``vmap``."""
+    off = 1e4 * (1.0 - vacant.to(logits.dtype))  # exp(-1e4) = 0: the present classes leave both softmaxes
+    log_s = F.log_softmax(logits - off, dim=-1)
+    log_t = F.log_softmax(teacher_logits - off, dim=-1)
+    kl = (vacant * log_t.exp() * (log_t - log_s)).sum(-1)
+    return mean(kl)
+
+
+class FedVLSOptions(FedAvgOptions):
+    search = {'vls_lambda': [0.03, 0.1, 0.3, 1.0]}  # the bench's search space (fedskew bench)
+    vls_lambda: float = Field(0.1, ge=0, description="weight of the vacant-class distillation; 0.1 is the official "
+                                                     "README's CIFAR-10 command (its argparse default is 1.0)")
+    suppression_scale: float = Field(0.005, ge=0, description="factor of the logit-suppression term; the official "
+                                                              "code's fixed 0.005")
+
+
+class FedVLS(Method):
+    """FedVLS (Guo et al., AAAI 2025, "Exploring vacant classes in label-skewed FL"; official
+    code krumpguo/FedVLS): L = :func:`prior_ce` + :func:`logit_suppression` + lambda *
+    :func:`vacant_distillation` against the frozen received global model. Keeps ``vls.prior``
+    and ``vls.vacant`` [C] per client; communication as FedAvg. The logit-suppression term sums
+    over the batch, so never padded (Method.padding_exact)."""
+
+    name = "fedvls"
+    Options = FedVLSOptions
+
+    def client_init(self, client_id, global_state, info):
+        device = reference_tensor(global_state).device
+        counts = info.class_counts[client_id].double()
+        return {"vls.prior": (counts / counts.sum()).float().to(device), "vls.vacant": (counts == 0).float().to(device)}
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        _, logits = fwd(x)
+        _, teacher = fwd.frozen(model_part(payload), x)
+        prior = client_state["vls.prior"]
+        ce = prior_ce(logits, y, prior, fwd.cross_entropy)
+        sup = logit_suppression(logits, y, prior, self.opt.suppression_scale)
+        vls = vacant_distillation(logits, teacher, client_state["vls.vacant"], fwd.mean)
+        return ce + sup + self.opt.vls_lambda * vls, {"fedvls/suppression": sup.detach(), "fedvls/vacant_kd": vls.detach()}
 
 
 # ---------------------------------------------------------------------------------------------

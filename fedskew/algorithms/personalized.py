@@ -292,6 +292,8 @@ class FedProto(Method):
     Down: C*d floats; up: C*d + C. Keeps a full model and C*d prediction prototypes per client.
     Needs ``model.classifier_bias=true`` (the nearest-prototype head needs its bias)."""
 
+    fedavg_weighted = False  # no model aggregated: class prototypes by counts (Method.fedavg_weighted)
+
     name = "fedproto"
     Options = FedProtoOptions
     requires_classifier = "linear"

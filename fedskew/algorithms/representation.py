@@ -1,4 +1,4 @@
-"""Representation-level baselines: MOON, FedMMD, FedProc and FedDecorr.
+"""Representation-level baselines: MOON, FedMMD, FedProc, FedDecorr and FedUV.
 
 MOON and FedMMD regularise the features z of the model being trained against other models' features on the
 same batch, through ``fwd.frozen`` (eval mode, no gradient), so they run in every executor.
@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from fedskew.algorithms.base import FedAvgOptions, Method, model_part
-from fedskew.algorithms.components import Decorrelation, FedDecorrOptions, PrototypeMargin, PrototypeOptions
+from fedskew.algorithms.components import (Decorrelation, FedDecorrOptions, PrototypeMargin, PrototypeOptions,
+                                         UniformityVariance, UVOptions)
 from fedskew.algorithms.compose import Composed, options_of
 from fedskew.algorithms.tensors import mmd2
 
@@ -162,3 +163,23 @@ class FedDecorr(Composed):
 
     def parts(self, opt):
         return [Decorrelation(options_of(FedDecorrOptions, opt))]
+
+
+# ---------------------------------------------------------------------------------------------
+# FedUV
+
+
+class FedUVOptions(UVOptions, FedAvgOptions):
+    pass
+
+
+class FedUV(Composed):
+    """FedUV (Son et al., CVPR 2024; sonhamin/FedUV): FedAvg + the classifier-variance and
+    hyperspherical-uniformity regularisers (:class:`~fedskew.algorithms.components.UniformityVariance`);
+    any other method takes them as ``method.uv.std_coeff=2.5``. Sends and keeps what FedAvg does."""
+
+    name = "feduv"
+    Options = FedUVOptions
+
+    def parts(self, opt):
+        return [UniformityVariance(options_of(UVOptions, opt))]

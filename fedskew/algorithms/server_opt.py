@@ -23,6 +23,8 @@ import torch
 from pydantic import Field
 
 from fedskew.algorithms.base import FedAvgOptions, Method, model_part, weighted_mean
+from fedskew.algorithms.components import DiscoOptions, Discrepancy
+from fedskew.algorithms.compose import Composed, options_of
 
 
 class FedAvgMOptions(FedAvgOptions):
@@ -146,3 +148,24 @@ class FedAwS(Method):
             w = (w - self.opt.server_lr * g).detach()
         new["classifier.weight"] = w
         return new, server_state
+
+
+# ---------------------------------------------------------------------------------------------
+# FedDisco
+
+
+class FedDiscoOptions(DiscoOptions, FedAvgOptions):
+    pass
+
+
+class FedDisco(Composed):
+    """FedDisco (Ye et al., ICML 2023): FedAvg aggregated with discrepancy-aware weights
+    ReLU(p_k - a d_k + b) (:class:`~fedskew.algorithms.components.Discrepancy`); any method that
+    aggregates with FedAvg's weights takes them as ``method.disco.disco_a=0.5`` (the paper pairs
+    them with FedProx and MOON too). Sends what FedAvg does."""
+
+    name = "feddisco"
+    Options = FedDiscoOptions
+
+    def parts(self, opt):
+        return [Discrepancy(options_of(DiscoOptions, opt))]

@@ -81,6 +81,8 @@ class Local(PartialSharing):
 
     Down and up: nothing. Keeps a whole model per client."""
 
+    fedavg_weighted = False  # nothing aggregated (Method.fedavg_weighted)
+
     name = "local"
     keep = "own."
     has_global_model = False
@@ -358,6 +360,8 @@ class FedFOMO(Method):
 
     Down: M models + M ids per client; up: the model + M weights + M ids. Keeps: own model (client),
     every client's latest model and P (server: N models). Not on Flower (per-client downloads)."""
+
+    fedavg_weighted = False  # each client weighs the models it downloads (Method.fedavg_weighted)
 
     name = "fedfomo"
     Options = FedFOMOOptions

@@ -194,3 +194,76 @@ def balanced_softmax_loss(logits: torch.Tensor, y: torch.Tensor, class_counts: t
     """Balanced softmax (FedROD Eq. 5, after Ren et al. 2020): CE(logits + log n_c, y) with the
     client's class counts n_c; a class it lacks gets log(1e-12), numerically removed."""
     return ce(logits + torch.log(class_counts.clamp(min=1e-12)), y)
+
+
+def label_discrepancy(counts: torch.Tensor, metric: str = "kl") -> torch.Tensor:
+    """FedDisco's discrepancy d_k between each client's label distribution (rows of ``counts``
+    [K, C], normalised) and the uniform distribution over the C classes (the official code's
+    ``global_dist`` for a balanced test set; MediaBrain-SJTU/FedDisco disco.py,
+    ``get_distribution_difference``): ``kl``: KL(p_k || u), then divided by its sum over the K
+    clients given (0 if that sum is 0); ``l1``, ``l2``: ||p_k - u||; ``cosine``: 1 - cos(p_k, u)."""
+    p = counts.double() / counts.double().sum(1, keepdim=True)
+    u = torch.full_like(p[0], 1.0 / p.shape[1])
+    if metric == "kl":
+        d = torch.where(p > 0, p * torch.log(p / u), torch.zeros_like(p)).sum(1)
+        return d / d.sum() if d.sum() > 0 else torch.zeros_like(d)
+    if metric == "l1":
+        return (p - u).abs().sum(1)
+    if metric == "l2":
+        return (p - u).norm(dim=1)
+    if metric == "cosine":
+        return 1.0 - (p @ u) / (p.norm(dim=1) * u.norm())
+    raise ValueError(f"unknown discrepancy metric {metric!r}")
+
+
+def disco_weights(p: torch.Tensor, d: torch.Tensor, a: float, b: float) -> torch.Tensor:
+    """FedDisco's aggregation weights: ReLU(p_k - a d_k + b), normalised to sum 1 (official
+    ``disco_weight_adjusting``), with p_k the FedAvg weights of the round's clients. Where no
+    client keeps a positive weight (a d_k >= p_k + b for all; the official code fails there) the
+    FedAvg weights stay."""
+    w = p - a * d + b
+    if not bool((w > 0).any()):
+        return p
+    w = w.clamp(min=0.0)
+    return w / w.sum()
+
+
+def sam_perturbation(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], rho: float,
+                     adaptive: bool = False, eta: float = 0.0) -> dict[str, torch.Tensor]:
+    """The ascent step eps of sharpness-aware minimisation for stacked tensors [G, ...], each
+    client (leading dimension) on its own gradient norm. SAM (Foret et al., ICLR 2021; FedSAM, Qu
+    et al., ICML 2022): eps = rho g / ||g||. ASAM (Kwon et al., ICML 2021; FedASAM, Caldarola et
+    al., ECCV 2022): eps = rho T^2 g / ||T g|| with T = |w| + eta on tensors whose name contains
+    ``weight`` and T = 1 on the others (the official ``ASAM.ascent_step``, debcaldarola/fedsam);
+    ||.|| is the norm over all tensors given, + 1e-16."""
+    scale = {k: params[k].abs() + eta if adaptive and "weight" in k else None for k in grads}
+    tg = {k: g if scale[k] is None else g * scale[k] for k, g in grads.items()}
+    norm = torch.sqrt(sum(t.pow(2).flatten(1).sum(1) for t in tg.values())) + 1e-16
+    coef = rho / norm
+    return {k: (t if scale[k] is None else t * scale[k]) * coef.view(-1, *[1] * (t.dim() - 1)) for k, t in tg.items()}
+
+
+def variance_loss(logits: torch.Tensor) -> torch.Tensor:
+    """FedUV's classifier-variance term (Son et al., CVPR 2024; sonhamin/FedUV ``UVReg``): the
+    mean over classes of ReLU(gamma - std_batch softmax(logits)_c), gamma = 1/sqrt(C) (the std of
+    a column of the identity, the official ``torch.eye(C).std(0).mean()``), unbiased std over the
+    batch. A batch of one sample gives 0."""
+    n, c = logits.shape
+    if n < 2:
+        return logits.sum() * 0.0
+    gamma = 1.0 / math.sqrt(c)
+    return F.relu(gamma - F.softmax(logits, dim=1).std(dim=0)).mean()
+
+
+def uniformity_loss(z: torch.Tensor) -> torch.Tensor:
+    """FedUV's hyperspherical-uniformity term: the mean over pairs i < j of exp(-||z_i - z_j||^2 /
+    sigma), sigma the median of the non-zero squared distances (the lower middle value, as
+    ``torch.median``); written without data-dependent shapes, so it runs under ``vmap``. A batch
+    of one sample gives 0."""
+    n = z.shape[0]
+    if n < 2:
+        return z.sum() * 0.0
+    i, j = torch.triu_indices(n, n, offset=1, device=z.device)
+    d = (z[i] - z[j]).pow(2).sum(1)
+    sigma = torch.where(d != 0, d, torch.full_like(d, float("nan"))).nanmedian()  # differentiated, as the official
+    return torch.exp(-d / sigma).mean()

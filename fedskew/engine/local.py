@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fedskew.algorithms.base import ClientData, ClientReport, Forward, Method, State
+from fedskew.algorithms.tensors import sam_perturbation
 from fedskew.data.augment import crop_flip
 from fedskew.data.federated import Federation
 from fedskew.engine.batched_sgd import FP16_GROWTH_INTERVAL, FP16_INIT_SCALE
@@ -105,7 +106,8 @@ class SequentialExecutor:
             means.append(self._sgd_stage(
                 loss_fn, self.train_idx[k], batches, lr, payload, state, method.trained_params(stage),
                 self.settings.augmentation(round_idx, k, 0 if stage == "upload" else 1, sum(map(len, batches))),
-                method.step_correction(payload, state) if stage == "upload" else None))
+                method.step_correction(payload, state) if stage == "upload" else None,
+                method.sam if stage == "upload" else None))
             trained.append(federated_state(self.model))
         return trained, means
 
@@ -121,11 +123,13 @@ class SequentialExecutor:
 
     def _sgd_stage(self, loss_fn, idx: torch.Tensor, batches: list[np.ndarray], lr: float,
                    payload: State, client_state: State, trainable: frozenset[str] | None = None,
-                   augment: torch.Tensor | None = None, correction: State | None = None) -> dict:
+                   augment: torch.Tensor | None = None, correction: State | None = None, sam=None) -> dict:
         """Train the loaded model on ``batches`` with a fresh torch.optim.SGD over the ``trainable``
         parameters (None: all; the others are frozen), each batch augmented with its rows of
         ``augment`` when given, and ``p -= lr * correction[p]`` after every optimizer step
-        (``Method.step_correction``); mean tracked values."""
+        (``Method.step_correction``); ``sam`` (``Method.sam``): every step takes its gradient at
+        w + eps (:func:`sam_perturbation`), as the official FedSAM client's ascent and descent
+        steps, w restored exactly before the SGD step. Mean tracked values (of the first pass)."""
         s, model = self.settings, self.model
         model.train()
         params = dict(model.named_parameters())
@@ -150,6 +154,8 @@ class SequentialExecutor:
                 loss, aux = loss_fn(fwd, params, x, self.y[rows], payload, client_state)
                 opt.zero_grad(set_to_none=True)
                 scaler.scale(loss).backward()
+                if sam is not None:
+                    self._sam_gradient(loss_fn, fwd, params, updated, x, self.y[rows], payload, client_state, sam)
                 scaler.unscale_(opt)
                 if s.grad_clip is not None:
                     nn.utils.clip_grad_norm_(updated, s.grad_clip)
@@ -165,3 +171,21 @@ class SequentialExecutor:
             for p in frozen:
                 p.requires_grad_(True)
         return {k: (v / max(len(batches), 1)).item() for k, v in sums.items()}
+
+    @staticmethod
+    def _sam_gradient(loss_fn, fwd, params, updated, x, y, payload, client_state, sam) -> None:
+        """Replace the gradients of ``updated`` (at w) by those at w + eps (SAM / ASAM)."""
+        names = [k for k, p in params.items() if any(p is u for u in updated)]
+        with torch.no_grad():
+            saved = {k: params[k].detach().clone() for k in names}
+            grads = {k: (params[k].grad if params[k].grad is not None else torch.zeros_like(params[k]))[None]
+                     for k in names}
+            eps = sam_perturbation({k: saved[k][None] for k in names}, grads, sam.rho, sam.adaptive, sam.eta)
+            for k in names:
+                params[k].add_(eps[k][0])
+                params[k].grad = None
+        loss, _ = loss_fn(fwd, params, x, y, payload, client_state)
+        loss.backward()
+        with torch.no_grad():
+            for k in names:
+                params[k].copy_(saved[k])

@@ -85,7 +85,9 @@ class Experiment:
                                    tuple(n for n, _ in self.model.named_parameters()), self.model.feature_dim,
                                    public_samples(self.fed, cfg.seed, self.device), cfg.local_epochs, cfg.batch_size,
                                    norm_names(self.model), model_caller(self.model),
-                                   public_pool(self.fed, cfg.seed, self.device))
+                                   public_pool(self.fed, cfg.seed, self.device),
+                                   {k: v for k, v in self.model.state_dict().items()
+                                    if k in getattr(self.model, "fixed_keys", ())})
         try:
             self.method = build_method(cfg.method, self.info)
         except ValueError as exc:  # a method's own check of the federation or model (one sentence)

@@ -48,6 +48,7 @@ from torch import nn
 from torch.func import vmap
 
 from fedskew.algorithms.base import ClientReport, Method, State
+from fedskew.algorithms.tensors import sam_perturbation
 from fedskew.data.augment import crop_flip
 from fedskew.data.federated import Federation
 from fedskew.engine.batched_sgd import FP16_INIT_SCALE, sgd_, unscale
@@ -261,7 +262,8 @@ class VectorizedExecutor:
         trained_all, sums, steps = self._run_stage(
             losses, self._stack_starts(starts), cstates, schedules, clients, payload, lrs[0],
             self.method.trained_params(stage), (round_idx, 0 if stage == "upload" else 1),
-            self._correction(payload, cstates) if stage == "upload" else None, self.padded[stage])
+            self._correction(payload, cstates) if stage == "upload" else None, self.padded[stage],
+            self.method.sam if stage == "upload" else None)
         trained = [unstack(trained_all, i) for i in range(len(clients))]  # views; methods never write in place
         self._last_trained = (trained_all, trained)
         table = means_per_client(sums, steps)
@@ -275,12 +277,14 @@ class VectorizedExecutor:
 
     def _run_stage(self, losses_fn, start: State, cstates: State, schedules: list[list[np.ndarray]],
                    clients: list[int], payload: State, lr: float, trainable: frozenset[str] | None = None,
-                   round_stage: tuple[int, int] = (0, 0), correction: State | None = None, padded: bool = False):
+                   round_stage: tuple[int, int] = (0, 0), correction: State | None = None, padded: bool = False,
+                   sam=None):
         """Local SGD of every client of the chunk from the stacked ``start`` on its own batch
         schedule, updating the ``trainable`` parameters (None: all), batches augmented with the
         (round, stage) draws when augmentation is on, ``p -= lr * correction`` after every step
         (stacked ``Method.step_correction``); ``padded``: the clients of a step form one call,
-        shorter batches padded with zero-weight rows. Returns the stacked trained state
+        shorter batches padded with zero-weight rows; ``sam`` (``Method.sam``): each step's gradient
+        taken again at w + eps, every client on its own eps. Returns the stacked trained state
         (parameters and float buffers), the summed tracked values per client and each client's
         number of steps. Nothing inside the step loop reads a device value back to the host."""
         s = self.settings
@@ -349,11 +353,14 @@ class VectorizedExecutor:
                 c = pick(cstates)
                 if int(col[members].min()) < longest:  # padded rows weigh 0
                     weights = (positions[:longest] < n[:, None]) / n[:, None].to(self._dtype)
-                    losses, aux = self._padded_losses[losses_fn](leaves, buf, x, y, payload, c, weights)
+                    losses_at = (lambda w, b=buf, x=x, y=y, c=c, weights=weights:
+                            self._padded_losses[losses_fn](w, b, x, y, payload, c, weights))
+                    losses, aux = losses_at(leaves)
                     if losses_fn not in self._verified:
                         self._verify_padding(losses_fn, leaves, buf, x, y, payload, c, n, losses, aux)
                 else:
-                    losses, aux = losses_fn(leaves, buf, x, y, payload, c)
+                    losses_at = (lambda w, b=buf, x=x, y=y, c=c: losses_fn(w, b, x, y, payload, c))
+                    losses, aux = losses_at(leaves)
                 tracked = {"loss": losses, **aux}
                 for key, v in tracked.items():
                     sums.setdefault(key, torch.zeros(G, device=self.device))
@@ -362,6 +369,13 @@ class VectorizedExecutor:
                                             [leaves[k] for k in updated], allow_unused=True, materialize_grads=True)
                 # Each client's loss depends only on its own row of the stack, so the gradient of
                 # the sum is every client's own gradient.
+                if sam is not None:  # SAM / ASAM: the gradient at w + eps, each client its own eps
+                    eps = sam_perturbation({k: leaves[k].detach() for k in updated}, dict(zip(updated, grads)),
+                                           sam.rho, sam.adaptive, sam.eta)
+                    ascended = {k: (v.detach() + eps[k]).requires_grad_(True) if k in eps else v
+                                for k, v in leaves.items()}
+                    grads = torch.autograd.grad(losses_at(ascended)[0].sum(), [ascended[k] for k in updated],
+                                                allow_unused=True, materialize_grads=True)
                 ok = None
                 if sc is not None:
                     grads, ok = unscale(grads, sc)
