@@ -934,6 +934,23 @@ def test_feduv_terms_by_hand():
 # -- FedLMD --------------------------------------------------------------------------------------
 
 
+def distillation_batch(exp, k):
+    """A batch of client k, the run's model, and a received global model (the initial one moved
+    by seeded noise) with its eval-mode logits on the batch: (model, params, x, y, payload, logits)."""
+    model = exp.model
+    teacher = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        teacher.eval()
+        idx = exp.fed.train_idx[k][:24]
+        x, y = exp.fed.data.x_train[idx], exp.fed.data.y_train[idx]
+        logits = teacher(x)
+    payload = {"model." + n: v for n, v in federated_state(teacher).items()}
+    return model, dict(model.named_parameters()), x, y, payload, logits
+
+
 def official_lmd_criterion(logits_student, logits_teacher, target, T, major_labels):
     """wnma3mz/FedLMD src/algorithms/fedlmd/criterion.py ``lmd_criterion``, replayed."""
     bs = logits_student.size(0)
@@ -954,20 +971,9 @@ def test_fedlmd_loss_and_gradient_equal_the_official_criterion(tmp_path, tau):
     major_official = torch.tensor(np.where(np.array(counts) > np.mean(np.array(counts)))[0])
     state = exp.method.client_init(k, federated_state(exp.model), exp.info)
     assert torch.equal(torch.nonzero(state["lmd.major"]).flatten(), major_official)
-    model = exp.model
-    teacher = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in teacher.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    payload = {"model." + n: v for n, v in federated_state(teacher).items()}
-    idx = exp.fed.train_idx[k][:24]
-    x, y = exp.fed.data.x_train[idx], exp.fed.data.y_train[idx]
-    params = dict(model.named_parameters())
+    model, params, x, y, payload, dg = distillation_batch(exp, k)
     loss, _ = exp.method.local_loss(module_forward(model), params, x, y, payload, state)
     out = model(x)
-    with torch.no_grad():
-        teacher.eval()
-        dg = teacher(x)
     ref = F.cross_entropy(out, y) + 0.7 * official_lmd_criterion(out, dg, y, tau, major_official)
     assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
     for a, b in zip(torch.autograd.grad(loss, list(params.values())), torch.autograd.grad(ref, list(params.values()))):
@@ -1002,19 +1008,8 @@ def test_fedvls_loss_and_gradient_equal_the_official_client():
     state = exp.method.client_init(k, federated_state(exp.model), exp.info)
     counts = torch.bincount(exp.fed.data.y_train[exp.fed.train_idx[k]], minlength=10).float()
     assert (counts == 0).any() and torch.equal(state["vls.vacant"], (counts == 0).float())
-    model = exp.model
-    teacher = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in teacher.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    payload = {"model." + n: v for n, v in federated_state(teacher).items()}
-    idx = exp.fed.train_idx[k][:24]
-    x, y = exp.fed.data.x_train[idx], exp.fed.data.y_train[idx]
-    params = dict(model.named_parameters())
+    model, params, x, y, payload, t = distillation_batch(exp, k)
     loss, aux = exp.method.local_loss(module_forward(model), params, x, y, payload, state)
-    with torch.no_grad():
-        teacher.eval()
-        t = teacher(x)
     ref = official_vls_losses(model(x), t, y, counts, 0.4)
     assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
     for a, b in zip(torch.autograd.grad(loss, list(params.values())), torch.autograd.grad(ref, list(params.values()))):
