@@ -140,8 +140,11 @@ def assert_same(a, b, tol=TOL):
     ["method=fedasam", "pad_batches=false"],
     ["method=fedasam", "model=cnnbn", "model.width=4"],
     ["method=scaffold", "method.sam.rho=0.05", "method.disco.disco_a=1.0", "rounds=3"],
-    ["method=fedlmd", "method.lmd_tau=2.0"],  # per-client major-class mask, frozen global logits, padded
-    ["method=fedlmd", "model=cnnbn", "model.width=4"],
+    ["method=fedlmd"],  # per-client major-class mask, frozen global logits, padded
+    # (FedLMD at T = 1 on this 8-client BatchNorm CNN is chaotic: a 1e-5 relative change of lr moves
+    # the sequential executor's own result by 3e-3, ten times FedNTD's; one batch's gradients agree
+    # across executors to 3e-7, and the run to 2e-5; compared at T = 3, where they agree to 1e-7)
+    ["method=fedlmd", "model=cnnbn", "model.width=4", "method.lmd_tau=3.0"],
     ["method=fedgela"],  # per-client scaled ETF head: training logits and the personalised state's head
     ["method=fedgela", "model=cnnbn", "model.width=4", "method.gela_temperature=0.5"],
     ["method=fedvls"],  # prior-adjusted CE, batch logsumexp (grouped), vacant-class KL under masks
