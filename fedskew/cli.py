@@ -730,44 +730,27 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt as exc:
         hint = getattr(args, "interrupt_hint", None)
         what = "terminated" if isinstance(exc, Terminated) else "interrupted"
-        _say(f"\nfedskew: {what}{'; ' + hint if hint else '.'}\n")
-        code = 143 if isinstance(exc, Terminated) else 130
-        if hint:
-            _exit_if_stuck(code)
-        return code
+        print(f"\nfedskew: {what}{'; ' + hint if hint else '.'}", file=sys.stderr)
+        global _END_NOW
+        _END_NOW = bool(hint)  # an interrupted sweep: its database is written and its workers are gone
+        return 143 if isinstance(exc, Terminated) else 130
 
 
-def _say(text: str) -> None:
-    """``text`` on stderr straight to its file descriptor where it has one: an interrupt can land
-    while the main thread holds the stream's buffer (a progress line half written), and the
-    buffered ``print`` then waits for ever on that lock."""
-    try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # a captured or replaced stream
-        print(text, end="", file=sys.stderr)
-        return
-    data = text.encode(sys.stderr.encoding or "utf-8", "replace")
-    while data:
-        data = data[os.write(fd, data):]
+_END_NOW = False
 
 
-def _exit_if_stuck(code: int, grace_s: float = 10.0) -> None:
-    """After an interrupted sweep (its database written, its workers stopped): end the process now
-    if a helper thread of its process pool has not ended within ``grace_s``. ProcessPoolExecutor's
-    manager thread can miss its wake-up when the interrupt lands inside the pool's own bookkeeping
-    and then blocks interpreter exit for ever (seen about once in ten group-wide Ctrl-C's on 2 busy
-    cores); nothing is left to write, so the process exits with its status instead of hanging."""
-    import threading
-
-    deadline = time.monotonic() + grace_s
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and not t.daemon:
-            t.join(max(0.0, deadline - time.monotonic()))
-    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.current_thread()):
+def entry() -> None:
+    """The ``fedskew`` command and ``python -m fedskew.cli``: :func:`main`, then the exit. After an
+    interrupted sweep the process ends at once (streams flushed, ``os._exit``): nothing is left to
+    write, and interpreter shutdown could otherwise wait on the process pool's threads or a dying
+    worker (a group-wide Ctrl-C hung there in about 1 of 10 tries on 2 busy cores)."""
+    code = main()
+    if _END_NOW:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

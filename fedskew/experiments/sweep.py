@@ -566,8 +566,8 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
             def stop(pool):
                 procs = workers(pool)  # (read first: shutdown forgets them)
                 pool.shutdown(wait=False, cancel_futures=True)
-                for proc in procs:
-                    proc.terminate()
+                for proc in procs:  # SIGKILL: a worker takes SIGTERM as "stop after this round" and, idle,
+                    proc.kill()     # would wait for work for ever, and the pool's thread (so exit) with it
 
             def collect(fut, r) -> bool:
                 """Record a finished future's run; False when its worker died."""
