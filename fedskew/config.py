@@ -220,8 +220,7 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _method_options(self) -> "RunConfig":
-        from fedskew.algorithms import (build_method, method_model_defaults, model_option_owners,
-                                        validate_method_config)
+        from fedskew.algorithms import method_model_defaults, model_option_owners, validate_method_config
 
         problems = []
         for section in ("dataset", "partition", "model"):
@@ -234,8 +233,8 @@ class RunConfig(_Strict):
                                 f" not apply to {what}, which reads {sorted(part.applies() - {'name'})}")
         if problems:
             raise ValueError("; ".join(problems))
-        validate_method_config(self.method)
-        if self.precision == "fp16" and build_method(self.method).sam is not None:
+        method = validate_method_config(self.method)
+        if self.precision == "fp16" and method.sam is not None:
             raise ValueError(f"method {self.method.name}'s sharpness-aware steps (method.sam) run in fp32 or bf16, "
                              f"not precision = fp16 (no loss scaling across the two passes)")
         for option, owner in model_option_owners().items():

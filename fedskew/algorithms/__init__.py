@@ -138,9 +138,10 @@ def _parse(cfg):
     return cls, _validate(cls.Options, options, "method", cfg.name), parts
 
 
-def validate_method_config(cfg) -> None:
-    """Options valid, and the method buildable with its components (one sentence if not)."""
-    build_method(cfg)
+def validate_method_config(cfg) -> Method:
+    """Options valid, and the method buildable with its components (one sentence if not): the
+    method, built without federation facts."""
+    return build_method(cfg)
 
 
 def method_validation_fraction(cfg) -> float:
