@@ -19,13 +19,33 @@ import errno
 import fcntl
 import json
 import os
-import threading
 from pathlib import Path
 
 from fedskew.config import ConfigError
 
 LOCK_NAME = ".fedskew.lock"
-STOP = threading.Event()
+
+
+class StopFlag:
+    """A flag a signal handler may set: no lock. ``threading.Event.set`` takes a lock, and a second
+    signal (the sweep's SIGTERM after a terminal's SIGINT) whose handler ran while the first
+    handler held it deadlocked the worker for good (reproduced: a handler preempted inside
+    ``Event.set``); a plain attribute store is atomic under the GIL."""
+
+    def __init__(self):
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def clear(self) -> None:
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+
+STOP = StopFlag()
 
 
 class RunInterrupted(RuntimeError):
