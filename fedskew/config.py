@@ -131,11 +131,17 @@ class ModelConfig(_Section):
                                                      "(FedETF's learnable temperature)")
     private_expert: bool = Field(False, description="FLDA's architecture: a private copy of the model and a "
                                                     "gate mixing its logits with the model's (method flda)")
+    feature_shift: bool = Field(False, description="FedDBE's architecture: a trainable vector added to the features "
+                                                   "before the classifier (its PRBM), kept by each client (method "
+                                                   "feddbe)")
+    branches: int = Field(1, ge=1, le=64, description="FedConcat's architecture: K copies of the backbone, each with "
+                                                      "its own initialisation, their features concatenated (K d) "
+                                                      "before the classifier (method fedconcat: one per cluster)")
 
     def applies(self) -> set[str]:
         own = {"mlp": {"hidden"}, "mlpnet": {"hidden"}, "cnnbn": {"width"}}.get(self.name, set())
         etf = {"etf_scale", "etf_normalize", "etf_projector", "etf_learn_scale"} if self.classifier == "etf" else set()
-        return {"name", "classifier_bias", "projection_dim", "classifier", "private_expert", *own, *etf}
+        return {"name", "classifier_bias", "projection_dim", "classifier", "private_expert", "feature_shift", "branches", *own, *etf}
 
 
 class MethodConfig(BaseModel):
@@ -238,10 +244,12 @@ class RunConfig(_Strict):
             raise ValueError(f"method {self.method.name}'s sharpness-aware steps (method.sam) run in fp32 or bf16, "
                              f"not precision = fp16 (no loss scaling across the two passes)")
         for option, owner in model_option_owners().items():
-            if getattr(self.model, option) and owner != self.method.name:
-                raise ValueError(f"model.{option} = true is the architecture of method {owner}, whose extra parts only "
-                                 f"{owner} keeps on the clients; method '{self.method.name}' would send and average "
-                                 f"them: use method={owner} or model.{option}=false")
+            value, default = getattr(self.model, option), ModelConfig.model_fields[option].default
+            if value != default and owner != self.method.name:
+                raise ValueError(f"model.{option} = {str(value).lower()} is the architecture of method {owner}, whose "
+                                 f"extra parts only {owner} trains and aggregates as they must be; method "
+                                 f"'{self.method.name}' would send and average them: use method={owner} or "
+                                 f"model.{option}={str(default).lower()}")
         # the model options the method's papers use, where the config leaves them unset
         for key, value in method_model_defaults(self.method).items():
             if key not in self.model.model_fields_set:

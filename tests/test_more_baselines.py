@@ -1,5 +1,6 @@
 """The baselines of issue 22 (FedBN, FedPer, LG-FedAvg, APFL, FedALA, FedDecorr, CCVR, FedNH,
-FedDF, FedETF, FedFOMO, FedPAC, FedGen): each checked against a hand computation, a known identity, or an independent replay with
+FedDF, FedETF, FedFOMO, FedPAC, FedGen) and of issue 33 (FedDisco, FedSAM/FedASAM, FedUV, FedLMD, FedVLS, FedGELA,
+FedConcat): each checked against a hand computation, a known identity, or an independent replay with
 plain torch (torch.optim.SGD / Adam on an nn.Module, numpy)."""
 
 import copy
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from fedskew.config import ConfigError, load_config
 from fedskew.engine.local import federated_state, load_state, module_forward
+from fedskew.engine.protocol import stage_schedules
 from fedskew.engine.runner import Experiment
 from fedskew.algorithms.base import ClientData, ClientReport
 from fedskew.algorithms.classifier import class_statistics, cosine_logits, pooled_statistics, sample_virtual
@@ -19,7 +21,7 @@ from fedskew.algorithms.distillation import (GEN, FedGen, diversity_loss, ensemb
                                           generator_teacher_loss, init_generator)
 from fedskew.algorithms.tensors import decorrelation_loss
 from fedskew.streams import torch_seed
-from test_personalized import ce, close, is_head, local_test_acc, one_round, own, replay, stages
+from test_personalized import ONE, ce, close, is_head, local_test_acc, one_round, own, replay, stages
 
 
 # -- FedBN -----------------------------------------------------------------------------------------
@@ -1066,3 +1068,213 @@ def test_fedgela_equals_a_replay_of_the_official_client_and_predicts_with_its_sc
     assert res.history[0]["personal/acc_after"] == pytest.approx(scaled)
     assert local_test_acc(exp, k, trained) == pytest.approx((torch.matmul(z, M).argmax(1) == y_test).float().mean().item())
 
+
+
+# -- FedConcat -------------------------------------------------------------------------------------
+
+CONCAT = ["method=fedconcat", "method.clusters=2"]
+
+
+def concat_parts(state, c, d):
+    """Cluster c's model inside the concatenation: its branch, its block of the classifier."""
+    branch = {n[len(f"backbone.branches.{c}."):]: v for n, v in state.items() if n.startswith(f"backbone.branches.{c}.")}
+    return branch, state["classifier.weight"][:, c * d:(c + 1) * d]
+
+
+def cluster_model(exp, branch, weight, bias):
+    """The authors' cluster model as a plain nn.Module: encoder (a copy of one branch) + Linear(d, C)."""
+    net = torch.nn.Sequential(copy.deepcopy(exp.model.backbone.branches[0]), torch.nn.Linear(weight.shape[1], 10))
+    net[0].load_state_dict(branch)
+    with torch.no_grad():
+        net[1].weight.copy_(weight)
+        net[1].bias.copy_(bias)
+    return net
+
+
+def test_fedconcat_clusters_clients_by_label_distribution():
+    """k-means on n_k,c / n_k: clients with the same classes share a cluster, whatever their sizes."""
+    from fedskew.algorithms.clustered import label_clusters
+
+    counts = torch.zeros(6, 10)
+    for k, (classes, n) in enumerate([((0, 1), 5), ((2, 3), 50), ((0, 1), 40), ((4, 5), 7), ((2, 3), 9), ((4, 5), 30)]):
+        counts[k, list(classes)] = n
+    labels = label_clusters(counts, 3, seed=0)
+    assert labels[0] == labels[2] and labels[1] == labels[4] and labels[3] == labels[5]
+    assert len(set(labels.tolist())) == 3
+    assert (label_clusters(counts, 3, seed=0) == labels).all()  # seeded
+
+
+def test_fedconcat_first_phase_is_the_cluster_model_trained_by_sgd(tmp_path):
+    """Rounds before ``encoder_rounds``: the client trains its cluster's model alone (its branch,
+    its block W_c of the classifier, bias b_c): torch.optim.SGD on the authors' encoder +
+    Linear(d, C), from the received branch and block and the cluster's bias, on the same batches.
+    The other cluster's branch and block do not move; the global bias is b_0 + b_1; the client
+    sends its branch, block and bias only."""
+    exp, init, res, k, state = one_round(tmp_path, CONCAT + ["method.encoder_rounds=2", "weight_decay=1e-3"])
+    c, d = int(exp.method.assign[k]), exp.model.feature_dim // 2
+    batches, personal, _ = stages(exp, k)
+    assert not personal and len(batches) == 2 * math.ceil(len(exp.fed.train_idx[k]) / 16)
+    net = cluster_model(exp, *concat_parts(init, c, d), init["classifier.bias"])
+    net.train()
+    opt = torch.optim.SGD(net.parameters(), lr=exp.cfg.lr, momentum=exp.cfg.momentum, weight_decay=1e-3)
+    idx = exp.fed.train_idx[k]
+    for pos in batches:
+        x, y = exp.fed.data.x_train[idx[pos]], exp.fed.data.y_train[idx[pos]]
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+    branch, weight = concat_parts(res.global_state, c, d)
+    close(branch, net[0].state_dict())
+    assert torch.allclose(weight, net[1].weight, atol=1e-6)
+    assert torch.allclose(res.global_state["classifier.bias"], net[1].bias + init["classifier.bias"], atol=1e-6)
+    other_branch, other_weight = concat_parts(res.global_state, 1 - c, d)
+    close(other_branch, concat_parts(init, 1 - c, d)[0], atol=0)
+    assert torch.equal(other_weight, concat_parts(init, 1 - c, d)[1])
+    sent = sum(v.numel() for v in net.state_dict().values())
+    assert res.history[0]["comm/up_floats"] == sent
+    # the personalised model is the cluster model (the other block zero in the client's copy)
+    x_test = exp.fed.data.x_train[exp.fed.test_idx[k]]
+    with torch.no_grad():
+        net.eval()
+        mine = (net(x_test).argmax(1) == exp.fed.data.y_train[exp.fed.test_idx[k]]).float().mean().item()
+    assert res.history[0]["personal/acc_after"] == pytest.approx(mine)
+
+
+def test_fedconcat_second_phase_trains_the_concatenated_classifier_on_frozen_encoders(tmp_path):
+    """Rounds from ``encoder_rounds`` on: ``classifier_steps`` mini-batches (at most one epoch) of
+    SGD on Linear(K d, C) over the frozen concatenated encoders (eval mode), as the authors'
+    ``train_net_classifier`` with ``CombineAllModel``; the classifier starts fresh (the run's
+    initial one); the client sends the classifier only; the encoders do not move."""
+    first = Experiment(load_config(None, ONE + CONCAT + ["method.encoder_rounds=1"]), tmp_path / "one").run()
+    after_first = first.global_state
+    close(after_first, federated_state(Experiment(load_config(None, ONE + CONCAT), None).model),
+          ["classifier.weight", "classifier.bias"], atol=0)  # classifier_init=fresh: the initial head again
+    exp = Experiment(load_config(None, ONE + CONCAT + ["method.encoder_rounds=1", "rounds=2"]), tmp_path / "two")
+    res = exp.run()
+    k = res.history[1]["clients"][0]
+    batches, personal, _ = stage_schedules(exp.executor.settings, exp.method, 1, k, len(exp.fed.train_idx[k]), exp.cfg.lr)
+    assert len(batches) == 3 and not personal
+    encoders = torch.nn.Sequential(*[copy.deepcopy(b) for b in exp.model.backbone.branches])
+    for i, b in enumerate(encoders):
+        b.load_state_dict(concat_parts(after_first, i, 200)[0])
+    encoders.eval()
+    head = torch.nn.Linear(400, 10)
+    with torch.no_grad():
+        head.weight.copy_(after_first["classifier.weight"])
+        head.bias.copy_(after_first["classifier.bias"])
+    opt = torch.optim.SGD(head.parameters(), lr=exp.cfg.lr * exp.cfg.lr_decay, momentum=exp.cfg.momentum,
+                          weight_decay=exp.cfg.weight_decay)
+    idx = exp.fed.train_idx[k]
+    for pos in batches:
+        x, y = exp.fed.data.x_train[idx[pos]], exp.fed.data.y_train[idx[pos]]
+        with torch.no_grad():
+            z = torch.cat([b(x) for b in encoders], 1)
+        opt.zero_grad()
+        F.cross_entropy(head(z), y).backward()
+        opt.step()
+    assert torch.allclose(res.global_state["classifier.weight"], head.weight, atol=1e-6)
+    assert torch.allclose(res.global_state["classifier.bias"], head.bias, atol=1e-6)
+    close(res.global_state, after_first, [n for n in after_first if n.startswith("backbone.")], atol=0)
+    assert res.history[1]["comm/up_floats"] == 400 * 10 + 10
+
+
+def test_fedconcat_aggregation_by_hand(tmp_path):
+    """Phase 1: each cluster's branch, block and bias <- its members' sample-weighted mean, a
+    cluster without members unchanged, global bias = sum of the cluster biases; phase 2: the
+    classifier <- the unweighted mean (the authors: every client moved 3 steps)."""
+    exp = Experiment(load_config(None, ["method=fedconcat", "method.clusters=3", "method.encoder_rounds=1",
+                                        "method.classifier_init=clusters", "model.hidden=[4]"]), None)
+    m, g = exp.method, federated_state(exp.model)
+    s = m.server_init(g, exp.info)
+    members = [k for k in range(exp.info.num_clients) if m.assign[k] == m.assign[0]][:2]
+    c = int(m.assign[0])
+    gen = torch.Generator().manual_seed(0)
+    ups = [{"concat.enc.1.weight": torch.randn(4, 64, generator=gen), "concat.enc.1.bias": torch.randn(4, generator=gen),
+            "concat.weight": torch.randn(10, 4, generator=gen), "concat.bias": torch.randn(10, generator=gen)}
+           for _ in members]
+    reports = [ClientReport(k, n, 1) for k, n in zip(members, (10, 30))]
+    new, s2 = m.aggregate(s, g, ups, reports)
+    mean = {key: 0.25 * ups[0][key] + 0.75 * ups[1][key] for key in ups[0]}
+    assert torch.allclose(new[f"backbone.branches.{c}.1.weight"], mean["concat.enc.1.weight"])
+    assert torch.allclose(new["classifier.weight"][:, 4 * c:4 * c + 4], mean["concat.weight"])
+    assert torch.allclose(s2["concat.bias"][c], mean["concat.bias"])
+    assert torch.allclose(new["classifier.bias"], s2["concat.bias"].sum(0))
+    for other in set(range(3)) - {c}:
+        assert torch.equal(new[f"backbone.branches.{other}.1.weight"], g[f"backbone.branches.{other}.1.weight"])
+        assert torch.equal(s2["concat.bias"][other], g["classifier.bias"])
+    assert int(s2["concat.round"]) == 1  # the switch: classifier_init=clusters keeps [W_1 W_2 W_3], sum b_c
+    assert "concat.phase2" in m.broadcast(new, s2) and "concat.phase2" not in m.broadcast(g, s)
+    heads = [{"model.classifier.weight": torch.randn(10, 12, generator=gen), "model.classifier.bias": torch.randn(10, generator=gen)}
+             for _ in range(3)]
+    final, _ = m.aggregate(s2, new, heads, [ClientReport(k, n, 3) for k, n in zip(range(3), (5, 50, 500))])
+    assert torch.allclose(final["classifier.weight"], sum(h["model.classifier.weight"] for h in heads) / 3, atol=1e-6)
+    assert torch.equal(final[f"backbone.branches.{c}.1.weight"], new[f"backbone.branches.{c}.1.weight"])
+
+
+def test_fedconcat_configuration_errors_are_one_sentence(tmp_path):
+    with pytest.raises(ConfigError, match="model.branches = 3 is the architecture of method fedconcat"):
+        load_config(None, ["model.branches=3"])
+    with pytest.raises(ValueError, match="needs model.branches = 4"):
+        Experiment(load_config(None, ["method=fedconcat", "method.clusters=4", "model.branches=3"]), None)
+    with pytest.raises(ValueError, match="method.clusters = 6 exceeds partition.num_clients = 5"):
+        Experiment(load_config(None, ["method=fedconcat", "method.clusters=6", "partition.num_clients=5",
+                                      "clients_per_round=5"]), None)
+    assert load_config(None, ["method=fedconcat", "method.clusters=4"]).model.branches == 4
+
+
+# -- FedDBE (issue 34) -----------------------------------------------------------------------------
+
+
+def test_feddbe_equals_a_replay_of_the_official_client_round_zero_then_with_mean_regularisation(tmp_path):
+    """TsingZ0/DBE ``clientDBE.train`` with ``-mo 1``: output = head(rep + client_mean), loss =
+    CE + klw * mean(0.5 (mean_batch rep - global_mean)^2), the PRBM trained with the model (here
+    by the run's SGD). Round 0 has no global mean yet (the authors' initialization period): plain
+    CE, and the client sends its mean feature; the server's global mean is their sample-weighted
+    mean; round 1 trains with MR. The PRBM never leaves the client; the global model's is zero."""
+    kappa = 5.0
+    common = ONE + ["method=feddbe", f"method.kl_weight={kappa}"]
+    first = Experiment(load_config(None, common), tmp_path / "one")
+    init = federated_state(first.model)
+    assert torch.equal(init["shift"], torch.zeros(200))
+    res1 = first.run()
+    k0 = res1.history[0]["clients"][0]
+    batches, personal, _ = stages(first, k0)
+    assert not personal
+    trained = replay(first, k0, init, batches, first.cfg.lr, ce)  # the model's forward is head(z + shift)
+    ckpt = torch.load(tmp_path / "one" / "checkpoint.pt")
+    close(res1.global_state, trained, [n for n in init if n != "shift"])
+    assert torch.equal(res1.global_state["shift"], init["shift"])  # never averaged
+    assert torch.allclose(ckpt["client_states"][k0]["dbe.shift"], trained["shift"], atol=1e-6)
+    assert not torch.equal(trained["shift"], init["shift"])  # the PRBM trains
+    load_state(first.model, trained)
+    first.model.eval()
+    with torch.no_grad():
+        z, _ = first.model(first.fed.data.x_train[first.fed.train_idx[k0]], return_features=True)
+    global_mean = ckpt["server_state"]["dbe.global_mean"]
+    assert torch.allclose(global_mean, z.mean(0), atol=1e-6)  # one client: its mean feature
+    shared = sum(v.numel() for n, v in init.items() if n != "shift")
+    assert res1.history[0]["comm/up_floats"] == shared + 200
+
+    second = Experiment(load_config(None, common + ["rounds=2"]), tmp_path / "two")
+    res2 = second.run()
+    k1 = res2.history[1]["clients"][0]
+    start = dict(res1.global_state)
+    start["shift"] = ckpt["client_states"][k1]["dbe.shift"] if k1 in ckpt["client_states"] else init["shift"]
+    batches, _, _ = stage_schedules(second.executor.settings, second.method, 1, k1, len(second.fed.train_idx[k1]),
+                                    second.cfg.lr)
+
+    def ce_mr(model, x, y):
+        z, logits = model(x, return_features=True)
+        return F.cross_entropy(logits, y) + kappa * torch.mean(0.5 * (z.mean(0) - global_mean) ** 2)
+
+    trained = replay(second, k1, start, batches, second.cfg.lr * second.cfg.lr_decay, ce_mr)
+    close(res2.global_state, trained, [n for n in init if n != "shift"])
+    assert res2.history[1]["comm/up_floats"] == shared
+    assert res2.history[1]["comm/down_floats"] == shared + 200  # the model without mu_k, the global mean
+
+
+def test_feddbe_needs_its_feature_shift_and_only_it_may_turn_it_on(tmp_path):
+    with pytest.raises(ValueError, match="needs model.feature_shift = true"):
+        Experiment(load_config(None, ["method=feddbe", "model.feature_shift=false"]), None)
+    with pytest.raises(ConfigError, match="model.feature_shift = true is the architecture of method feddbe"):
+        load_config(None, ["model.feature_shift=true"])

@@ -166,6 +166,14 @@ def assert_same(a, b, tol=TOL):
     ["method=fedgen", "rounds=3", "method.ensemble_steps=5"],
     ["method=flda"],  # a second model and a gate in the architecture (model.private_expert)
     ["method=flda", "method.loss=both", "model=cnnbn", "model.width=4"],
+    # issue 33: K branches in one model, a cluster's block of the classifier per client, then frozen
+    # features and three classifier steps per round (Method.local_steps), on MLP and BatchNorm CNN
+    ["method=fedconcat", "method.clusters=3", "rounds=4", "method.encoder_rounds=2"],
+    ["method=fedconcat", "method.clusters=2", "rounds=3", "method.encoder_rounds=2", "model=cnnbn",
+     "model.width=4", "method.classifier_init=clusters"],
+    # issue 34: a kept feature shift (model.feature_shift) and a batch-mean regulariser from round 1
+    ["method=feddbe", "method.kl_weight=5.0"],
+    ["method=feddbe", "model=cnnbn", "model.width=4", "rounds=3"],
 ])
 def test_vectorized_matches_sequential(tmp_path, extra):
     # FedMR's paper form amplifies GEMM rounding (docs/benchmarks.md); FedDF's server Adam divides

@@ -19,6 +19,7 @@ import sys
 from pydantic import BaseModel, ValidationError
 
 from fedskew.algorithms.base import ClientReport, FederationInfo, Forward, Method, State, search_space
+from fedskew.algorithms.clustered import FedConcat
 from fedskew.algorithms.compose import Composite
 from fedskew.algorithms.drift import FedASAM, FedDC, FedDyn, FedNova, FedProx, FedSAM, Scaffold
 from fedskew.algorithms.components import COMPONENTS
@@ -31,7 +32,7 @@ from fedskew.algorithms.personalized import Ditto, DittoRS, FedBABU, FedLC, FedP
 from fedskew.algorithms.representation import FedDecorr, FedMMD, FedProc, FedUV, Moon
 from fedskew.algorithms.classifier import CCVR, FedNH, FedPAC
 from fedskew.algorithms.distillation import FedDF, FedGen
-from fedskew.algorithms.sharing import APFL, FLDA, FedALA, FedBN, FedFOMO, FedPer, LGFedAvg, Local
+from fedskew.algorithms.sharing import APFL, FLDA, FedALA, FedBN, FedDBE, FedFOMO, FedPer, LGFedAvg, Local
 from fedskew.algorithms.server_opt import FedAdagrad, FedAdam, FedAvgM, FedAwS, FedDisco, FedYogi
 
 METHODS: dict[str, type[Method]] = {
@@ -46,7 +47,8 @@ METHODS: dict[str, type[Method]] = {
     "fedbn": FedBN, "fedper": FedPer, "lgfedavg": LGFedAvg, "local": Local, "apfl": APFL, "fedala": FedALA,
     "feddecorr": FedDecorr, "feduv": FedUV, "ccvr": CCVR, "fednh": FedNH, "feddf": FedDF, "fedgen": FedGen,
     "fedetf": FedETF, "fedgela": FedGELA,
-    "fedfomo": FedFOMO, "fedpac": FedPAC, "flda": FLDA,
+    "fedfomo": FedFOMO, "fedpac": FedPAC, "flda": FLDA, "fedconcat": FedConcat,
+    "feddbe": FedDBE,
 }
 BUILTIN = frozenset(METHODS)
 _BUILTIN_CLASSES = tuple(METHODS.values())
@@ -157,8 +159,9 @@ def model_option_owners() -> dict[str, str]:
 
 
 def method_model_defaults(cfg) -> dict:
-    """The model options the method named by ``cfg`` uses by default (``Method.model_defaults``)."""
-    return dict(METHODS[cfg.name].model_defaults)
+    """The model options the method named by ``cfg`` uses by default (``Method.model_defaults_of``)."""
+    cls, options, _ = _parse(cfg)
+    return cls.model_defaults_of(options)
 
 
 def build_method(cfg, info: FederationInfo | None = None) -> Method:

@@ -332,6 +332,11 @@ class Method:
         return as_model_part(global_state)
 
     @classmethod
+    def model_defaults_of(cls, options: BaseModel) -> dict:
+        """``model_defaults`` for these options (FedConcat: one backbone branch per cluster)."""
+        return dict(cls.model_defaults)
+
+    @classmethod
     def validation_fraction(cls, options: BaseModel) -> float:
         """Share of every client's training data held out as its local validation split (never
         trained on; ``ClientData.x_val``) for a method with these options. FedAvg: 0."""
@@ -376,6 +381,13 @@ class Method:
         """The client's personalised model after this round (FedAvg: the locally trained model;
         FedPHP: its inherited private model). Scored as ``personal/acc_after``."""
         return trained
+
+    def local_steps(self, round_idx: int, total_steps: int, steps_per_epoch: int) -> int:
+        """The client's step budget in round ``round_idx`` (0-based), given its E-epoch budget
+        ``total_steps`` and its mini-batches per epoch; a method whose rounds differ by phase says
+        so here (FedConcat: a few classifier steps per round after its encoder rounds). FedAvg:
+        ``total_steps``."""
+        return total_steps
 
     # -- optional second local stage (personalisation) -------------------------------------------
     def split_steps(self, total_steps: int, lr: float) -> tuple[int, int, float]:

@@ -202,6 +202,9 @@ class Composite(Method):
             new_state.update(st)
         return upload, new_state
 
+    def local_steps(self, round_idx, total_steps, steps_per_epoch):
+        return self.base.local_steps(round_idx, total_steps, steps_per_epoch)
+
     # The personalisation stage belongs to the one component that personalises, else to the base.
     def split_steps(self, total_steps, lr):
         return (self._personal or self.base).split_steps(total_steps, lr)

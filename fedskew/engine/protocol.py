@@ -77,10 +77,11 @@ def batch_schedule(settings: LocalSettings, round_idx: int, client_id: int, n: i
 def stage_schedules(settings: LocalSettings, method: Method, round_idx: int, client_id: int,
                     n: int, lr: float) -> tuple[list[np.ndarray], list[np.ndarray], float]:
     """The batches of the uploaded model's training and of the personalisation stage (if the
-    method has one), consecutive on the client's batch stream in the order the stages run, and
+    method has one; the round's step budget is ``Method.local_steps``), consecutive on the client's batch stream in the order the stages run, and
     the latter's learning rate."""
     per_epoch = math.ceil(n / settings.batch_size)
-    steps_a, steps_b, lr_b = method.split_steps(settings.epochs * per_epoch, lr)
+    steps_a, steps_b, lr_b = method.split_steps(method.local_steps(round_idx, settings.epochs * per_epoch, per_epoch),
+                                                lr)
     batches = batch_schedule(settings, round_idx, client_id, n, math.ceil((steps_a + steps_b) / max(per_epoch, 1)))
     if method.personal_first:
         return batches[steps_b:steps_a + steps_b], batches[:steps_b], lr_b

@@ -31,10 +31,11 @@ class SkewNet(nn.Module):
         self.feature_dim = feature_dim
         self.classifier: nn.Module = nn.Linear(feature_dim, num_classes, bias=bias)
         self.fixed_keys: frozenset[str] = frozenset()
+        self.register_parameter("shift", None)  # FedDBE's PRBM (model.feature_shift): classifier(z + shift)
 
     def forward(self, x: torch.Tensor, return_features: bool = False):
         z = self.backbone(x)
-        logits = self.classifier(z)
+        logits = self.classifier(z if self.shift is None else z + self.shift)
         return (z, logits) if return_features else logits
 
 
@@ -182,10 +183,36 @@ def build_model(cfg, input_shape: tuple[int, ...], num_classes: int, seed: int =
         model.classifier = ETFClassifier(model.feature_dim, num_classes, gen, cfg.etf_scale, cfg.etf_normalize,
                                          cfg.etf_projector, cfg.etf_learn_scale)
         model.fixed_keys = frozenset({"classifier.weight"})
+    if getattr(cfg, "branches", 1) > 1:  # K - 1 more backbones of the same configuration, drawn next
+        if cfg.classifier != "linear" or cfg.private_expert:
+            raise ModelError("model.branches > 1 (FedConcat's architecture) takes model.classifier = 'linear' and "
+                             "model.private_expert = false")
+        one = cfg.model_copy(update={"branches": 1})
+        backbones = [model.backbone] + [build_model(one, input_shape, num_classes, seed).backbone
+                                        for _ in range(cfg.branches - 1)]
+        model = SkewNet(Branches(backbones), cfg.branches * model.feature_dim, num_classes, cfg.classifier_bias)
+    if getattr(cfg, "feature_shift", False):  # zeros, as FedDBE's client_mean starts
+        if cfg.private_expert:
+            raise ModelError("model.feature_shift (FedDBE's architecture) takes model.private_expert = false")
+        model.shift = nn.Parameter(torch.zeros(model.feature_dim))
     if getattr(cfg, "private_expert", False):  # a second model of the same configuration, drawn next
         model = PrivateExpertNet(model, build_model(cfg.model_copy(update={"private_expert": False}), input_shape,
                                                     num_classes, seed))
     return model
+
+
+class Branches(nn.Module):
+    """FedConcat's encoder (Diao, Li and He, AAAI 2024; ``CombineAllModel`` in the authors' code):
+    K backbones side by side, features z = [z_1, ..., z_K] (K d). Parameter names
+    ``backbone.branches.<k>.*``; a classifier over z is K blocks of d columns, block k reading
+    branch k."""
+
+    def __init__(self, backbones: list[nn.Module]):
+        super().__init__()
+        self.branches = nn.ModuleList(backbones)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([b(x) for b in self.branches], dim=1)
 
 
 class PrivateExpertNet(SkewNet):
