@@ -51,7 +51,10 @@ METHODS = {"fedavg": [], "fedrs": [], "fedphp": [], "map": [],
            "fedper": [], "lgfedavg": [], "apfl": [], "fedala": [], "feddecorr": [], "ccvr": [], "fednh": [],
            "feddf": [], "fedetf": [], "fedfomo": [], "fedpac": [], "fedgen": [], "flda": [],
            # issue 33's, at their defaults
-           "local": [], "fedadagrad": [], "feddisco": [], "fedsam": [], "fedasam": [], "feduv": [], "fedlmd": [], "fedvls": [], "fedgela": []}
+           "local": [], "fedadagrad": [], "feddisco": [], "fedsam": [], "fedasam": [], "feduv": [], "fedlmd": [], "fedvls": [], "fedgela": [],
+           "fedconcat": [],
+           # issue 34's, at their defaults
+           "feddbe": [], "gpfl": []}
 BASE_METHODS = ["fedavg", "fedrs", "fedphp", "map"]
 
 

@@ -134,6 +134,9 @@ class ModelConfig(_Section):
     feature_shift: bool = Field(False, description="FedDBE's architecture: a trainable vector added to the features "
                                                    "before the classifier (its PRBM), kept by each client (method "
                                                    "feddbe)")
+    conditional_valve: bool = Field(False, description="GPFL's architecture: the conditional valve (CoV) between the "
+                                                       "features and the classifier and the global category "
+                                                       "embeddings (GCE) (method gpfl)")
     branches: int = Field(1, ge=1, le=64, description="FedConcat's architecture: K copies of the backbone, each with "
                                                       "its own initialisation, their features concatenated (K d) "
                                                       "before the classifier (method fedconcat: one per cluster)")
@@ -141,7 +144,8 @@ class ModelConfig(_Section):
     def applies(self) -> set[str]:
         own = {"mlp": {"hidden"}, "mlpnet": {"hidden"}, "cnnbn": {"width"}}.get(self.name, set())
         etf = {"etf_scale", "etf_normalize", "etf_projector", "etf_learn_scale"} if self.classifier == "etf" else set()
-        return {"name", "classifier_bias", "projection_dim", "classifier", "private_expert", "feature_shift", "branches", *own, *etf}
+        return {"name", "classifier_bias", "projection_dim", "classifier", "private_expert", "feature_shift", "conditional_valve", "branches",
+                *own, *etf}
 
 
 class MethodConfig(BaseModel):

@@ -104,13 +104,13 @@ def test_a_killed_supernode_leaves_the_round_to_the_others(tmp_path):
 @pytest.mark.parametrize("extra", [["method=map", "model.classifier_bias=false"], ["method=local"],
                                    ["method=fedadagrad"], ["method=fedasam", "method.disco.disco_a=1.0"],
                                    ["method=fedconcat", "method.clusters=2", "method.encoder_rounds=1"],
-                                   ["method=feddbe"]],
-                         ids=["map", "local", "fedadagrad", "fedasam+disco", "fedconcat", "feddbe"])
+                                   ["method=feddbe"], ["method=gpfl"]],
+                         ids=["map", "local", "fedadagrad", "fedasam+disco", "fedconcat", "feddbe", "gpfl"])
 def test_simulation_runtime_matches_fedskew_run(tmp_path, extra):
     """MAP; Local (nothing is sent either way); FedAdagrad (server state m, v); FedASAM's two
     passes in the ClientApp with FedDisco's weights on the server; FedConcat's two phases (the
     second's step budget, Method.local_steps, in the ClientApp); FedDBE (a kept PRBM, the global
-    mean sent from round 1)."""
+    mean sent from round 1); GPFL (a kept head and conditional inputs)."""
     pytest.importorskip("ray")
     from fedskew.flower.app import simulate
 

@@ -1278,3 +1278,79 @@ def test_feddbe_needs_its_feature_shift_and_only_it_may_turn_it_on(tmp_path):
         Experiment(load_config(None, ["method=feddbe", "model.feature_shift=false"]), None)
     with pytest.raises(ConfigError, match="model.feature_shift = true is the architecture of method feddbe"):
         load_config(None, ["model.feature_shift=true"])
+
+
+# -- GPFL (issue 34) -------------------------------------------------------------------------------
+
+
+def official_gpfl_round(exp, k, start, ctx_p, ctx_g, received, lr, lam, mu, batches):
+    """TsingZ0/GPFL ``clientGP.train``, literally: CoV(x, c) = ReLU(x (gamma(c) + 1) + beta(c)); loss =
+    CE(head(CoV(feat, p)), y) + GCE(CoV(feat, g), y) + ||CoV(feat, g) - emb_frozen[y]||_2 * lam; the
+    model by SGD(lr), the GCE and the CoV by SGD(lr, weight_decay=mu)."""
+    model = exp.model
+    load_state(model, start)
+    model.train()
+    cov, gce = model.valve, model.gce
+    body_head = [p for n, p in model.named_parameters() if n.startswith(("backbone.", "classifier."))]
+    opts = [torch.optim.SGD(body_head, lr=lr), torch.optim.SGD(gce.parameters(), lr=lr, weight_decay=mu),
+            torch.optim.SGD(cov.parameters(), lr=lr, weight_decay=mu)]
+
+    def CoV(x, context):
+        return F.relu(torch.multiply(x, cov.gamma(context) + 1) + cov.beta(context))
+
+    idx = exp.fed.train_idx[k]
+    for pos in batches:
+        x, y = exp.fed.data.x_train[idx[pos]], exp.fed.data.y_train[idx[pos]]
+        feat = model.backbone(x)
+        output = model.classifier(CoV(feat, ctx_p))
+        feat_G = CoV(feat, ctx_g)
+        embeddings = gce(torch.arange(10))
+        cosine = F.linear(F.normalize(feat_G), F.normalize(embeddings))
+        one_hot = torch.zeros(cosine.size()).scatter_(1, y.view(-1, 1).long(), 1)
+        softmax_loss = -torch.mean(torch.sum(one_hot * F.log_softmax(cosine, dim=1), dim=1))
+        loss = F.cross_entropy(output, y) + softmax_loss + torch.norm(feat_G - received[y], 2) * lam
+        for o in opts:
+            o.zero_grad()
+        loss.backward()
+        for o in opts:
+            o.step()
+    return federated_state(model)
+
+
+def test_gpfl_equals_a_replay_of_the_official_client(tmp_path):
+    """Round 0 (conditional inputs zero, before the official ``set_GCE``) and round 1 (p_k and g_k
+    from the client's own round-0 embeddings) of one client equal the official client's three SGD
+    optimisers (momentum 0, as theirs); the head stays on the client, the body, CoV and GCE are
+    sent; the next conditional inputs are share . e and mean e of the trained embeddings."""
+    lam, mu = 0.1, 0.1
+    common = ["partition=pcdd", "partition.classes_per_client=4", "partition.num_clients=3", "clients_per_round=3",
+              "local_epochs=1", "batch_size=16", "momentum=0", "weight_decay=0", "final_personalization=false",
+              "method=gpfl", f"method.lam={lam}", f"method.mu={mu}"]
+    exp = Experiment(load_config(None, common + ["rounds=1"]), tmp_path / "one")
+    init = federated_state(exp.model)
+    res1 = exp.run()
+    ckpt1 = torch.load(tmp_path / "one" / "checkpoint.pt")
+    k = 1
+    share = torch.bincount(exp.fed.data.y_train[exp.fed.train_idx[k]], minlength=10).float()
+    share = share / share.sum()
+    zero = torch.zeros(200)
+    batches, personal, _ = stages(exp, k)
+    assert not personal
+    t0 = official_gpfl_round(exp, k, init, zero, zero, init["gce.weight"], exp.cfg.lr, lam, mu, batches)
+    st = ckpt1["client_states"][k]
+    close(own(st, "gpfl.own."), t0, ["classifier.weight", "classifier.bias"])
+    assert torch.allclose(st["gpfl.p"], share @ t0["gce.weight"], atol=1e-6)
+    assert torch.allclose(st["gpfl.g"], t0["gce.weight"].mean(0), atol=1e-6)
+    shared = [n for n in init if not n.startswith("classifier.") and n != "valve.context"]
+    assert res1.history[0]["comm/up_floats"] == 3 * sum(init[n].numel() for n in shared)
+
+    exp2 = Experiment(load_config(None, common + ["rounds=2"]), tmp_path / "two")
+    exp2.run()
+    ckpt2 = torch.load(tmp_path / "two" / "checkpoint.pt")
+    start = {**res1.global_state, **own(st, "gpfl.own."), "valve.context": st["gpfl.p"]}
+    batches = stage_schedules(exp2.executor.settings, exp2.method, 1, k, len(exp2.fed.train_idx[k]), exp2.cfg.lr)[0]
+    t1 = official_gpfl_round(exp2, k, start, st["gpfl.p"], st["gpfl.g"], res1.global_state["gce.weight"],
+                             exp2.cfg.lr * exp2.cfg.lr_decay, lam, mu, batches)
+    st2 = ckpt2["client_states"][k]
+    close(own(st2, "gpfl.own."), t1, ["classifier.weight", "classifier.bias"])
+    assert torch.allclose(st2["gpfl.p"], share @ t1["gce.weight"], atol=1e-6)

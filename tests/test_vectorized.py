@@ -174,6 +174,9 @@ def assert_same(a, b, tol=TOL):
     # issue 34: a kept feature shift (model.feature_shift) and a batch-mean regulariser from round 1
     ["method=feddbe", "method.kl_weight=5.0"],
     ["method=feddbe", "model=cnnbn", "model.width=4", "rounds=3"],
+    # a conditional valve with a per-client context buffer, embeddings trained through a cosine loss
+    ["method=gpfl", "method.lam=0.1", "rounds=3"],
+    ["method=gpfl", "model=cnnbn", "model.width=4", "rounds=3"],
 ])
 def test_vectorized_matches_sequential(tmp_path, extra):
     # FedMR's paper form amplifies GEMM rounding (docs/benchmarks.md); FedDF's server Adam divides

@@ -32,11 +32,39 @@ class SkewNet(nn.Module):
         self.classifier: nn.Module = nn.Linear(feature_dim, num_classes, bias=bias)
         self.fixed_keys: frozenset[str] = frozenset()
         self.register_parameter("shift", None)  # FedDBE's PRBM (model.feature_shift): classifier(z + shift)
+        self.valve: nn.Module | None = None  # GPFL's CoV (model.conditional_valve): classifier(valve(z))
 
     def forward(self, x: torch.Tensor, return_features: bool = False):
         z = self.backbone(x)
-        logits = self.classifier(z if self.shift is None else z + self.shift)
+        h = z if self.shift is None else z + self.shift
+        logits = self.classifier(h if self.valve is None else self.valve(h))
         return (z, logits) if return_features else logits
+
+
+def valve_apply(x: torch.Tensor, context: torch.Tensor, p: dict) -> torch.Tensor:
+    """GPFL's conditional valve (Zhang et al., ICCV 2023; TsingZ0/GPFL ``CoV``): ReLU(x (gamma(c) +
+    1) + beta(c)), gamma and beta each LayerNorm(ReLU(Linear(c))); ``p`` the valve's tensors by
+    name (``gamma.0.weight``, ``gamma.2.weight``, ...)."""
+
+    def branch(name):
+        h = F.relu(F.linear(context, p[f"{name}.0.weight"], p[f"{name}.0.bias"]))
+        return F.layer_norm(h, h.shape[-1:], p[f"{name}.2.weight"], p[f"{name}.2.bias"])
+
+    return F.relu(x * (branch("gamma") + 1) + branch("beta"))
+
+
+class ConditionalValve(nn.Module):
+    """:func:`valve_apply` with the context a buffer: the client's personalised conditional input
+    p_k = sum_c (n_k,c / n_k) e_c over the received category embeddings (GPFL sets it each round)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.gamma = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.LayerNorm([d]))
+        self.beta = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.LayerNorm([d]))
+        self.register_buffer("context", torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return valve_apply(x, self.context, dict(self.named_parameters()))
 
 
 def simplex_etf(feature_dim: int, num_classes: int, generator: torch.Generator) -> torch.Tensor:
@@ -195,6 +223,12 @@ def build_model(cfg, input_shape: tuple[int, ...], num_classes: int, seed: int =
         if cfg.private_expert:
             raise ModelError("model.feature_shift (FedDBE's architecture) takes model.private_expert = false")
         model.shift = nn.Parameter(torch.zeros(model.feature_dim))
+    if getattr(cfg, "conditional_valve", False):  # GPFL: CoV, then the category embeddings (GCE)
+        if cfg.classifier != "linear" or cfg.private_expert or cfg.feature_shift:
+            raise ModelError("model.conditional_valve (GPFL's architecture) takes model.classifier = 'linear', "
+                             "model.private_expert = false and model.feature_shift = false")
+        model.valve = ConditionalValve(model.feature_dim)
+        model.gce = nn.Embedding(num_classes, model.feature_dim)
     if getattr(cfg, "private_expert", False):  # a second model of the same configuration, drawn next
         model = PrivateExpertNet(model, build_model(cfg.model_copy(update={"private_expert": False}), input_shape,
                                                     num_classes, seed))
