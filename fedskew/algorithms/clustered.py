@@ -51,7 +51,7 @@ def label_clusters(class_counts: torch.Tensor, k: int, seed: int) -> np.ndarray:
 
 
 class FedConcatOptions(StrictOptions):
-    search = {"encoder_rounds": [None]}  # the bench's search space (fedskew bench): the defaults
+    search = {"classifier_init": ["fresh", "clusters"]}  # the bench's search space (fedskew bench)
     clusters: int = Field(5, ge=2, le=64, description=
         "K, clusters of clients by label distribution (k-means), one encoder each; sets model.branches (the "
         "authors' default n_clusters 5)")

@@ -33,8 +33,8 @@ from fedskew.algorithms.base import (HEAD, MODEL, ClientReport, FedAvgOptions, M
                                   weighted_mean)
 from fedskew.algorithms.components import BIAS_FREE, RestrictedSoftmax, RSOptions
 from fedskew.algorithms.compose import Composed, PartialSharing, options_of
-from fedskew.models.nets import valve_apply
 from fedskew.algorithms.tensors import aggregate_prototypes, balanced_softmax_loss, class_feature_means
+from fedskew.models.nets import valve_apply
 
 # ---------------------------------------------------------------------------------------------
 # Ditto

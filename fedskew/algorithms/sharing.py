@@ -445,7 +445,7 @@ class FedFOMO(Method):
 
 
 class FedDBEOptions(FedAvgOptions):
-    search = {"kl_weight": [5.0, 50.0, 500.0]}  # the bench's search space (fedskew bench)
+    search = {"kl_weight": [0.5, 5.0, 50.0]}  # the bench's search space (fedskew bench)
     kl_weight: float = Field(50.0, ge=0, description=
         "kappa, weight of the mean regularisation (MR) 0.5 mean_j (mean_batch z_j - global mean_j)^2; the authors' "
         "run_me.sh uses 50 (PFLlib's argparse default 0 turns MR off)")
