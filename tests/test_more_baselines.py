@@ -1354,3 +1354,76 @@ def test_gpfl_equals_a_replay_of_the_official_client(tmp_path):
     st2 = ckpt2["client_states"][k]
     close(own(st2, "gpfl.own."), t1, ["classifier.weight", "classifier.bias"])
     assert torch.allclose(st2["gpfl.p"], share @ t1["gce.weight"], atol=1e-6)
+
+
+# -- pFedHN (issue 34) -----------------------------------------------------------------------------
+
+
+class OfficialHyper(torch.nn.Module):
+    """The authors' ``CNNHyper`` for any target model: embeddings, Linear + n_hidden x (ReLU,
+    Linear), one linear head per target tensor (loaded from fedskew's server state)."""
+
+    def __init__(self, phi, shapes, n_hidden):
+        super().__init__()
+        self.embeddings = torch.nn.Embedding(*phi["embeddings"].shape)
+        layers = [torch.nn.Linear(*phi["mlp.0.weight"].shape[::-1])]
+        for i in range(1, n_hidden + 1):
+            layers += [torch.nn.ReLU(inplace=True), torch.nn.Linear(*phi[f"mlp.{i}.weight"].shape[::-1])]
+        self.mlp = torch.nn.Sequential(*layers)
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(*phi[f"head.{n}.weight"].shape[::-1]) for n in shapes)
+        self.shapes = shapes
+        with torch.no_grad():
+            self.embeddings.weight.copy_(phi["embeddings"])
+            for i, layer in enumerate(l for l in self.mlp if isinstance(l, torch.nn.Linear)):
+                layer.weight.copy_(phi[f"mlp.{i}.weight"])
+                layer.bias.copy_(phi[f"mlp.{i}.bias"])
+            for head, n in zip(self.heads, shapes):
+                head.weight.copy_(phi[f"head.{n}.weight"])
+                head.bias.copy_(phi[f"head.{n}.bias"])
+
+    def forward(self, idx):
+        features = self.mlp(self.embeddings(idx))
+        return {n: head(features).view(shape) for head, (n, shape) in zip(self.heads, self.shapes.items())}
+
+
+def test_pfedhn_equals_the_official_step(tmp_path):
+    """AvivSham/pFedHN ``trainer.py`` for one client: weights = hnet(node_id); local SGD (here the
+    run's) from them; delta = theta - theta~; hnet grads = autograd.grad(weights,
+    hnet.parameters(), grad_outputs=delta); clip 50; torch.optim.SGD(lr 1e-2, momentum 0.9,
+    weight decay 1e-3).step(). fedskew's server state after the round holds the same phi; the
+    client was sent the generated model and scored on it (``personal/acc_before``)."""
+    exp, init, res, k, state = one_round(tmp_path, ["method=pfedhn", "method.n_hidden=2", "method.embed_dim=3"])
+    phi0 = {n[len("hn.phi."):]: v for n, v in exp.method.server_init(init, exp.info).items() if n.startswith("hn.phi.")}
+    hnet = OfficialHyper(phi0, {n: init[n].shape for n in exp.info.param_names}, 2)
+    weights = hnet(torch.tensor([k]))
+    weights = {n: w.squeeze(0) if w.dim() > len(init[n].shape) else w for n, w in weights.items()}
+    generated = {n: w.detach().clone() for n, w in weights.items()}
+    assert res.history[0]["personal/acc_before"] == pytest.approx(local_test_acc(exp, k, generated))
+    batches, _, _ = stages(exp, k)
+    trained = replay(exp, k, generated, batches, exp.cfg.lr, ce)
+    delta = {n: generated[n] - trained[n] for n in generated}
+    grads = torch.autograd.grad(list(weights.values()), list(hnet.parameters()), grad_outputs=list(delta.values()))
+    for p, g in zip(hnet.parameters(), grads):
+        p.grad = g
+    torch.nn.utils.clip_grad_norm_(hnet.parameters(), 50)
+    torch.optim.SGD(hnet.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-3).step()
+    after = torch.load(tmp_path / "run" / "checkpoint.pt")["server_state"]
+    assert torch.allclose(after["hn.phi.embeddings"], hnet.embeddings.weight, atol=1e-6)
+    assert torch.allclose(after["hn.phi.mlp.1.weight"], hnet.mlp[2].weight, atol=1e-6)
+    for head, n in zip(hnet.heads, hnet.shapes):
+        assert torch.allclose(after[f"hn.phi.head.{n}.weight"], head.weight, atol=1e-6), n
+    size = sum(init[n].numel() for n in exp.info.param_names)
+    assert res.history[0]["comm/down_floats"] == size == res.history[0]["comm/up_floats"]
+    assert res.history[0]["global/test_acc"] is None
+
+
+def test_pfedhn_refuses_batchnorm_and_flower_in_one_sentence(tmp_path):
+    import subprocess
+    import sys
+
+    with pytest.raises(ValueError, match="method pfedhn generates a model's parameters, not BatchNorm statistics"):
+        Experiment(load_config(None, ["method=pfedhn", "model=cnnbn"]), None)
+    out = subprocess.run([sys.executable, "-m", "fedskew.cli", "flower", "simulate", "method=pfedhn", "rounds=1",
+                          f"out_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "method 'pfedhn' sends each client its own download" in out.stderr

@@ -255,7 +255,7 @@ def test_runner_holds_the_round_loop_only():
     assert calls == 0  # a model as a function of its state: models/functional.py only
 
 
-FAMILIES = {"clustered", "fedmr", "map", "neural_collapse", "fedka", "drift", "server_opt", "representation", "personalized",
+FAMILIES = {"clustered", "hypernetwork", "fedmr", "map", "neural_collapse", "fedka", "drift", "server_opt", "representation", "personalized",
             "meta", "sharing", "classifier", "distillation"}
 
 

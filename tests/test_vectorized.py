@@ -177,6 +177,8 @@ def assert_same(a, b, tol=TOL):
     # a conditional valve with a per-client context buffer, embeddings trained through a cosine loss
     ["method=gpfl", "method.lam=0.1", "rounds=3"],
     ["method=gpfl", "model=cnnbn", "model.width=4", "rounds=3"],
+    # per-client generated models (downloads), the hypernetwork's step on the server
+    ["method=pfedhn", "rounds=3"],
 ])
 def test_vectorized_matches_sequential(tmp_path, extra):
     # FedMR's paper form amplifies GEMM rounding (docs/benchmarks.md); FedDF's server Adam divides

@@ -24,6 +24,7 @@ from fedskew.algorithms.compose import Composite
 from fedskew.algorithms.drift import FedASAM, FedDC, FedDyn, FedNova, FedProx, FedSAM, Scaffold
 from fedskew.algorithms.components import COMPONENTS
 from fedskew.algorithms.fedmr import FedMR
+from fedskew.algorithms.hypernetwork import PFedHN
 from fedskew.algorithms.map import MAP, FedPHP, FedRS
 from fedskew.algorithms.fedka import FedKA, FedLMD, FedNTD, FedVLS
 from fedskew.algorithms.meta import PerFedAvg, PFedMe
@@ -48,7 +49,7 @@ METHODS: dict[str, type[Method]] = {
     "feddecorr": FedDecorr, "feduv": FedUV, "ccvr": CCVR, "fednh": FedNH, "feddf": FedDF, "fedgen": FedGen,
     "fedetf": FedETF, "fedgela": FedGELA,
     "fedfomo": FedFOMO, "fedpac": FedPAC, "flda": FLDA, "fedconcat": FedConcat,
-    "feddbe": FedDBE, "gpfl": GPFL,
+    "feddbe": FedDBE, "gpfl": GPFL, "pfedhn": PFedHN,
 }
 BUILTIN = frozenset(METHODS)
 _BUILTIN_CLASSES = tuple(METHODS.values())
