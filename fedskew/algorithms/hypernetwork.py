@@ -14,6 +14,7 @@ resumed run continues exactly.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -48,17 +49,23 @@ class PFedHNOptions(StrictOptions):
     server_momentum: float = Field(0.9, ge=0, lt=1, description="its momentum (the authors' 0.9)")
     server_wd: float = Field(1e-3, ge=0, description="its weight decay (--wd 1e-3)")
     clip: float = Field(50.0, gt=0, description="the hypernetwork gradient's norm clip (the authors' 50)")
+    server_step: Literal["per_client", "mean"] = Field("per_client", description=
+        "per_client: one SGD step on the hypernetwork per client of the round, in the round's order, each with that "
+        "client's gradient at the phi that generated its model (the authors step once per client); mean: one step "
+        "with the round's mean gradient")
 
 
 class PFedHN(Method):
     """pFedHN (Shamsian et al., ICML 2021, Algorithm 1) as the authors' code runs it: a selected
     client receives theta_k = h(v_k; phi) (``download``), trains it with the run's local SGD, and
-    sends Delta_k = theta_k - theta~_k; the server's step on phi is torch.optim.SGD semantics (lr,
-    momentum 0.9, weight decay, applied to the embeddings too) on the gradient
-    sum_k grad_phi theta_k^T Delta_k / |S| of the round's clients, clipped to norm 50. With one
-    client per round this is the authors' loop exactly (their 50 inner steps, inner lr 5e-3 and
-    inner weight decay 5e-5 are the run's E epochs, lr and weight_decay here); with several, their
-    gradients are averaged into one step (the authors step once per client). The client's
+    sends Delta_k = theta_k - theta~_k; the server steps on phi with torch.optim.SGD semantics (lr,
+    momentum 0.9, weight decay, applied to the embeddings too) and the gradient grad_phi theta_k^T
+    Delta_k, clipped to norm 50, once per client of the round (``server_step=per_client``, in the
+    round's order; ``mean``: once with their mean). With one client per round this is the authors'
+    loop exactly (their 50 inner steps, inner lr 5e-3 and inner weight decay 5e-5 are the run's E
+    epochs, lr and weight_decay here); with several, every client's model came from the round's
+    first phi, so the later steps use gradients taken there (the authors generate each client's
+    model from the phi of the step before). The client's
     personalised model is its trained theta~_k; ``personal/acc_before`` is the generated
     theta_k, the model the paper evaluates. No global model. The hypernetwork's heads are
     ``hidden`` x |theta| weights: about 100 times the model, on the server.
@@ -119,27 +126,30 @@ class PFedHN(Method):
         return upload, {k: v for k, v in client_state.items() if not k.startswith(SENT)}
 
     def aggregate(self, server_state, global_state, uploads, reports):
-        """One SGD step on phi with the round's mean of grad_phi theta_k^T Delta_k, clipped to 50."""
+        """SGD steps on phi with the clients' gradients grad_phi theta_k^T Delta_k (taken at the phi
+        that generated theta_k), each clipped to norm 50: one per client (``per_client``) or one
+        with their mean (``mean``)."""
         names = [k[len(PHI):] for k in server_state if k.startswith(PHI)]
         phi = {n: server_state[PHI + n].detach().requires_grad_(True) for n in names}
         shapes = self._shapes(server_state)
-        grads = {n: torch.zeros_like(p) for n, p in phi.items()}
+        grads = []
         with torch.enable_grad():
             for upload, report in zip(uploads, reports):
                 theta = generate(phi, report.client_id, shapes, self.opt.n_hidden)
                 got = torch.autograd.grad(list(theta.values()), [phi[n] for n in names],
                                           grad_outputs=[upload[DELTA + n] for n in theta], allow_unused=True)
-                for n, g in zip(names, got):
-                    if g is not None:
-                        grads[n] += g / len(uploads)
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
-        scale = torch.clamp(self.opt.clip / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_
+                grads.append({n: torch.zeros_like(phi[n]) if g is None else g for n, g in zip(names, got)})
+        if self.opt.server_step == "mean":
+            grads = [{n: sum(g[n] for g in grads) / len(grads) for n in names}]
         new = dict(server_state)
-        for n in names:
-            p = phi[n].detach()
-            d = grads[n] * scale + self.opt.server_wd * p
-            m = self.opt.server_momentum * server_state[MOMENTUM + n] + d
-            new[PHI + n], new[MOMENTUM + n] = p - self.opt.server_lr * m, m
+        for grad in grads:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grad.values()]))
+            scale = torch.clamp(self.opt.clip / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_
+            for n in names:
+                p = new[PHI + n]
+                d = grad[n] * scale + self.opt.server_wd * p
+                m = self.opt.server_momentum * new[MOMENTUM + n] + d
+                new[PHI + n], new[MOMENTUM + n] = p - self.opt.server_lr * m, m
         return global_state, new
 
 
