@@ -368,6 +368,9 @@ def main():
     args = parser.parse_args()
     if args.flower:
         args.engines = [*args.engines, "flower"]
+    if args.precision != "fp32" and "bare" in args.engines:  # the hand-written loop has no mixed precision
+        print(f"(the bare loop is not timed at precision {args.precision}: it would train in fp32)")
+        args.engines = [e for e in args.engines if e != "bare"]
     if args.memory:
         memory_table(args)
     elif args.paper:

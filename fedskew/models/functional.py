@@ -127,21 +127,57 @@ def norm_names(model: nn.Module) -> frozenset[str]:
                      for k, _ in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)])
 
 
+_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _norm_input_to_fp32(module: nn.Module, args):
+    """Forward pre-hook of a normalisation layer under mixed precision: a low-precision input is
+    normalised in fp32 (the layer's own dtype); the dtype it came in is kept for the output."""
+    x = args[0]
+    if isinstance(x, torch.Tensor) and x.dtype in _LOW:
+        module._fedskew_input_dtype = x.dtype
+        return (x.float(), *args[1:])
+    return None
+
+
+def _norm_output_back(module: nn.Module, args, out):
+    """Forward hook: the output in the input's low precision (the next layer's weights are in it)."""
+    dtype = module.__dict__.pop("_fedskew_input_dtype", None)
+    return out.to(dtype) if dtype is not None else None
+
+
+def fp32_norms(model: nn.Module) -> None:
+    """Run every normalisation layer of ``model`` in fp32 when its input is bf16/fp16, the output
+    cast back to the input's dtype (once per model; an fp32 input passes untouched). Under
+    ``torch.func.vmap`` with per-client (stacked) BatchNorm weights, a bf16 input with fp32 weights
+    and statistics fails on CPU ("expected scalar type BFloat16 but found Float") and comes out
+    fp32 on CUDA (the next bf16 convolution then fails), so the vectorised executor fell back to
+    sequential for every BatchNorm model in bf16 (seen on an H200, docs/benchmarks.md). Both
+    executors take this path, so they normalise alike; the statistics are fp32 either way."""
+    for m in model.modules():
+        if isinstance(m, _NORMS) and not getattr(m, "_fedskew_fp32_norm", False):
+            m.register_forward_pre_hook(_norm_input_to_fp32)
+            m.register_forward_hook(_norm_output_back)
+            m._fedskew_fp32_norm = True
+
+
 def low_precision(model: nn.Module, precision: str):
     """Mixed precision for ``precision=bf16|fp16`` (None for fp32): ``(cast, dtype)``, where
     ``cast(state)`` gives the copies of parameters and float buffers the training forward runs on.
 
     The forward runs in ``dtype`` on the input and on every tensor but the normalisation layers'
-    (BatchNorm keeps fp32 weights and running statistics, which its kernels take with
-    low-precision inputs, and updates them in place as usual); features and logits come back as
-    fp32, so every loss term is computed in fp32. Master weights, gradients and optimizer state
-    stay fp32. Not ``torch.autocast``: autocast does not reach inside ``torch.func.vmap``
+    (BatchNorm keeps fp32 weights and running statistics, normalises in fp32 and hands its output
+    back in ``dtype``: :func:`fp32_norms`; it updates its statistics in place as usual); features
+    and logits come back as fp32, so every loss term is computed in fp32. Master weights,
+    gradients and optimizer state stay fp32. Not ``torch.autocast``: autocast does not reach inside ``torch.func.vmap``
     (``F.linear`` of batched weights stays fp32 there), so the two executors would not compute in
     the same precision."""
     if precision == "fp32":
         return None
     dtype = PRECISIONS[precision]
     keep = norm_names(model)
+    fp32_norms(model)
 
     def cast(state: State) -> State:
         return {k: v.to(dtype) if v.is_floating_point() and k not in keep else v for k, v in state.items()}
@@ -191,5 +227,5 @@ def training_calls(model: nn.Module, params: State, buffers: State, cast_dtype=N
     return TrainingCalls(train, frozen_fn(model), head, lambda s, x: call(model, {**buffers, **s}, x), evaluate)
 
 
-__all__ = ["PRECISIONS", "TrainingCalls", "bn_recalibration_fn", "call", "eval_call", "feature_fn", "frozen_fn",
+__all__ = ["PRECISIONS", "TrainingCalls", "bn_recalibration_fn", "call", "eval_call", "feature_fn", "fp32_norms", "frozen_fn",
            "head_call", "in_eval_mode", "low_precision", "model_caller", "norm_names", "predict", "training_calls"]
