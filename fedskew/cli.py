@@ -475,6 +475,10 @@ def cmd_reproduce(args, console: Console) -> int:
     return _run_and_report(spec, out, args.jobs, True, console, args)
 
 
+def _csv(value: str | None) -> list[str] | None:
+    return None if not value else [v.strip() for v in value.split(",") if v.strip()]
+
+
 def cmd_bench(args, console: Console) -> int:
     from fedskew.config import ConfigError
     from fedskew.experiments import bench
@@ -511,10 +515,13 @@ def cmd_bench(args, console: Console) -> int:
         parts = bench.sweeps(args.suite, args.scale, args.data, methods)
         if not parts:
             raise ConfigError(f"bench suite '{args.suite}' has none of the methods {methods} at scale {args.scale}.")
+        parts = bench.restrict(parts, args.suite, _csv(args.parts), _csv(args.seeds),
+                               {"device": args.device, "executor": args.executor})
         for paper, spec in parts.items():
             failed |= _run_and_report(load_spec(spec), str(folder / paper), args.jobs, False, console, args, args.ray)
     command = f"fedskew bench {args.suite} --scale {args.scale}" + (f" --data {args.data}" if args.data else "") + \
-        (f" --methods {','.join(methods)}" if methods else "")
+        (f" --methods {','.join(methods)}" if methods else "") + \
+        "".join(f" --{k} {v}" for k, v in (("parts", args.parts), ("seeds", args.seeds)) if v)
     md, page, cells = bench.write_leaderboard(args.suite, args.scale, command, folder)
     if cells:
         table = Table("paper", "table", "setting", "method", "ours", "published", "delta", "within",
@@ -653,6 +660,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_be.add_argument("--ray", help="run on Ray (local, auto, host:port)")
     p_be.add_argument("--report", action="store_true", help="only rebuild the leaderboard from the runs there are")
     p_be.add_argument("--methods", help="only these methods (comma-separated names)")
+    p_be.add_argument("--parts", help="only these parts of the suite (comma-separated; `fedskew bench --list` names "
+                                      "them), e.g. map")
+    p_be.add_argument("--seeds", help="only these of the suite's seeds (comma-separated), e.g. 0")
+    p_be.add_argument("--device", help="where the runs train (cpu, cuda, cuda:N); not part of the setting")
+    p_be.add_argument("--executor", choices=["sequential", "vectorized"],
+                      help="the executor of every run (the two agree to float round-off); not part of the setting")
     p_fl = sub.add_parser("flower", help="run a config on Flower: simulation, app export, or a running SuperLink",
                           epilog=EPILOG)
     p_fl.add_argument("action", choices=["simulate", "app", "run"],

@@ -229,6 +229,41 @@ def sweeps(name: str, scale: str, data_root: str | None = None, methods: list[st
     return out
 
 
+def restrict(parts: dict[str, dict], name: str, keep: list[str] | None = None, seeds: list[str] | None = None,
+             execution: dict[str, str | None] | None = None) -> dict[str, dict]:
+    """``parts`` (from :func:`sweeps`) cut to the parts named in ``keep`` and the seeds in ``seeds``,
+    with execution keys (``device``, ``executor``: where and how the runs train, never the setting;
+    the executors agree to float round-off) set in every part's base config. A name or seed the
+    suite does not have is one sentence."""
+    from fedskew.config import ConfigError
+
+    if keep is not None:
+        unknown = [k for k in keep if k not in SUITES[name]["papers"]]
+        if unknown:
+            raise ConfigError(f"bench --parts names {unknown[0]!r}, which is not a part of suite '{name}'; its parts: "
+                              f"{', '.join(SUITES[name]['papers'])}.")
+        parts = {k: v for k, v in parts.items() if k in keep}
+        if not parts:
+            raise ConfigError(f"bench --parts {','.join(keep)}: none of these parts has a run with the methods asked "
+                              f"for at this scale.")
+    out = {}
+    for paper, spec in parts.items():
+        spec = {**spec, "base": {**spec["base"], **{k: v for k, v in (execution or {}).items() if v is not None}}}
+        if seeds is not None:
+            wanted = []
+            for v in seeds:
+                if not v.lstrip("-").isdigit() or int(v) not in spec["seeds"]:
+                    raise ConfigError(f"bench --seeds names {v!r}, which is not a seed of part '{paper}'; its seeds: "
+                                      f"{', '.join(map(str, spec['seeds']))}.")
+                wanted.append(int(v))
+            spec["seeds"] = [x for x in spec["seeds"] if x in wanted]
+            tune = (spec.get("selection") or {}).get("tune_seeds")
+            if tune is not None:
+                spec["selection"] = {**spec["selection"], "tune_seeds": [x for x in tune if x in wanted] or None}
+        out[paper] = spec
+    return out
+
+
 def suite_dir(name: str, scale: str, out: str | Path | None = None) -> Path:
     return Path(out) if out is not None else Path("runs") / f"bench-{name}-{scale}"
 

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
   run_id TEXT PRIMARY KEY, label TEXT NOT NULL, method TEXT NOT NULL, params TEXT NOT NULL,
@@ -184,11 +186,24 @@ class Results:
     failed: dict[tuple[str, str], int] = field(default_factory=dict)  # (label, partition) -> failed runs
 
 
+def selections_of(db: sqlite3.Connection, spec: dict | None = None) -> dict[tuple[str, str], dict]:
+    """(method label, partition) -> its ``selections`` row: the recorded one, else, for a sweep
+    stopped before it recorded one (a sweep records its selection when its runs end, so a killed
+    one has none), the selection its finished runs give now under ``spec`` (the sweep.yaml)."""
+    rows = {(r["label"], r["partition"]): dict(r) for r in db.execute("SELECT * FROM selections")}
+    if spec and spec.get("methods"):
+        from fedskew.experiments.sweep import load_spec, select
+
+        for key, chosen in select(db, load_spec(spec), record=False).items():
+            rows.setdefault(key, chosen["row"])
+    return rows
+
+
 def selected_runs(db: sqlite3.Connection, spec: dict | None = None) -> Results:
     """The finished runs of the grid point chosen per (method label, partition), with their
     histories: what a report shows."""
     spec = spec or {}
-    selections = {(r["label"], r["partition"]): dict(r) for r in db.execute("SELECT * FROM selections")}
+    selections = selections_of(db, spec)
     labels = [m["label"] or m["name"] for m in spec.get("methods", [])] or \
         sorted({r["label"] for r in db.execute("SELECT label FROM runs")})
     partitions = list(spec.get("partitions", {})) or \
@@ -217,8 +232,10 @@ def results_table(sweep_dir: str | Path, rounds: bool = False) -> list[dict]:
     as ``option/<name>``, and the summary's scalar values under their metric names. With
     ``rounds``: one row per finished run and round instead, with that round's scalar metrics."""
     db = open_sweep(sweep_dir)
+    spec_path = Path(sweep_dir) / "sweep.yaml"
     try:
-        chosen = {(r["label"], r["partition"]): r["params"] for r in db.execute("SELECT * FROM selections")}
+        spec = yaml.safe_load(spec_path.read_text()) if spec_path.is_file() else None
+        chosen = {key: r["params"] for key, r in selections_of(db, spec).items()}
         rows = []
         for row in db.execute("SELECT * FROM runs ORDER BY rowid"):
             base = {"run_id": row["run_id"], "label": row["label"], "method": row["method"],

@@ -685,8 +685,10 @@ def select(db: sqlite3.Connection, spec: SweepSpec, record: bool = True) -> dict
         means = {p: (sum(v) / len(v) if v else None) for p, v in candidates.items()}
         scored = [p for p, m in means.items() if m is not None]
         best = max(scored, key=lambda p: means[p]) if scored else sorted(means)[0]
-        chosen[(label, partition)] = {"params": json.loads(best), "value": means[best]}
-        rows.append((label, partition, best, metric, spec.selection.split, means[best], json.dumps(means)))
+        chosen[(label, partition)] = {"params": json.loads(best), "value": means[best], "row": dict(
+            label=label, partition=partition, params=best, metric=metric, split=spec.selection.split,
+            value=means[best], means=json.dumps(means))}
+        rows.append(tuple(chosen[(label, partition)]["row"].values()))
     if record:
         with writing(db):
             db.executemany("INSERT OR REPLACE INTO selections VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
