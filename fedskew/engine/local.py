@@ -15,6 +15,7 @@ from fedskew.data.federated import Federation
 from fedskew.engine.batched_sgd import FP16_GROWTH_INTERVAL, FP16_INIT_SCALE
 from fedskew.engine.protocol import ClientResult, LocalSettings, Stage, client_round, make_forward
 from fedskew.models.functional import bn_recalibration_fn, feature_fn, frozen_fn, low_precision, predict
+from fedskew.streams import torch_seed
 
 
 def federated_state(model: nn.Module) -> State:
@@ -97,11 +98,15 @@ class SequentialExecutor:
             None if val is None else self.x[val], None if val is None else self.y[val]))
 
     def run_stage(self, stage: Stage, starts, states, schedules, clients, payload, lrs, round_idx):
-        """Each client in turn: its start state loaded into the one model, a fresh torch.optim.SGD."""
+        """Each client in turn: its start state loaded into the one model, a fresh torch.optim.SGD,
+        and torch's global generator seeded from the stream (seed, ``local_rng``, round, client,
+        stage), so that random layers (dropout) draw the same masks whatever ran before in this
+        process: another run of a sweep worker, or the rounds before a resume."""
         method = self.method
         loss_fn = method.local_loss if stage == "upload" else method.personal_loss
         trained, means = [], []
         for start, state, batches, k, lr in zip(starts, states, schedules, clients, lrs):
+            torch.manual_seed(torch_seed(self.settings.seed, "local_rng", round_idx, k, stage == "personal"))
             load_state(self.model, start)
             means.append(self._sgd_stage(
                 loss_fn, self.train_idx[k], batches, lr, payload, state, method.trained_params(stage),
