@@ -137,6 +137,9 @@ class ModelConfig(_Section):
     conditional_valve: bool = Field(False, description="GPFL's architecture: the conditional valve (CoV) between the "
                                                        "features and the classifier and the global category "
                                                        "embeddings (GCE) (method gpfl)")
+    conditional_policy: bool = Field(False, description="FedCP's architecture: the conditional policy network (CPN) "
+                                                        "splitting the features between the client's head and a "
+                                                        "global head (method fedcp)")
     branches: int = Field(1, ge=1, le=64, description="FedConcat's architecture: K copies of the backbone, each with "
                                                       "its own initialisation, their features concatenated (K d) "
                                                       "before the classifier (method fedconcat: one per cluster)")
@@ -144,8 +147,8 @@ class ModelConfig(_Section):
     def applies(self) -> set[str]:
         own = {"mlp": {"hidden"}, "mlpnet": {"hidden"}, "cnnbn": {"width"}}.get(self.name, set())
         etf = {"etf_scale", "etf_normalize", "etf_projector", "etf_learn_scale"} if self.classifier == "etf" else set()
-        return {"name", "classifier_bias", "projection_dim", "classifier", "private_expert", "feature_shift", "conditional_valve", "branches",
-                *own, *etf}
+        return {"name", "classifier_bias", "projection_dim", "classifier", "private_expert", "feature_shift",
+                "conditional_valve", "conditional_policy", "branches", *own, *etf}
 
 
 class MethodConfig(BaseModel):

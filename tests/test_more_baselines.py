@@ -1356,6 +1356,147 @@ def test_gpfl_equals_a_replay_of_the_official_client(tmp_path):
     assert torch.allclose(st2["gpfl.p"], share @ t1["gce.weight"], atol=1e-6)
 
 
+# -- FedCP (issue 34) ------------------------------------------------------------------------------
+
+
+def official_fedcp_round(exp, k, start, context, lr, lam, batches):
+    """TsingZ0/FedCP ``clientCP.train_cs_model``, literally, on copies of the modules: rep =
+    base(x); gate_in = rep * normalize(context); (pm, gm) = gumbel_softmax(cs(gate_in).view(B, 2,
+    -1), dim=1); output = head(rep pm) + head_g(rep gm); loss = CE + MMD(rep, base_frozen(x),
+    'rbf') * lam (their ``MMD``, bandwidths 10, 15, 20, 50); one SGD(lr) over the ensemble (head_g
+    and the frozen base have no gradient). Then ``generate_upload_head`` and ``set_head_g``'s
+    context. Returns (base, head, cs, head_g uploaded, next context) as fedskew-named states."""
+    model = exp.model
+    load_state(model, start)
+    base, head = copy.deepcopy(model.backbone), copy.deepcopy(model.classifier)
+    cs, head_g, frozen = copy.deepcopy(model.policy.cpn), copy.deepcopy(model.policy.head_g), copy.deepcopy(model.backbone)
+    for p in [*head_g.parameters(), *frozen.parameters()]:
+        p.requires_grad = False
+    ensemble = torch.nn.ModuleList([base, head, cs, head_g, frozen])
+    ensemble.train()
+    opt = torch.optim.SGD(ensemble.parameters(), lr=lr)
+
+    def official_mmd(x, y):
+        xx, yy, zz = torch.mm(x, x.t()), torch.mm(y, y.t()), torch.mm(x, y.t())
+        rx, ry = xx.diag().unsqueeze(0).expand_as(xx), yy.diag().unsqueeze(0).expand_as(yy)
+        dxx, dyy, dxy = rx.t() + rx - 2. * xx, ry.t() + ry - 2. * yy, rx.t() + ry - 2. * zz
+        XX, YY, XY = torch.zeros(xx.shape), torch.zeros(xx.shape), torch.zeros(xx.shape)
+        for a in [10, 15, 20, 50]:
+            XX += torch.exp(-0.5 * dxx / a)
+            YY += torch.exp(-0.5 * dyy / a)
+            XY += torch.exp(-0.5 * dxy / a)
+        return torch.mean(XX + YY - 2. * XY)
+
+    idx = exp.fed.train_idx[k]
+    ctx = F.normalize(context.view(1, -1), p=2, dim=1)
+    for pos in batches:
+        x, y = exp.fed.data.x_train[idx[pos]], exp.fed.data.y_train[idx[pos]]
+        rep = base(x)
+        gate_in = rep * torch.tile(ctx, (x.shape[0], 1))
+        g = F.gumbel_softmax(cs(gate_in).view(x.shape[0], 2, -1), dim=1, tau=1, hard=False)
+        output = head(rep * g[:, 0, :]) + head_g(rep * g[:, 1, :])
+        loss = F.cross_entropy(output, y) + official_mmd(rep, frozen(x)) * lam
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    up_g = {n: p.detach() * 0.5 + q.detach() * 0.5 for (n, p), (_, q) in zip(head.named_parameters(), head_g.named_parameters())}
+    return ({f"backbone.{n}": v.detach() for n, v in base.state_dict().items()},
+            {f"classifier.{n}": v.detach() for n, v in head.state_dict().items()},
+            {f"policy.cpn.{n}": v.detach() for n, v in cs.state_dict().items()},
+            {f"policy.head_g.{n}": v for n, v in up_g.items()}, head.weight.detach().sum(0))
+
+
+def test_fedcp_equals_a_replay_of_the_official_client(tmp_path, monkeypatch):
+    """Rounds 0 and 1 of every client equal the official client's SGD (momentum 0, as theirs), with
+    the Gumbel noise switched off in both (the same deterministic softmax; the noise itself is
+    torch's own gumbel_softmax, checked apart): the body, CPN and (head + head_g) / 2 go up and are
+    averaged by samples, the head stays, the next context is the row sum of the trained head; the
+    first context is the client's U[0, 1) draw, and head_g starts equal to the head."""
+    monkeypatch.setattr(F, "gumbel_softmax", lambda logits, tau=1, hard=False, dim=-1: F.softmax(logits / tau, dim=dim))
+    lam = 5.0
+    common = ["partition=pcdd", "partition.classes_per_client=4", "partition.num_clients=3", "clients_per_round=3",
+              "local_epochs=1", "batch_size=16", "momentum=0", "weight_decay=0", "final_personalization=false",
+              "method=fedcp", f"method.lam={lam}", "model.hidden=[32,16]"]
+    exp = Experiment(load_config(None, common + ["rounds=1"]), tmp_path / "one")
+    init = federated_state(exp.model)
+    assert torch.equal(init["policy.head_g.weight"], init["classifier.weight"])
+    res1 = exp.run()
+    ckpt1 = torch.load(tmp_path / "one" / "checkpoint.pt")
+    sizes = [len(exp.fed.train_idx[k]) for k in range(3)]
+    ups = []
+    for k in range(3):
+        ctx0 = exp.method.client_init(k, init, exp.info)["fedcp.own.policy.context"]
+        assert ((ctx0 >= 0) & (ctx0 < 1)).all() and ctx0.std() > 0.1
+        body, head, cs, head_g, ctx = official_fedcp_round(exp, k, init, ctx0, exp.cfg.lr, lam, stages(exp, k)[0])
+        st = ckpt1["client_states"][k]
+        close(own(st, "fedcp.own."), head, ["classifier.weight", "classifier.bias"], atol=1e-5)
+        assert torch.allclose(st["fedcp.own.policy.context"], ctx, atol=1e-5)
+        ups.append({**body, **cs, **head_g})
+    mean = {n: sum(w * u[n] for w, u in zip(sizes, ups)) / sum(sizes) for n in ups[0]}
+    close(res1.global_state, mean, list(mean), atol=1e-5)
+    shared = [n for n in init if not n.startswith("classifier.") and n != "policy.context"]
+    assert res1.history[0]["comm/up_floats"] == 3 * sum(init[n].numel() for n in shared)
+
+    exp2 = Experiment(load_config(None, common + ["rounds=2"]), tmp_path / "two")
+    exp2.run()
+    ckpt2 = torch.load(tmp_path / "two" / "checkpoint.pt")
+    k, st = 2, ckpt1["client_states"][2]
+    start = {**res1.global_state, **own(st, "fedcp.own.")}
+    batches = stage_schedules(exp2.executor.settings, exp2.method, 1, k, len(exp2.fed.train_idx[k]), exp2.cfg.lr)[0]
+    _, head, _, _, ctx = official_fedcp_round(exp2, k, start, st["fedcp.own.policy.context"],
+                                              exp2.cfg.lr * exp2.cfg.lr_decay, lam, batches)
+    st2 = ckpt2["client_states"][k]
+    close(own(st2, "fedcp.own."), head, ["classifier.weight", "classifier.bias"], atol=1e-5)
+    assert torch.allclose(st2["fedcp.own.policy.context"], ctx, atol=1e-5)
+
+
+def test_fedcp_policy_is_a_gumbel_softmax_split_and_its_runs_are_reproducible(tmp_path):
+    """The two gates of every feature sum to 1 and are random (two calls differ); with torch's
+    generator seeded they are torch's gumbel_softmax of the CPN's pair; a FedCP run gives the same
+    result after other random draws and after a resume (the executors seed the generator)."""
+    from fedskew.engine.resume import resume
+
+    cfg = load_config(None, ["method=fedcp", "rounds=2", "partition.num_clients=4", "clients_per_round=2",
+                             "local_epochs=1", "model.hidden=[32,16]"])
+    exp = Experiment(cfg, None)
+    pol, z = exp.model.policy, torch.randn(5, 16)
+    pol.context.copy_(torch.rand(16))
+    with torch.no_grad():  # (equal heads, as at the start, make the split irrelevant: W z s_p + W z s_g = W z)
+        pol.head_g.weight.add_(torch.randn_like(pol.head_g.weight))
+    seen = []
+    pol.cpn.register_forward_hook(lambda m, i, o: seen.append(o))
+    torch.manual_seed(3)
+    a = pol(z, exp.model.classifier)
+    torch.manual_seed(3)
+    s = seen[-1].view(5, 2, 16)
+    g = F.gumbel_softmax(s, tau=1.0, hard=False, dim=1)
+    assert torch.allclose(a, exp.model.classifier(z * g[:, 0]) + pol.head_g(z * g[:, 1]), atol=1e-6)
+    assert torch.allclose(g.sum(1), torch.ones(5, 16), atol=1e-6)
+    assert not torch.allclose(pol(z, exp.model.classifier), a)
+    first = Experiment(cfg, tmp_path / "a").run()
+    torch.rand(9)
+
+    def crash(record):
+        if record["round"] == 0:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Experiment(cfg, tmp_path / "cut").run(crash)
+    torch.rand(4)
+    again = resume(tmp_path / "cut")
+    for k in first.global_state:
+        assert torch.equal(first.global_state[k], again.global_state[k]), k
+    assert first.history[-1]["personal/acc_before"] == again.history[-1]["personal/acc_before"]
+    assert first.summary["personal/final_acc_after"] == again.summary["personal/final_acc_after"]
+
+
+def test_fedcp_needs_its_policy_and_only_it_may_turn_it_on(tmp_path):
+    with pytest.raises(ValueError, match="needs model.conditional_policy = true"):
+        Experiment(load_config(None, ["method=fedcp", "model.conditional_policy=false"]), None)
+    with pytest.raises(ConfigError, match="model.conditional_policy = true is the architecture of method fedcp"):
+        load_config(None, ["model.conditional_policy=true"])
+
+
 # -- pFedHN (issue 34) -----------------------------------------------------------------------------
 
 

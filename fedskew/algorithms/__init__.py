@@ -29,7 +29,7 @@ from fedskew.algorithms.map import MAP, FedPHP, FedRS
 from fedskew.algorithms.fedka import FedKA, FedLMD, FedNTD, FedVLS
 from fedskew.algorithms.meta import PerFedAvg, PFedMe
 from fedskew.algorithms.neural_collapse import EtfGmv, FedETF, FedGELA
-from fedskew.algorithms.personalized import GPFL, Ditto, DittoRS, FedBABU, FedLC, FedProto, FedRep, FedROD
+from fedskew.algorithms.personalized import GPFL, Ditto, DittoRS, FedBABU, FedCP, FedLC, FedProto, FedRep, FedROD
 from fedskew.algorithms.representation import FedDecorr, FedMMD, FedProc, FedUV, Moon
 from fedskew.algorithms.classifier import CCVR, FedNH, FedPAC
 from fedskew.algorithms.distillation import FedDF, FedGen
@@ -49,7 +49,7 @@ METHODS: dict[str, type[Method]] = {
     "feddecorr": FedDecorr, "feduv": FedUV, "ccvr": CCVR, "fednh": FedNH, "feddf": FedDF, "fedgen": FedGen,
     "fedetf": FedETF, "fedgela": FedGELA,
     "fedfomo": FedFOMO, "fedpac": FedPAC, "flda": FLDA, "fedconcat": FedConcat,
-    "feddbe": FedDBE, "gpfl": GPFL, "pfedhn": PFedHN,
+    "feddbe": FedDBE, "gpfl": GPFL, "pfedhn": PFedHN, "fedcp": FedCP,
 }
 BUILTIN = frozenset(METHODS)
 _BUILTIN_CLASSES = tuple(METHODS.values())

@@ -72,10 +72,15 @@ class SequentialExecutor:
     def num_samples(self, client_id: int) -> int:
         return len(self.train_idx[client_id])
 
-    def accuracies(self, states: list[State], clients: list[int]) -> list[float | None]:
-        """Each state's accuracy on its client's local test split (None: the split is empty)."""
+    def accuracies(self, states: list[State], clients: list[int], rng: tuple[int, int] | None = None
+                   ) -> list[float | None]:
+        """Each state's accuracy on its client's local test split (None: the split is empty), torch's
+        generator seeded per client from (seed, ``local_rng``, round, client, tag) when ``rng``
+        = (round, tag) is given (a model random in eval mode: FedCP's policy)."""
         out = []
         for state, k in zip(states, clients):
+            if rng is not None:
+                torch.manual_seed(torch_seed(self.settings.seed, "local_rng", rng[0], k, rng[1]))
             idx = self.test_idx[k]
             out.append((predict(self.model, state, self.x[idx]) == self.y[idx]).sum().item() / len(idx)
                        if len(idx) else None)

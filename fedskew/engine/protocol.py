@@ -111,8 +111,10 @@ class StageRunner(Protocol):
     def report(self, client_id: int, num_steps: int, lr: float) -> ClientReport:
         """The client's :class:`ClientReport` for a round of ``num_steps`` uploaded-model steps."""
 
-    def accuracies(self, states: list[State], clients: list[int]) -> list[float | None]:
-        """Each state's accuracy on its client's local test split (None: the split is empty)."""
+    def accuracies(self, states: list[State], clients: list[int], rng: tuple[int, int]) -> list[float | None]:
+        """Each state's accuracy on its client's local test split (None: the split is empty);
+        ``rng`` (round, tag) seeds torch's generator per client where a model draws random numbers
+        in eval mode (FedCP's policy), so that the score does not depend on what ran before."""
 
     def run_stage(self, stage: Stage, starts: list[State], states: list[State], schedules: list[list[np.ndarray]],
                   clients: list[int], payload: State, lrs: list[float], round_idx: int
@@ -128,7 +130,7 @@ def client_round(runner: StageRunner, round_idx: int, clients: list[int], payloa
     method, settings = runner.method, runner.settings
     states = [runner.prepare(round_idx, k, payload, st) for k, st in zip(clients, client_states)]
     starts = [method.local_start(payload, st) for st in states]
-    acc_before = runner.accuracies(starts, clients)
+    acc_before = runner.accuracies(starts, clients, (round_idx, 2))
     plans = [stage_schedules(settings, method, round_idx, k, runner.num_samples(k), lr) for k in clients]
     reports = [runner.report(k, len(plan[0]), lr) for k, plan in zip(clients, plans)]
     aux: list[dict] = [{} for _ in clients]
@@ -163,7 +165,7 @@ def client_round(runner: StageRunner, round_idx: int, clients: list[int], payloa
     for r, a in zip(results, aux):
         r.aux.update(a)
     personal = [method.personal_state(t, r.client_state) for t, r in zip(trained, results)]
-    for r, acc in zip(results, runner.accuracies(personal, clients)):
+    for r, acc in zip(results, runner.accuracies(personal, clients, (round_idx, 3))):
         r.acc_after = acc
     return results
 

@@ -246,9 +246,10 @@ class VectorizedExecutor:
     def report(self, client_id: int, num_steps: int, lr: float) -> ClientReport:
         return self.sequential.report(client_id, num_steps, lr)
 
-    def accuracies(self, states: list[State], clients: list[int]) -> list[float | None]:
+    def accuracies(self, states: list[State], clients: list[int], rng=None) -> list[float | None]:
         """All states in one vmapped pass (:meth:`local_accuracies`); the views of the last trained
-        stack (FedAvg's personal model is the trained one) are scored on the stack itself."""
+        stack (FedAvg's personal model is the trained one) are scored on the stack itself. (``rng``
+        is not needed: a model that draws random numbers never runs vectorised.)"""
         last = self._last_trained
         if last is not None and len(last[1]) == len(states) and all(a is b for a, b in zip(states, last[1])):
             return self.local_accuracies(last[0], clients)

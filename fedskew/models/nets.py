@@ -33,11 +33,15 @@ class SkewNet(nn.Module):
         self.fixed_keys: frozenset[str] = frozenset()
         self.register_parameter("shift", None)  # FedDBE's PRBM (model.feature_shift): classifier(z + shift)
         self.valve: nn.Module | None = None  # GPFL's CoV (model.conditional_valve): classifier(valve(z))
+        self.policy: nn.Module | None = None  # FedCP's CPN and global head (model.conditional_policy)
 
     def forward(self, x: torch.Tensor, return_features: bool = False):
         z = self.backbone(x)
         h = z if self.shift is None else z + self.shift
-        logits = self.classifier(h if self.valve is None else self.valve(h))
+        if self.policy is not None:
+            logits = self.policy(h, self.classifier)
+        else:
+            logits = self.classifier(h if self.valve is None else self.valve(h))
         return (z, logits) if return_features else logits
 
 
@@ -65,6 +69,27 @@ class ConditionalValve(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return valve_apply(x, self.context, dict(self.named_parameters()))
+
+
+class ConditionalPolicy(nn.Module):
+    """FedCP's conditional policy (Zhang et al., KDD 2023; TsingZ0/FedCP ``ConditionalSelection``,
+    ``Gate``, ``Ensemble``): the CPN, Linear(d, 2d) - LayerNorm(2d) - ReLU, reads the features z
+    times the normalised client context c (a buffer: the row sum of the client's head weights) and
+    gives two d-vectors per sample, a Gumbel-softmax (tau = 1, soft) over each pair: the policy
+    (s_p, s_g), s_p + s_g = 1. Logits: head_p(z * s_p) + head_g(z * s_g), head_p the model's
+    classifier (kept by the client) and head_g the global head. The Gumbel noise is drawn in train
+    and eval mode alike, as the official gate draws it (torch's global generator: executors seed it)."""
+
+    def __init__(self, d: int, num_classes: int, bias: bool = True):
+        super().__init__()
+        self.cpn = nn.Sequential(nn.Linear(d, 2 * d), nn.LayerNorm([2 * d]), nn.ReLU())
+        self.head_g = nn.Linear(d, num_classes, bias=bias)
+        self.register_buffer("context", torch.zeros(d))
+
+    def forward(self, z: torch.Tensor, head_p: nn.Module) -> torch.Tensor:
+        s = self.cpn(z * F.normalize(self.context, dim=-1))
+        policy = F.gumbel_softmax(s.unflatten(-1, (2, z.shape[-1])), tau=1.0, hard=False, dim=-2)
+        return head_p(z * policy[..., 0, :]) + self.head_g(z * policy[..., 1, :])
 
 
 def simplex_etf(feature_dim: int, num_classes: int, generator: torch.Generator) -> torch.Tensor:
@@ -229,6 +254,13 @@ def build_model(cfg, input_shape: tuple[int, ...], num_classes: int, seed: int =
                              "model.private_expert = false and model.feature_shift = false")
         model.valve = ConditionalValve(model.feature_dim)
         model.gce = nn.Embedding(num_classes, model.feature_dim)
+    if getattr(cfg, "conditional_policy", False):  # FedCP: the CPN and a global head equal to the head at first
+        if cfg.classifier != "linear" or cfg.private_expert or cfg.feature_shift or cfg.conditional_valve:
+            raise ModelError("model.conditional_policy (FedCP's architecture) takes model.classifier = 'linear', "
+                             "model.private_expert = false, model.feature_shift = false and "
+                             "model.conditional_valve = false")
+        model.policy = ConditionalPolicy(model.feature_dim, num_classes, cfg.classifier_bias)
+        model.policy.head_g.load_state_dict(model.classifier.state_dict())  # the official head_g = deepcopy(head)
     if getattr(cfg, "private_expert", False):  # a second model of the same configuration, drawn next
         model = PrivateExpertNet(model, build_model(cfg.model_copy(update={"private_expert": False}), input_shape,
                                                     num_classes, seed))
