@@ -341,6 +341,7 @@ class SweepDisplay:
         if kind == "done":
             acc = r["summary"].get("global/test_acc_mean_last10")
             pers = r["summary"].get("personal/final_acc_after")
+            pers = r["summary"].get("personal/acc_after") if pers is None else pers
             line = f"{name}: global {_pct(acc)} personal {_pct(pers)} ({took:.0f}s)"
         elif kind == "failed":
             line = f"{name}: FAILED ({r['error'][:200]})"
@@ -366,17 +367,17 @@ def _sweep_tables(sweep_dir: Path, console: Console) -> None:
     """The report's main tables as terminal tables, titled with the metric and its unit."""
     import yaml
 
-    from fedskew.experiments.report import build_table, cell_text, metric_title
+    from fedskew.experiments.report import build_table, cell_text, default_metric, metric_title
     from fedskew.experiments.store import open_sweep, selected_runs
 
     spec = yaml.safe_load((sweep_dir / "sweep.yaml").read_text()) or {}
     opts = spec.get("report") or {}
-    metric = opts.get("metric", "global/test_acc_mean_last10")
     db = open_sweep(sweep_dir)
     try:
         res = selected_runs(db, spec)
     finally:
         db.close()
+    metric = opts.get("metric") or default_metric(res)
     n = max((len(v) for v in res.runs.values()), default=0)
     for key in dict.fromkeys([metric, metric.removesuffix("_mean_last10"), "personal/final_acc_after"]):
         cells = {(p, c): [r.summary.get(key) for r in runs] for (c, p), runs in res.runs.items()}
@@ -639,7 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_rep = sub.add_parser("report", help="tables and plots of a sweep folder as Markdown and HTML")
     p_rep.add_argument("sweep_dir")
     p_rep.add_argument("--out", help="report folder (default SWEEP_DIR/report)")
-    p_rep.add_argument("--metric", help="main metric (default global/test_acc_mean_last10)")
+    p_rep.add_argument("--metric", help="main metric (default global/test_acc_mean_last10, or the personalised "
+                                        "accuracy where no run has a global model)")
     p_rep.add_argument("--baseline", help="the method gains are measured against (default fedavg)")
     p_pro = sub.add_parser("reproduce", help="a seed paper's main table at smoke, small or paper scale")
     p_pro.add_argument("name", help="fedmr, map, etf or fedka")

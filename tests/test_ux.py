@@ -245,6 +245,19 @@ def test_multirun_is_a_sweep_stored_and_reported_like_one(tmp_path):
     assert (folder / "report" / "report.md").is_file()
 
 
+def test_a_multirun_of_methods_without_a_global_model_reports_their_personalised_accuracy(tmp_path):
+    """`fedskew run method=gpfl seed=0,1` (no global model, as FedCP, pFedHN, FedRep): the report's
+    default metric falls back to the personalised accuracy instead of refusing the global one the
+    runs do not have (it ended with "report metric ... is in no finished run's summary", exit 2)."""
+    done = cli("run", "method=gpfl", "seed=0,1", "rounds=2", "final_personalization=false", *TINY, "--jobs", "1",
+               cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "global none personal " in done.stdout and "personal none" not in done.stdout
+    (folder,) = (tmp_path / "runs").glob("multirun-*")
+    report = (folder / "report" / "report.md").read_text()
+    assert "personal/acc_after" in report
+
+
 def test_print_config_shows_every_default_and_runs_back(tmp_path):
     done = cli("run", "--print-config", "method=map", "rounds=7", cwd=tmp_path)
     assert done.returncode == 0 and not list(tmp_path.glob("runs"))  # nothing ran

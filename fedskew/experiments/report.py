@@ -319,6 +319,17 @@ def to_html(title: str, sections: list[Section]) -> str:
     return "".join(parts)
 
 
+DEFAULT_METRICS = ("global/test_acc_mean_last10", "personal/final_acc_after", "personal/acc_after")
+
+
+def default_metric(res: Results) -> str:
+    """The metric of a report whose command and sweep file name none: the global model's accuracy,
+    or, when no finished run has a global model (a sweep of FedCP, GPFL, pFedHN, ... alone), the
+    first personalised accuracy the runs recorded."""
+    known = {k for runs in res.runs.values() for r in runs for k, v in r.summary.items() if v is not None}
+    return next((m for m in DEFAULT_METRICS if m in known), DEFAULT_METRICS[0])
+
+
 def check_metric_and_baseline(res: Results, metric: str, baseline: str | None) -> None:
     """A report of a metric no run recorded, or against a method the sweep does not have, would be
     a table of blanks: refuse it with one sentence."""
@@ -343,13 +354,13 @@ def write_report(sweep_dir: str | Path, out: str | Path | None = None, metric: s
     db = open_sweep(sweep_dir)  # a one-sentence error when it is not a sweep folder
     spec = yaml.safe_load((sweep_dir / "sweep.yaml").read_text()) if (sweep_dir / "sweep.yaml").is_file() else {}
     opts = spec.get("report", {}) or {}
-    metric = metric or opts.get("metric", "global/test_acc_mean_last10")
     chosen_baseline = baseline or opts.get("baseline")
     out = Path(out) if out else sweep_dir / "report"
     try:
         res = selected_runs(db, spec)
     finally:
         db.close()
+    metric = metric or opts.get("metric") or default_metric(res)
     check_metric_and_baseline(res, metric, chosen_baseline)
     title = f"fedskew report: {res.name}"
     try:  # every file is complete or absent; a full disk or a read-only folder is one sentence
@@ -366,4 +377,4 @@ def write_report(sweep_dir: str | Path, out: str | Path | None = None, metric: s
     return out / "report.md", out / "report.html"
 
 
-__all__ = ["build_table", "mean_curve", "mean_std", "rounds_to_target", "write_report"]
+__all__ = ["build_table", "default_metric", "mean_curve", "mean_std", "rounds_to_target", "write_report"]
