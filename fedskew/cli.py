@@ -517,7 +517,8 @@ def cmd_bench(args, console: Console) -> int:
         if not parts:
             raise ConfigError(f"bench suite '{args.suite}' has none of the methods {methods} at scale {args.scale}.")
         parts = bench.restrict(parts, args.suite, _csv(args.parts), _csv(args.seeds),
-                               {"device": args.device, "executor": args.executor})
+                               {"device": args.device, "executor": args.executor,
+                                "checkpoint_every": args.checkpoint_every})
         for paper, spec in parts.items():
             failed |= _run_and_report(load_spec(spec), str(folder / paper), args.jobs, False, console, args, args.ray)
     command = f"fedskew bench {args.suite} --scale {args.scale}" + (f" --data {args.data}" if args.data else "") + \
@@ -668,6 +669,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_be.add_argument("--device", help="where the runs train (cpu, cuda, cuda:N); not part of the setting")
     p_be.add_argument("--executor", choices=["sequential", "vectorized"],
                       help="the executor of every run (the two agree to float round-off); not part of the setting")
+    p_be.add_argument("--checkpoint-every", type=int, metavar="N",
+                      help="write every run's checkpoint every N rounds (a crash resumes from up to N-1 rounds back); "
+                           "stateful methods at paper scale write hundreds of MiB a checkpoint; not part of the setting")
     p_fl = sub.add_parser("flower", help="run a config on Flower: simulation, app export, or a running SuperLink",
                           epilog=EPILOG)
     p_fl.add_argument("action", choices=["simulate", "app", "run"],

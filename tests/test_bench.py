@@ -267,12 +267,12 @@ def test_a_sweep_killed_before_its_selection_still_reports_its_finished_runs(tmp
 
 
 def test_bench_parts_seeds_and_executor(tmp_path):
-    """``--parts``, ``--seeds`` cut a suite; ``--executor``/``--device`` set where runs train (not
-    the setting, so the published cells still match); names the suite lacks are one sentence."""
+    """``--parts``, ``--seeds`` cut a suite; ``--executor``/``--device``/``--checkpoint-every`` set where
+    and how runs train (not the setting, so the published cells still match); names the suite lacks are one sentence."""
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
     base = [sys.executable, "-m", "fedskew.cli", "bench", "seed-papers", "--scale", "smoke"]
     out = subprocess.run(base + ["--parts", "map", "--seeds", "0", "--methods", "fedavg,fedrs", "--executor",
-                                 "vectorized", "--device", "cpu", "--out", "b"], capture_output=True, text=True,
+                                 "vectorized", "--device", "cpu", "--checkpoint-every", "2", "--out", "b"], capture_output=True, text=True,
                          timeout=600, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "b").iterdir() if p.is_dir()) == ["map"]
@@ -283,8 +283,8 @@ def test_bench_parts_seeds_and_executor(tmp_path):
     import yaml
 
     for r in rows:
-        assert yaml.safe_load((__import__("pathlib").Path(r["run_dir"]) / "config.yaml").read_text())["executor"] \
-            == "vectorized"
+        cfg = yaml.safe_load((__import__("pathlib").Path(r["run_dir"]) / "config.yaml").read_text())
+        assert (cfg["executor"], cfg["checkpoint_every"]) == ("vectorized", 2)
     board = (tmp_path / "b" / "leaderboard.md").read_text()
     assert "--parts map --seeds 0" in board
     fedavg = next(row for row in board.splitlines() if row.startswith("| fedavg |") and "Table I, row FedAvg" in row)
