@@ -342,7 +342,8 @@ class SweepDisplay:
             acc = r["summary"].get("global/test_acc_mean_last10")
             pers = r["summary"].get("personal/final_acc_after")
             pers = r["summary"].get("personal/acc_after") if pers is None else pers
-            line = f"{name}: global {_pct(acc)} personal {_pct(pers)} ({took:.0f}s)"
+            shown = " ".join(f"{k} {_pct(v)}" for k, v in (("global", acc), ("personal", pers)) if v is not None)
+            line = f"{name}: {shown or 'no accuracy in its summary'} ({took:.0f}s)"
         elif kind == "failed":
             line = f"{name}: FAILED ({r['error'][:200]})"
         if self.progress is not None:

@@ -16,7 +16,7 @@ from fedskew.cli import main
 from fedskew.config import ConfigError
 from fedskew.experiments.presets import PAPERS, reproduction
 from fedskew.experiments.report import build_table, mean_curve, rounds_to_target, write_report
-from fedskew.experiments.sweep import grid_points, load_spec, plan, run_sweep
+from fedskew.experiments.sweep import grid_points, load_spec, plan, run_identity, run_sweep
 
 TINY = {"name": "tiny", "base": {"rounds": 2, "local_epochs": 1, "partition": {"num_clients": 6},
                                  "clients_per_round": 3, "model": {"name": "mlp", "hidden": [16]},
@@ -65,6 +65,21 @@ def test_grid_points_and_spec_errors():
         load_spec({"methods": ["fedavg", "fedavg"]})
     with pytest.raises(ConfigError, match="method.mu2 is not an option of fedprox"):
         plan(load_spec({"methods": [{"name": "fedprox", "options": {"mu2": 1}}]}))
+
+
+def test_run_ids_survive_new_config_keys():
+    """A run's id hashes its resolved config, so a key added to the schema would give every finished
+    run of every sweep a new id and rerun it (adding FedCP's model.conditional_policy did so to a
+    1,524-run bench). Keys added later drop out of the identity at their as-before value. The id
+    below is the one this run had before model.conditional_policy existed: a new key missing from
+    sweep.ADDED_KEYS changes it, and so does a changed default (then the new id is right: pin it)."""
+    spec = load_spec({**TINY, "methods": ["fedavg"], "partitions": {"P6C3": TINY["partitions"]["P6C3"]},
+                      "seeds": [0]})
+    assert [r["run_id"] for r in plan(spec)] == ["adbac09082b3"]
+    cfg = plan(spec)[0]["config"]
+    assert cfg["model"]["conditional_policy"] is False and "conditional_policy" not in run_identity(cfg)["model"]
+    on = {**cfg, "model": {**cfg["model"], "conditional_policy": True}}
+    assert run_identity(on)["model"]["conditional_policy"] is True  # away from its as-before value: part of the id
 
 
 # -- running, resuming, selecting ------------------------------------------------------------------
