@@ -31,3 +31,11 @@ def idx_folder(tmp_path):
         write_idx(tmp_path / f"{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, size=(n, 28, 28)))
         write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte.gz", np.arange(n) % 10)
     return tmp_path
+
+
+def crash_after(round_idx):
+    """An ``on_round`` callback that interrupts a run after round ``round_idx`` (as Ctrl-C would)."""
+    def on_round(record):
+        if record["round"] == round_idx:
+            raise KeyboardInterrupt
+    return on_round

@@ -19,6 +19,7 @@ import pytest
 import torch
 import yaml
 
+from conftest import crash_after
 import fedskew
 from fedskew.config import ConfigError, load_config
 from fedskew.data.datasets import DatasetError, read_idx
@@ -59,13 +60,6 @@ def same_as_full(run_dir: Path, full) -> None:
     assert records(run_dir) == records(full.run_dir)
     ckpt = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     assert all(torch.equal(ckpt["global_state"][k], v) for k, v in full.global_state.items())
-
-
-def crash_after(round_idx):
-    def on_round(record):
-        if record["round"] == round_idx:
-            raise KeyboardInterrupt
-    return on_round
 
 
 def cli_popen(*args, cwd):

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import crash_after
 from fedskew.config import ConfigError, load_config
 from fedskew.engine.local import federated_state, load_state, module_forward
 from fedskew.engine.protocol import stage_schedules
@@ -1476,12 +1477,8 @@ def test_fedcp_policy_is_a_gumbel_softmax_split_and_its_runs_are_reproducible(tm
     first = Experiment(cfg, tmp_path / "a").run()
     torch.rand(9)
 
-    def crash(record):
-        if record["round"] == 0:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        Experiment(cfg, tmp_path / "cut").run(crash)
+        Experiment(cfg, tmp_path / "cut").run(crash_after(0))
     torch.rand(4)
     again = resume(tmp_path / "cut")
     for k in first.global_state:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import crash_after
 from fedskew.config import ConfigError, ModelConfig, load_config
 from fedskew.data import DatasetError, PartitionError, load_federation
 from fedskew.data.augment import crop_flip, crop_flip_params
@@ -78,12 +79,8 @@ def test_a_dropout_model_trains_the_same_whatever_ran_before_and_after_a_resume(
     torch.rand(5)
     again = run(cfg, tmp_path / "b").global_state
 
-    def crash(record):
-        if record["round"] == 0:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        Experiment(cfg, tmp_path / "cut").run(crash)
+        Experiment(cfg, tmp_path / "cut").run(crash_after(0))
     torch.rand(7)
     resumed = resume(tmp_path / "cut").global_state
     for k in first:
