@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from fedskew.cli import main
-from fedskew.config import ConfigError
+from fedskew.config import ConfigError, validate_config
 from fedskew.experiments.presets import PAPERS, reproduction
 from fedskew.experiments.report import build_table, mean_curve, rounds_to_target, write_report
 from fedskew.experiments.sweep import grid_points, load_spec, plan, run_identity, run_sweep
@@ -138,6 +138,48 @@ def test_selection_on_a_validation_split(tmp_path):
     assert json.loads(summary)["global/val_acc_mean_last10"] is not None
     assert tuple(db.execute("SELECT metric, split FROM selections").fetchone()) == ("global/val_acc_mean_last10",
                                                                                       "validation")
+
+
+def test_personal_validation_score_is_the_class_weighted_hold_out_accuracy(tmp_path):
+    """``val_accuracies``: a personal model's accuracy on the validation hold-out weighted to its
+    client's training label frequencies, against a numpy replay from the model's predictions; both
+    executors give it."""
+    import numpy as np
+    import torch
+
+    from fedskew.engine.runner import Experiment
+    from fedskew.models.functional import predict
+
+    cfg = {"method": "fedrep", "rounds": 1, "dataset": {"validation_fraction": 0.2}, "partition": {"num_clients": 4},
+           "clients_per_round": 2, "model": {"name": "mlp", "hidden": [8]}}
+    for executor in ("sequential", "vectorized"):
+        exp = Experiment(validate_config({**cfg, "executor": executor}), tmp_path / executor)
+        runner, fed = exp.executor, exp.fed
+        states = [{k: v + 0.1 * (i + 1) * torch.randn_like(v) for k, v in exp.model.state_dict().items()}
+                  for i in range(2)]
+        got = runner.val_accuracies(states, [0, 3])
+        x, y = fed.data.x_val, fed.data.y_val.numpy()
+        for state, k, value in zip(states, [0, 3], got):
+            hit = predict(exp.model, state, x).numpy() == y
+            counts = np.bincount(fed.data.y_train[fed.train_idx[k]].numpy(), minlength=fed.num_classes)
+            acc = {c: hit[y == c].mean() for c in np.unique(y)}
+            want = sum(counts[c] * a for c, a in acc.items()) / sum(counts[c] for c in acc)
+            assert abs(value - want) < 1e-9, (executor, k, value, want)
+
+
+def test_a_method_without_a_global_model_is_selected_by_its_personal_models_on_the_hold_out(tmp_path):
+    """FedRep has no global model; on a validation split its grid is chosen by
+    personal/final_val_acc_after (recorded as the selection's metric), never by a test metric."""
+    spec = load_spec({**TINY, "methods": [{"name": "fedrep", "trials": [{"lr": 0.003}, {"lr": 0.1}]}],
+                      "partitions": {"P6C3": {"name": "pcdd"}}, "seeds": [0],
+                      "selection": {"split": "validation", "validation_fraction": 0.2}})
+    db = run_sweep(spec, tmp_path, jobs=1)
+    scores = {json.loads(c)["lr"]: json.loads(s)["personal/final_val_acc_after"]
+              for c, s in db.execute("SELECT config, summary FROM runs")}
+    assert len(scores) == 2 and None not in scores.values()
+    metric, params = db.execute("SELECT metric, params FROM selections").fetchone()
+    assert metric == "personal/final_val_acc_after"
+    assert json.loads(params)["lr"] == max(scores, key=scores.get)
 
 
 def test_a_killed_sweep_resumes_to_the_uninterrupted_result(tmp_path):

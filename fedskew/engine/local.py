@@ -54,6 +54,7 @@ class SequentialExecutor:
     """Trains the selected clients one after another with ordinary autograd and torch.optim.SGD."""
 
     name = "sequential"
+    score_validation = False  # client_round also scores the personal models on the hold-out
 
     def __init__(self, model: nn.Module, fed: Federation, method: Method, settings: LocalSettings,
                  device: torch.device):
@@ -84,6 +85,27 @@ class SequentialExecutor:
             idx = self.test_idx[k]
             out.append((predict(self.model, state, self.x[idx]) == self.y[idx]).sum().item() / len(idx)
                        if len(idx) else None)
+        return out
+
+    def val_accuracies(self, states: list[State], clients: list[int], rng: tuple[int, int] | None = None
+                       ) -> list[float | None]:
+        """Each state's accuracy on the validation hold-out (``dataset.validation_fraction``,
+        carved from the training set before partitioning, so no client trains on it) weighted to
+        its client's label distribution: sum_c p_k(c) acc(c), p_k the class frequencies of client
+        k's training data over the classes the hold-out has. The client's own test split stays
+        out of selection; a personalised model is scored on its own client's classes."""
+        data = self.fed.data
+        if data.x_val is None:
+            return [None] * len(states)
+        x, y, c = data.x_val.to(self.device), data.y_val.to(self.device), self.fed.num_classes
+        per_class_n = torch.bincount(y, minlength=c).double()
+        out = []
+        for state, k in zip(states, clients):
+            if rng is not None:
+                torch.manual_seed(torch_seed(self.settings.seed, "local_rng", rng[0], k, rng[1]))
+            hit = torch.bincount(y, weights=(predict(self.model, state, x) == y).double(), minlength=c)
+            p = torch.bincount(self.y[self.train_idx[k]], minlength=c).double() * (per_class_n > 0)
+            out.append((p * hit / per_class_n.clamp(min=1)).sum().item() / p.sum().item() if p.sum() > 0 else None)
         return out
 
     def report(self, client_id: int, num_steps: int, lr: float) -> ClientReport:

@@ -61,6 +61,7 @@ class ClientResult:
     acc_before: float | None = None
     acc_after: float | None = None
     aux: dict = field(default_factory=dict)
+    val_after: float | None = None  # the personal model on the validation hold-out (when scored)
 
 
 def batch_schedule(settings: LocalSettings, round_idx: int, client_id: int, n: int,
@@ -116,6 +117,10 @@ class StageRunner(Protocol):
         ``rng`` (round, tag) seeds torch's generator per client where a model draws random numbers
         in eval mode (FedCP's policy), so that the score does not depend on what ran before."""
 
+    def val_accuracies(self, states: list[State], clients: list[int], rng: tuple[int, int]) -> list[float | None]:
+        """Each state's accuracy on the validation hold-out, weighted to its client's label
+        distribution (None: no hold-out); asked for when the runner's ``score_validation`` is set."""
+
     def run_stage(self, stage: Stage, starts: list[State], states: list[State], schedules: list[list[np.ndarray]],
                   clients: list[int], payload: State, lrs: list[float], round_idx: int
                   ) -> tuple[list[State], list[dict[str, float]]]:
@@ -167,6 +172,9 @@ def client_round(runner: StageRunner, round_idx: int, clients: list[int], payloa
     personal = [method.personal_state(t, r.client_state) for t, r in zip(trained, results)]
     for r, acc in zip(results, runner.accuracies(personal, clients, (round_idx, 3))):
         r.acc_after = acc
+    if getattr(runner, "score_validation", False):
+        for r, acc in zip(results, runner.val_accuracies(personal, clients, (round_idx, 4))):
+            r.val_after = acc
     return results
 
 

@@ -355,17 +355,26 @@ class Experiment:
 
     def _final_personalization(self, global_state, server_state, client_states) -> dict:
         """Every client receives the final global model and trains once (no aggregation, no state
-        kept): ``personal/final_acc_before`` and ``personal/final_acc_after`` over all clients."""
+        kept): ``personal/final_acc_before`` and ``personal/final_acc_after`` over all clients, and
+        with a validation hold-out ``personal/final_val_acc_after`` (what selection reads for a
+        method without a global model)."""
         cfg = self.cfg
         clients = list(range(self.fed.num_clients))
         # (a copy: the states of clients never selected are made for this pass and not kept)
         payload, states, _ = dispatch(self.method, self.info, cfg.rounds, clients, global_state, server_state,
                                       dict(client_states), self.device)
-        results = self.executor.train_round(cfg.rounds, clients, payload, states, cfg.lr * cfg.lr_decay ** cfg.rounds)
+        validate = self.fed.data.x_val is not None and hasattr(self.executor, "val_accuracies")
+        self.executor.score_validation = validate
+        try:
+            results = self.executor.train_round(cfg.rounds, clients, payload, states,
+                                                cfg.lr * cfg.lr_decay ** cfg.rounds)
+        finally:
+            self.executor.score_validation = False
         before, before_std = mean_std([r.acc_before for r in results])
         after, after_std = mean_std([r.acc_after for r in results])
+        val = {"personal/final_val_acc_after": mean_std([r.val_after for r in results])[0]} if validate else {}
         return {"personal/final_acc_before": before, "personal/final_acc_before_std": before_std,
-                "personal/final_acc_after": after, "personal/final_acc_after_std": after_std,
+                "personal/final_acc_after": after, "personal/final_acc_after_std": after_std, **val,
                 # per client, in client order (the fairness histogram of MAP Figure 10)
                 "personal/final_acc_before_per_client": [r.acc_before for r in results],
                 "personal/final_acc_after_per_client": [r.acc_after for r in results]}

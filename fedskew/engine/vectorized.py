@@ -255,6 +255,19 @@ class VectorizedExecutor:
             return self.local_accuracies(last[0], clients)
         return self.local_accuracies(self._stack_starts(states), clients)
 
+    def val_accuracies(self, states: list[State], clients: list[int], rng=None) -> list[float | None]:
+        """One client after another (:meth:`SequentialExecutor.val_accuracies`): scored once a run,
+        in its final personalisation pass."""
+        return self.sequential.val_accuracies(states, clients, rng)
+
+    @property
+    def score_validation(self) -> bool:
+        return self.sequential.score_validation
+
+    @score_validation.setter
+    def score_validation(self, on: bool) -> None:  # the fallback path scores through the sequential one
+        self.sequential.score_validation = on
+
     def run_stage(self, stage: Stage, starts, states, schedules, clients, payload, lrs, round_idx):
         if len(set(lrs)) > 1:
             raise ValueError(f"clients of one round differ in their {stage} learning rate")

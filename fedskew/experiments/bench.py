@@ -104,8 +104,8 @@ def trials(method: str, budget: int, lr: float) -> list[dict]:
     """The points a method is tried at: its defaults at the base ``lr`` first, then ``budget - 1``
     points drawn without replacement (a fixed draw per method name) from its search space
     (:func:`fedskew.algorithms.base.search_space`) x the learning rates ``lr * LR_FACTORS``. Every
-    method gets the same number (FedAvg: its three learning rates), except a method with no global
-    model: no validation accuracy can choose among its points, so it runs its defaults only."""
+    method gets the same number (FedAvg: its three learning rates); a method with no global model
+    is chosen by its personal models on the validation hold-out (``sweep.PERSONAL_VALIDATION``)."""
     from fedskew.algorithms import registered
     from fedskew.algorithms.base import search_space
 
@@ -113,8 +113,6 @@ def trials(method: str, budget: int, lr: float) -> list[dict]:
     space = search_space(cls.Options)
     defaults = cls.Options().model_dump()
     first = {**{k: defaults[k] for k in space}, "lr": lr}
-    if not cls.has_global_model:
-        return [first]
     lrs = [round(lr * f, 8) for f in LR_FACTORS]
     keys = sorted(space)
     points = [{**dict(zip(keys, combo)), "lr": r} for combo in itertools.product(*(space[k] for k in keys))

@@ -115,7 +115,9 @@ def metric_title(metric: str) -> tuple[str, float, str]:
              "global/val_acc": "Global validation accuracy, final round", "global/val_acc_mean_last10":
              "Global validation accuracy, mean of the last 10 evaluations",
              "personal/final_acc_after": "Personalised accuracy (all clients, after one more local pass)",
-             "personal/final_acc_before": "Accuracy of the final global model on every client's local test split"}
+             "personal/final_acc_before": "Accuracy of the final global model on every client's local test split",
+             "personal/final_val_acc_after": "Personalised validation accuracy (hold-out, weighted to each "
+                                              "client's classes)"}
     title = names.get(metric, metric)
     if "acc" in metric.rsplit("/", 1)[-1]:
         return title, 100.0, " (%)"

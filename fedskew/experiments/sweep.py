@@ -680,28 +680,41 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
 # Selection
 
 
+# what a validation selection reads for a method without a global model (FedRep, FedCP, pFedHN):
+# its clients' personal models on the hold-out, each weighted to its client's classes
+PERSONAL_VALIDATION = "personal/final_val_acc_after"
+
+
 def select(db: sqlite3.Connection, spec: SweepSpec, record: bool = True) -> dict[tuple[str, str], dict]:
     """Per (method label, partition): the grid point with the best mean over seeds of the
-    selection metric among finished runs; recorded in ``selections`` unless ``record`` is False."""
+    selection metric among finished runs (on a validation split, a method whose runs have no
+    global model is chosen by :data:`PERSONAL_VALIDATION`); recorded in ``selections`` unless
+    ``record`` is False."""
     metric = spec.selection.key
     chosen = {}
     rows = db.execute("SELECT label, partition, params, seed, summary FROM runs WHERE status='done'").fetchall()
     groups: dict[tuple[str, str], dict[str, list[float]]] = {}
+    used: dict[tuple[str, str], str] = {}
     tuning = set(tune_seeds(spec))
     for row in rows:
         if row["seed"] not in tuning:
             continue
-        value = json.loads(row["summary"]).get(metric)
+        summary, key = json.loads(row["summary"]), metric
+        if summary.get(metric) is None and spec.selection.split == "validation" and \
+                summary.get(PERSONAL_VALIDATION) is not None:  # no global model: its personal models
+            key = PERSONAL_VALIDATION
+        used[(row["label"], row["partition"])] = key
         bucket = groups.setdefault((row["label"], row["partition"]), {}).setdefault(row["params"], [])
-        if value is not None:
-            bucket.append(float(value))
+        if summary.get(key) is not None:
+            bucket.append(float(summary[key]))
     rows = []
     for (label, partition), candidates in groups.items():
         means = {p: (sum(v) / len(v) if v else None) for p, v in candidates.items()}
         scored = [p for p, m in means.items() if m is not None]
         best = max(scored, key=lambda p: means[p]) if scored else sorted(means)[0]
         chosen[(label, partition)] = {"params": json.loads(best), "value": means[best], "row": dict(
-            label=label, partition=partition, params=best, metric=metric, split=spec.selection.split,
+            label=label, partition=partition, params=best, metric=used[(label, partition)],
+            split=spec.selection.split,
             value=means[best], means=json.dumps(means))}
         rows.append(tuple(chosen[(label, partition)]["row"].values()))
     if record:
