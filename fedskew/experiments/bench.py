@@ -230,8 +230,9 @@ def sweeps(name: str, scale: str, data_root: str | None = None, methods: list[st
 def restrict(parts: dict[str, dict], name: str, keep: list[str] | None = None, seeds: list[str] | None = None,
              execution: dict[str, str | None] | None = None) -> dict[str, dict]:
     """``parts`` (from :func:`sweeps`) cut to the parts named in ``keep`` and the seeds in ``seeds``,
-    with execution keys (``device``, ``executor``, ``checkpoint_every``: where and how the runs train, never the setting;
-    the executors agree to float round-off) set in every part's base config. A name or seed the
+    with execution keys (``device``, ``executor``, ``checkpoint_every``: where and how the runs
+    train, never the setting; the executors agree to float round-off) set in every part's base
+    config. A name or seed the
     suite does not have is one sentence."""
     from fedskew.config import ConfigError
 

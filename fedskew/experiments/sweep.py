@@ -210,6 +210,9 @@ def run_config(spec: SweepSpec, method: MethodSpec, params: dict, partition: str
 
 
 NOT_IDENTITY = ("logger", "logger_group")  # where a run is also logged does not change what it computes
+# run settings a grid point may set (``trials``); any other key of a point is a method option
+RUN_SETTINGS = ("lr", "local_epochs", "batch_size", "momentum", "weight_decay", "lr_decay", "grad_clip")
+
 # Config keys added after sweep run ids were first hashed, each with the value that means "as before
 # the key existed": a run at that value keeps the id it had, so a new option (a new method's model
 # switch) never orphans the finished runs of a sweep. tests/test_sweep.py pins an id: a key added to
@@ -226,8 +229,6 @@ def run_identity(cfg: dict) -> dict:
         if isinstance(out.get(head), dict) and out[head].get(leaf, before) == before:
             out[head] = {k: v for k, v in out[head].items() if k != leaf}
     return out
-# run settings a grid point may set (``trials``); any other key of a point is a method option
-RUN_SETTINGS = ("lr", "local_epochs", "batch_size", "momentum", "weight_decay", "lr_decay", "grad_clip")
 
 
 def tune_seeds(spec: SweepSpec) -> list[int]:
@@ -693,20 +694,23 @@ def select(db: sqlite3.Connection, spec: SweepSpec, record: bool = True) -> dict
     metric = spec.selection.key
     chosen = {}
     rows = db.execute("SELECT label, partition, params, seed, summary FROM runs WHERE status='done'").fetchall()
-    groups: dict[tuple[str, str], dict[str, list[float]]] = {}
-    used: dict[tuple[str, str], str] = {}
+    summaries: dict[tuple[str, str], list[tuple[str, dict]]] = {}
     tuning = set(tune_seeds(spec))
     for row in rows:
-        if row["seed"] not in tuning:
-            continue
-        summary, key = json.loads(row["summary"]), metric
-        if summary.get(metric) is None and spec.selection.split == "validation" and \
-                summary.get(PERSONAL_VALIDATION) is not None:  # no global model: its personal models
-            key = PERSONAL_VALIDATION
-        used[(row["label"], row["partition"])] = key
-        bucket = groups.setdefault((row["label"], row["partition"]), {}).setdefault(row["params"], [])
-        if summary.get(key) is not None:
-            bucket.append(float(summary[key]))
+        if row["seed"] in tuning:
+            summaries.setdefault((row["label"], row["partition"]), []).append((row["params"],
+                                                                                json.loads(row["summary"])))
+    groups: dict[tuple[str, str], dict[str, list[float]]] = {}
+    used: dict[tuple[str, str], str] = {}
+    for group, found in summaries.items():
+        # no run of the group has a global model: its personal models on the hold-out choose
+        personal = spec.selection.split == "validation" and all(s.get(metric) is None for _, s in found) and \
+            any(s.get(PERSONAL_VALIDATION) is not None for _, s in found)
+        key = used[group] = PERSONAL_VALIDATION if personal else metric
+        for params, s in found:
+            bucket = groups.setdefault(group, {}).setdefault(params, [])
+            if s.get(key) is not None:
+                bucket.append(float(s[key]))
     rows = []
     for (label, partition), candidates in groups.items():
         means = {p: (sum(v) / len(v) if v else None) for p, v in candidates.items()}
@@ -714,8 +718,7 @@ def select(db: sqlite3.Connection, spec: SweepSpec, record: bool = True) -> dict
         best = max(scored, key=lambda p: means[p]) if scored else sorted(means)[0]
         chosen[(label, partition)] = {"params": json.loads(best), "value": means[best], "row": dict(
             label=label, partition=partition, params=best, metric=used[(label, partition)],
-            split=spec.selection.split,
-            value=means[best], means=json.dumps(means))}
+            split=spec.selection.split, value=means[best], means=json.dumps(means))}
         rows.append(tuple(chosen[(label, partition)]["row"].values()))
     if record:
         with writing(db):
