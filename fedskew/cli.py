@@ -671,8 +671,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_be.add_argument("--executor", choices=["sequential", "vectorized"],
                       help="the executor of every run (the two agree to float round-off); not part of the setting")
     p_be.add_argument("--checkpoint-every", type=int, metavar="N",
-                      help="write every run's checkpoint every N rounds (a crash resumes from up to N-1 rounds back); "
-                           "stateful methods at paper scale write hundreds of MiB a checkpoint; not part of the setting")
+                      help="write every run's checkpoint every N rounds (a crash resumes from up to N-1 rounds "
+                           "back); stateful methods at paper scale write hundreds of MiB a checkpoint; not part of "
+                           "the setting")
     p_fl = sub.add_parser("flower", help="run a config on Flower: simulation, app export, or a running SuperLink",
                           epilog=EPILOG)
     p_fl.add_argument("action", choices=["simulate", "app", "run"],

@@ -265,13 +265,14 @@ def test_a_sweep_killed_before_its_selection_still_reports_its_finished_runs(tmp
 
 
 def test_bench_parts_seeds_and_executor(tmp_path):
-    """``--parts``, ``--seeds`` cut a suite; ``--executor``/``--device``/``--checkpoint-every`` set where
-    and how runs train (not the setting, so the published cells still match); names the suite lacks are one sentence."""
+    """``--parts``, ``--seeds`` cut a suite; ``--executor``/``--device``/``--checkpoint-every`` set
+    where and how runs train (not the setting, so the published cells still match); names the
+    suite lacks are one sentence."""
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
     base = [sys.executable, "-m", "fedskew.cli", "bench", "seed-papers", "--scale", "smoke"]
     out = subprocess.run(base + ["--parts", "map", "--seeds", "0", "--methods", "fedavg,fedrs", "--executor",
-                                 "vectorized", "--device", "cpu", "--checkpoint-every", "2", "--out", "b"], capture_output=True, text=True,
-                         timeout=600, cwd=tmp_path, env=env)
+                                 "vectorized", "--device", "cpu", "--checkpoint-every", "2", "--out", "b"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "b").iterdir() if p.is_dir()) == ["map"]
     from fedskew.experiments.store import results_table
