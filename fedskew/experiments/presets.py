@@ -41,7 +41,8 @@ FEDMR_METHODS = ["fedavg", "fedprox", "scaffold", "fednova", "moon", "feddyn", "
 MAP_METHODS = ["fedavg", "fedprox", "scaffold", "fedrs", "fedphp", "map",
                "ditto", "fedrep", "fedbabu", "fedrod", "perfedavg", "fedlc",
                {"name": "pfedme", "config": {"momentum": 0.0}},
-               {"name": "fedproto", "config": {"model.classifier_bias": True}}]
+               {"name": "fedproto", "config": {"model.classifier_bias": True}},
+               "fedmmd", "fednova", "fedaws", "moon", "feddyn", "flda", "dittors"]
 ETF_METHODS = ["fedavg", {"name": "fedavg", "label": "fedavg-etf", "config": {"model.classifier": "etf"}},
                "etf_gmv",
                {"name": "scaffold", "label": "scaffold-etf", "config": {"model.classifier": "etf"}}]
