@@ -104,15 +104,17 @@ def test_a_killed_supernode_leaves_the_round_to_the_others(tmp_path):
 @pytest.mark.parametrize("extra", [["method=map", "model.classifier_bias=false"], ["method=local"],
                                    ["method=fedadagrad"], ["method=fedasam", "method.disco.disco_a=1.0"],
                                    ["method=fedconcat", "method.clusters=2", "method.encoder_rounds=1"],
-                                   ["method=feddbe"], ["method=gpfl"], ["method=fedcp"]],
-                         ids=["map", "local", "fedadagrad", "fedasam+disco", "fedconcat", "feddbe", "gpfl", "fedcp"])
+                                   ["method=feddbe"], ["method=gpfl"], ["method=fedcp"], ["method=fedas"]],
+                         ids=["map", "local", "fedadagrad", "fedasam+disco", "fedconcat", "feddbe", "gpfl", "fedcp",
+                              "fedas"])
 def test_simulation_runtime_matches_fedskew_run(tmp_path, extra):
     """MAP; Local (nothing is sent either way); FedAdagrad (server state m, v); FedASAM's two
     passes in the ClientApp with FedDisco's weights on the server; FedConcat's two phases (the
     second's step budget, Method.local_steps, in the ClientApp); FedDBE (a kept PRBM, the global
     mean sent from round 1); GPFL (a kept head and conditional inputs); FedCP (a kept head and
     context, Gumbel noise in training and evaluation: the same numbers, since every executor seeds
-    torch's generator per client)."""
+    torch's generator per client); FedAS (the alignment before training, the Fisher trace of the
+    client's data after it, in the ClientApp)."""
     pytest.importorskip("ray")
     from fedskew.flower.app import simulate
 

@@ -665,14 +665,15 @@ def test_fedfomo_counts_its_per_client_downloads(tmp_path):
     assert per_round["global/test_acc"] is None
 
 
-def test_fedfomo_on_flower_is_refused_in_one_sentence(tmp_path):
+@pytest.mark.parametrize("name", ["fedfomo", "fedamp"])
+def test_per_client_downloads_on_flower_are_refused_in_one_sentence(tmp_path, name):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "fedskew.cli", "flower", "simulate", "method=fedfomo", "rounds=1",
+    out = subprocess.run([sys.executable, "-m", "fedskew.cli", "flower", "simulate", f"method={name}", "rounds=1",
                           f"out_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
-    assert "method 'fedfomo' sends each client its own download" in out.stderr
+    assert f"method '{name}' sends each client its own download" in out.stderr
     assert "Traceback" not in out.stderr
 
 
@@ -1601,3 +1602,186 @@ def test_pfedhn_steps_once_per_client_with_gradients_taken_where_their_models_ca
         assert torch.allclose(after["hn.phi.embeddings"], hnet.embeddings.weight, atol=1e-4), mode
         for head, n in zip(hnet.heads, hnet.shapes):
             assert torch.allclose(after[f"hn.phi.head.{n}.weight"], head.weight, atol=1e-4), (mode, n)
+
+
+# -- FedAMP (issue 34) -----------------------------------------------------------------------------
+
+
+def official_amp_row(flat: np.ndarray, seen: np.ndarray, i: int, alpha: float, sigma: float) -> np.ndarray:
+    """Eq. 5 of Huang et al. (AAAI 2021) in numpy, as PFLlib's serveramp.send_models and fluke's
+    FedAMPServer._aggregate write the weights: xi_ij = alpha e(||w_i - w_j||^2), e(x) = exp(-x / sigma)
+    / sigma, for the other clients; xi_ii = 1 - their sum."""
+    xi = np.zeros(len(flat))
+    for j in range(len(flat)):
+        if j != i and seen[j]:
+            sub = flat[i] - flat[j]
+            xi[j] = alpha * math.exp(-float(sub @ sub) / sigma) / sigma
+    xi[i] = 1 - xi.sum()
+    return xi
+
+
+def test_fedamp_download_and_aggregate_by_hand(tmp_path):
+    cfg = load_config(None, ["method=fedamp", "method.sigma=2.0", "method.alpha=0.5", "partition.num_clients=5",
+                             "clients_per_round=5"])
+    exp = Experiment(cfg, tmp_path / "a")
+    method, info = exp.method, exp.info
+    init = federated_state(exp.model)
+    server = method.server_init(init, info)
+    assert set(server) == {"amp.models." + k for k in info.param_names} | {"amp.seen"}
+    gen = torch.Generator().manual_seed(0)
+    for j in range(5):  # distinct stored models, close enough for the attention to matter
+        for k in info.param_names:
+            server["amp.models." + k][j] = init[k] + 0.01 * torch.randn(init[k].shape, generator=gen)
+    server["amp.seen"][:] = torch.tensor([True, True, False, True, True])
+    flat = np.stack([np.concatenate([server["amp.models." + k][j].double().flatten().numpy()
+                                     for k in info.param_names]) for j in range(5)])
+    xi = official_amp_row(flat, server["amp.seen"].numpy(), 1, 0.5, 2.0)
+    assert xi[2] == 0 and 0 < xi[0] and np.isclose(xi.sum(), 1)  # an unseen client gets no attention
+    down = method.download(server, 1, 3)
+    assert down["amp.self_weight"].item() == pytest.approx(xi[1], rel=1e-6)
+    u = np.concatenate([down["amp.u." + k].double().flatten().numpy() for k in info.param_names])
+    assert np.allclose(u, xi @ flat, atol=1e-6)
+    assert set(down) == {"amp.u." + k for k in info.param_names} | {"amp.self_weight"}  # no buffers, no others
+    # the default alpha = sigma / (N - 1): u_i is a convex combination even for identical models
+    default = Experiment(load_config(None, ["method=fedamp", "partition.num_clients=5", "clients_per_round=5"]), tmp_path / "d").method
+    same = default.server_init(init, info)
+    same["amp.seen"][:] = True
+    assert default.download(same, 0, 0)["amp.self_weight"].item() == pytest.approx(0.0, abs=1e-12)
+    assert default.prox_weight() == 0.5 and method.prox_weight() == pytest.approx(0.5 / (2 * 0.5))
+    # aggregate stores the trained parameters under the client and marks it seen; downloads not kept
+    state = {**method.client_init(2, init, info), **down}
+    trained = {k: v + 1.0 for k, v in init.items()}
+    upload, kept = method.after_training(trained, {}, state, None)
+    assert set(kept) == {"amp.model." + k for k in init}
+    _, server2 = method.aggregate(server, init, [upload], [ClientReport(2, 10, 1)])
+    assert server2["amp.seen"].tolist() == [True, True, True, True, True]
+    for k in info.param_names:
+        assert torch.equal(server2["amp.models." + k][2], trained[k])
+        assert torch.equal(server2["amp.models." + k][0], server["amp.models." + k][0])
+
+
+def test_fedamp_rounds_equal_a_replay_with_torch_sgd(tmp_path):
+    """Two rounds, one client each: the client trains its own model (round 0: the initial one)
+    with torch.optim.SGD on CE + lambda / (2 alpha) ||w - u_i||^2, u_i from the numpy Eq. 5 over
+    the models the server holds; the server keeps what was uploaded."""
+    opts = ["method=fedamp", "method.sigma=50.0", "method.alpha=5.0", "method.lam=0.5", "rounds=2"]
+    exp = Experiment(load_config(None, ONE + opts), tmp_path / "r")
+    init = federated_state(exp.model)
+    res = exp.run()
+    ck = torch.load(tmp_path / "r" / "checkpoint.pt")
+    names = exp.info.param_names
+    models = [dict(init) for _ in range(exp.fed.num_clients)]  # every client's model, as the replay has it
+    seen = np.zeros(exp.fed.num_clients, dtype=bool)
+    weights = []
+    for rnd, h in enumerate(res.history):
+        (k,) = h["clients"]
+        flat = np.stack([np.concatenate([m[n].double().flatten().numpy() for n in names]) for m in models])
+        xi = official_amp_row(flat, seen, k, 5.0, 50.0)
+        weights.append(xi[k])
+        u = {n: sum(float(xi[j]) * models[j][n] for j in range(len(models))) for n in names}
+
+        def loss(model, x, y, u=u):
+            prox = sum((p - u[n]).pow(2).sum() for n, p in model.named_parameters())
+            return F.cross_entropy(model(x), y) + 0.5 / (2 * 5.0) * prox
+
+        batches, _, _ = stage_schedules(exp.executor.settings, exp.method, rnd, k, len(exp.fed.train_idx[k]),
+                                        exp.cfg.lr)
+        models[k] = replay(exp, k, models[k], batches, exp.cfg.lr, loss)
+        seen[k] = True
+        assert h["train/fedamp/self_weight"] == pytest.approx(xi[k], rel=1e-5)
+    assert res.history[0]["clients"] != res.history[1]["clients"]  # the second client attends to the first
+    assert weights[0] == 1.0 and 0.05 < weights[1] < 0.95
+    assert sorted(ck["client_states"]) == sorted({h["clients"][0] for h in res.history})
+    for k in range(exp.fed.num_clients):
+        if k in ck["client_states"]:
+            close(own(ck["client_states"][k], "amp.model."), models[k], list(init), atol=1e-5)
+        for n in names:
+            assert torch.allclose(ck["server_state"]["amp.models." + n][k], models[k][n], atol=1e-5)
+    assert res.history[-1]["global/test_acc"] is None
+    assert res.history[-1]["personal/acc_after"] == pytest.approx(
+        local_test_acc(exp, res.history[-1]["clients"][0], models[res.history[-1]["clients"][0]]))
+
+
+# -- FedAS (issue 34) ------------------------------------------------------------------------------
+
+
+def official_fedas_alignment(model, own_state, glob_state, x, y, order, lr, batch, class_mean=False):
+    """PFLlib's clientAS.set_parameters, transcribed on the nn.Module: prototypes of the client's
+    own model's base (eval, no grad), then torch.optim.SGD(model.base.parameters(), lr) on the
+    received model, sum over the batch's labels of MSELoss(base(x_label), prototype), over the
+    drop_last batches (here in ``order``), and the base's parameters substituted into the own model.
+    ``class_mean``: FL-bench's FedASClient loss, F.mse_loss(features[y == label].mean(dim=0), prototype)."""
+    load_state(model, own_state)
+    model.eval()
+    with torch.no_grad():
+        z = model.backbone(x)
+    protos = {int(c): z[y == c].mean(0) for c in torch.unique(y)}
+    load_state(model, glob_state)
+    model.train()
+    opt = torch.optim.SGD(model.backbone.parameters(), lr=lr)
+    mse = torch.nn.MSELoss()
+    for i in range(0, len(y) - batch + 1, batch):
+        rows = order[i:i + batch]
+        out = model.backbone(x[rows])
+        loss = 0
+        for c in y[rows].unique():
+            loss += (F.mse_loss(out[y[rows] == c].mean(dim=0), protos[int(c)]) if class_mean
+                     else mse(out[y[rows] == c], protos[int(c)]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    aligned = federated_state(model)
+    return {**own_state, **{k: v for k, v in aligned.items() if k.startswith("backbone.") and
+                            k in dict(model.named_parameters())}}
+
+
+def official_fim_trace(model, state, x, y, batch):
+    """PFLlib's clientAS.train FIM block on the nn.Module: eval mode, per batch the mean NLL and its
+    gradient w.r.t. model.parameters(), the squared entries summed over batches."""
+    load_state(model, state)
+    model.eval()
+    total = 0.0
+    for i in range(0, len(y) - batch + 1, batch):
+        out = model(x[i:i + batch])
+        nll = -F.log_softmax(out, dim=1)[range(batch), y[i:i + batch]].mean()
+        for g in torch.autograd.grad(nll, model.parameters()):
+            total += torch.sum(g ** 2).item()
+    return total
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")  # the official MSELoss broadcasts the prototype
+@pytest.mark.parametrize("target", ["samples", "class_mean"])
+def test_fedas_round_equals_the_official_client_and_server(tmp_path, target):
+    from fedskew.streams import numpy_rng
+
+    exp = Experiment(load_config(None, ONE + ["method=fedas", "rounds=2", "clients_per_round=2",
+                                              f"method.align_target={target}"]), tmp_path / "r")
+    init = federated_state(exp.model)
+    res = exp.run()
+    ck = torch.load(tmp_path / "r" / "checkpoint.pt")
+    model, data = exp.model, exp.fed.data
+    states, glob = {}, dict(init)
+    for rnd, h in enumerate(res.history):
+        uploads, fims = [], []
+        for k in h["clients"]:
+            states.setdefault(k, dict(glob))  # a client's own model before its first round: the model it receives
+            idx = exp.fed.train_idx[k]
+            x, y = data.x_train[idx], data.y_train[idx]
+            order = torch.from_numpy(numpy_rng(exp.cfg.seed, "fedas_align", rnd, k).permutation(len(y)))
+            start = official_fedas_alignment(model, states[k], glob, x, y, order, 0.01, 16, target == "class_mean")
+            assert not torch.allclose(start["backbone.1.weight"], glob["backbone.1.weight"])  # it moved
+            batches, _, _ = stage_schedules(exp.executor.settings, exp.method, rnd, k, len(idx), exp.cfg.lr)
+            states[k] = replay(exp, k, start, batches, exp.cfg.lr, ce)
+            fims.append(official_fim_trace(model, states[k], x, y, exp.cfg.batch_size))
+            uploads.append(states[k])
+        w = np.array(fims) / sum(fims)
+        glob = {n: sum(float(w[i]) * u[n] for i, u in enumerate(uploads)) for n in init}
+    assert [h["clients"] for h in res.history] == [[0, 4], [2, 4]]  # a new client and a returning one
+    for k, st in ck["client_states"].items():
+        close(own(st, "as.model."), states[k], list(init), atol=1e-5)
+    close(res.global_state, glob, list(init), atol=1e-5)
+    last = res.history[-1]
+    assert last["global/test_acc"] is None
+    assert last["comm/up_floats"] == len(last["clients"]) * (sum(v.numel() for v in init.values()) + 1)
+    assert last["personal/acc_after"] == pytest.approx(np.mean([local_test_acc(exp, k, states[k])
+                                                                 for k in last["clients"]]), abs=1e-6)

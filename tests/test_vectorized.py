@@ -162,6 +162,8 @@ def assert_same(a, b, tol=TOL):
     ["method=feddf", "method.distill_steps=5"],
     ["method=fedetf"],
     ["method=fedfomo", "rounds=3", "method.M=3"],
+    ["method=fedamp", "rounds=3", "method.sigma=50", "method.alpha=5"],  # per-client cloud models u_i
+    ["method=fedas", "rounds=2"],  # alignment in prepare, the Fisher trace after training
     ["method=fedpac", "rounds=3"],
     ["method=fedgen", "rounds=3", "method.ensemble_steps=5"],
     ["method=flda"],  # a second model and a gate in the architecture (model.private_expert)

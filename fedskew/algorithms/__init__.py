@@ -33,7 +33,8 @@ from fedskew.algorithms.personalized import GPFL, Ditto, DittoRS, FedBABU, FedCP
 from fedskew.algorithms.representation import FedDecorr, FedMMD, FedProc, FedUV, Moon
 from fedskew.algorithms.classifier import CCVR, FedNH, FedPAC
 from fedskew.algorithms.distillation import FedDF, FedGen
-from fedskew.algorithms.sharing import APFL, FLDA, FedALA, FedBN, FedDBE, FedFOMO, FedPer, LGFedAvg, Local
+from fedskew.algorithms.sharing import (APFL, FLDA, FedALA, FedAMP, FedAS, FedBN, FedDBE, FedFOMO, FedPer, LGFedAvg,
+                                        Local)
 from fedskew.algorithms.server_opt import FedAdagrad, FedAdam, FedAvgM, FedAwS, FedDisco, FedYogi
 
 METHODS: dict[str, type[Method]] = {
@@ -49,7 +50,7 @@ METHODS: dict[str, type[Method]] = {
     "feddecorr": FedDecorr, "feduv": FedUV, "ccvr": CCVR, "fednh": FedNH, "feddf": FedDF, "fedgen": FedGen,
     "fedetf": FedETF, "fedgela": FedGELA,
     "fedfomo": FedFOMO, "fedpac": FedPAC, "flda": FLDA, "fedconcat": FedConcat,
-    "feddbe": FedDBE, "gpfl": GPFL, "pfedhn": PFedHN, "fedcp": FedCP,
+    "feddbe": FedDBE, "gpfl": GPFL, "pfedhn": PFedHN, "fedcp": FedCP, "fedamp": FedAMP, "fedas": FedAS,
 }
 BUILTIN = frozenset(METHODS)
 _BUILTIN_CLASSES = tuple(METHODS.values())

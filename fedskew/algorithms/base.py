@@ -114,6 +114,9 @@ class ClientReport:
     # state -> the same state with BatchNorm running statistics recomputed over one pass of the
     # client's local training data (None: the model has no BatchNorm).
     recalibrate_bn: Callable[[dict], dict] | None = field(default=None, compare=False, repr=False)
+    # () -> (x, y), the client's local training inputs and labels (FedAS's Fisher trace of the
+    # trained model)
+    local_data: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, compare=False, repr=False)
 
 
 class Forward:

@@ -1,5 +1,5 @@
-"""Partial model sharing and model mixing: FedBN, FedPer, LG-FedAvg, APFL, FedALA, FedFOMO, FLDA
-and FedDBE.
+"""Partial model sharing and model mixing: FedBN, FedPer, LG-FedAvg, APFL, FedALA, FedFOMO, FedAMP,
+FLDA, FedDBE and FedAS.
 
 Methods of this family differ from FedAvg in *which* tensors of the model a client shares and how
 it combines what it receives with what it keeps:
@@ -14,8 +14,10 @@ lgfedavg   the body (all but the last layers)     the last ``global_layers`` lay
 apfl       a personal model v and the mixture     the global model w (FedAvg's)          FedAvg's
 fedala     the local model                        the locally trained model (FedAvg's)   FedAvg's
 fedfomo    its own model                          its model + weights (server keeps all) none
+fedamp     its own model                          its model (server keeps all, mixes)    none
 flda       a private model and the gate           the model (FedAvg's)                   FedAvg's
 feddbe     its representation bias mu_k (d)       the model without mu_k (FedAvg's)      FedAvg's
+fedas      its head (the body: the aligned global) the model + its Fisher trace            Fisher-weighted
 =========  =====================================  =====================================  ==============
 
 A method without a global model reports ``global/*`` as none (``has_global_model``); FedBN has one
@@ -31,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
-from fedskew.algorithms.base import (HEAD, ClientData, FedAvgOptions, Method, State, add_prefix, as_model_part, model_part,
-                                     reference_tensor, strip_prefix)
+from fedskew.algorithms.base import (HEAD, ClientData, FedAvgOptions, Method, State, add_prefix, as_model_part,
+                                     body_names, model_part, reference_tensor, strip_prefix, weighted_mean)
 from fedskew.algorithms.compose import PartialSharing
 from fedskew.streams import numpy_rng
 
@@ -444,6 +446,112 @@ class FedFOMO(Method):
         return global_state, {**models, "fomo.P": P}
 
 
+class FedAMPOptions(FedAvgOptions):
+    search = {"sigma": [0.1, 1.0, 10.0], "lam": [0.1, 1.0]}  # the bench's search space (fedskew bench)
+    alpha: float | None = Field(None, gt=0, description=
+        "alpha_k, the step on the attention regulariser; None: sigma / (N - 1), the largest step for which every xi_ii "
+        ">= 0 whatever the distances (u_i a convex combination); PFLlib's default is 1.0")
+    sigma: float = Field(1.0, gt=0, description="sigma of A(x) = 1 - exp(-x / sigma), so A'(x) = exp(-x / sigma) / sigma "
+                                                "(PFLlib's default)")
+    lam: float | None = Field(None, ge=0, description=
+        "lambda: the local proximal weight is lambda / (2 alpha); None: lambda = alpha (weight 1/2, whatever N); "
+        "PFLlib's default is 1.0")
+
+
+class FedAMP(Method):
+    """FedAMP (Huang et al., AAAI 2021, "Personalized Cross-Silo Federated Learning on Non-IID
+    Data", Eq. 5-7). No global model: every client trains its own model w_i; the server keeps the
+    latest model of every client (trainable parameters) and, for each selected client, passes
+    attentive messages: u_i = sum_j xi_ij w_j with xi_ij = alpha A'(||w_i - w_j||^2) for j != i,
+    A'(x) = exp(-x / sigma) / sigma (A(x) = 1 - exp(-x / sigma)), and xi_ii = 1 - sum_{j != i} xi_ij
+    (Eq. 5, a gradient step of alpha on the regulariser sum_{i<j} A(||w_i - w_j||^2)). The client
+    downloads its cloud model u_i and trains its own model, from where it stopped, on
+    CE + lambda / (2 alpha) ||w - u_i||^2 over the trainable parameters, every batch (Eq. 7, the
+    proximal step), and uploads it. j runs over the other clients the server has a trained model of
+    (the paper: all clients, each taking part every round; with sampling, each one's latest model);
+    never-trained clients are the common initial model. ``fedamp/self_weight`` logs xi_ii: near 1,
+    the attention is negligible and FedAMP is local training with a proximal pull to the round's
+    start; below 0, u_i extrapolates away from the peers.
+
+    Defaults: alpha = sigma / (N - 1) keeps u_i a convex combination (A' <= 1 / sigma), and
+    lambda = alpha a proximal weight of 1/2 at any N. PFLlib's alphaK = lamda = sigma = 1 gave
+    xi_ii near -3 on digits (docs/methods.md has the runs). Where the references differ: PFLlib's
+    client adds lambda / (2 alpha) ||w - u|| (a norm, not its square) on detached tensors, so its proximal term has no gradient, and its
+    server mixes the previous round's uploads only; fluke's mixes the round's uploads after
+    training and takes alpha = the learning rate in the client's term. Both are read, neither
+    copied; the paper's equations are followed. The paper's heuristic variant for deep models
+    (HeurFedAMP, cosine similarity) is not built.
+
+    Down: u_i (the trainable parameters) and xi_ii. Up: the model. Keeps: its own model (client);
+    every client's latest parameters (server: N models). Not on Flower (per-client downloads)."""
+
+    fedavg_weighted = False  # the server mixes per client by attention (Method.fedavg_weighted)
+
+    name = "fedamp"
+    Options = FedAMPOptions
+    has_global_model = False
+    per_sample_loss = True  # Method.padding_exact: CE + a term of the parameters alone
+
+    def alpha(self) -> float:
+        return self.opt.alpha if self.opt.alpha is not None else self.opt.sigma / max(self.info.num_clients - 1, 1)
+
+    def prox_weight(self) -> float:
+        """lambda / (2 alpha) (Eq. 7)."""
+        return 0.5 if self.opt.lam is None else self.opt.lam / (2 * self.alpha())
+
+    def server_init(self, global_state, info):
+        state = {"amp.models." + k: global_state[k][None].repeat(info.num_clients, *([1] * global_state[k].dim()))
+                 for k in info.param_names}
+        state["amp.seen"] = torch.zeros(info.num_clients, dtype=torch.bool)
+        return state
+
+    def client_init(self, client_id, global_state, info):
+        return add_prefix({k: v.clone() for k, v in global_state.items()}, "amp.model.")
+
+    def broadcast(self, global_state, server_state):
+        return {}
+
+    def download(self, server_state, client_id, round_idx):
+        models = strip_prefix(server_state, "amp.models.")
+        xi = attention_weights(models, server_state["amp.seen"], client_id, self.alpha(), self.opt.sigma)
+        out = {"amp.u." + k: torch.einsum("n,n...->...", xi.to(v.dtype), v) for k, v in models.items()}
+        out["amp.self_weight"] = xi[client_id].to(reference_tensor(models).dtype)
+        return out
+
+    def local_start(self, payload, client_state):
+        return strip_prefix(client_state, "amp.model.")
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        loss, aux = super().local_loss(fwd, params, x, y, payload, client_state)
+        prox = sum((p - client_state["amp.u." + k]).pow(2).sum() for k, p in params.items())
+        return (loss + self.prox_weight() * prox,
+                {**aux, "fedamp/prox": prox.detach(), "fedamp/self_weight": client_state["amp.self_weight"]})
+
+    def after_training(self, trained, payload, client_state, report):
+        return as_model_part(trained), add_prefix(trained, "amp.model.")
+
+    def aggregate(self, server_state, global_state, uploads, reports):
+        state = {k: v.clone() for k, v in server_state.items()}
+        for u, r in zip(uploads, reports):
+            for k in self.info.param_names:
+                state["amp.models." + k][r.client_id] = u["model." + k].to(state["amp.models." + k].device)
+            state["amp.seen"][r.client_id] = True
+        return global_state, state
+
+
+def attention_weights(models: State, seen: torch.Tensor, i: int, alpha: float, sigma: float) -> torch.Tensor:
+    """FedAMP's row xi_i. of Eq. 5 (float64): xi_ij = alpha exp(-||w_i - w_j||^2 / sigma) / sigma for
+    every other client j with ``seen[j]``, 0 for the rest, and xi_ii = 1 - sum_{j != i} xi_ij.
+    ``models`` maps a parameter name to the stacked [N, ...] parameters of all N clients."""
+    sq = sum((v.double() - v[i].double()).flatten(1).pow(2).sum(1) for v in models.values())
+    xi = alpha * torch.exp(-sq / sigma) / sigma
+    peers = seen.to(xi.device).clone()
+    peers[i] = False
+    xi = torch.where(peers, xi, torch.zeros_like(xi))
+    xi[i] = 1.0 - xi.sum()
+    return xi
+
+
 class FedDBEOptions(FedAvgOptions):
     search = {"kl_weight": [0.5, 5.0, 50.0]}  # the bench's search space (fedskew bench)
     kl_weight: float = Field(50.0, ge=0, description=
@@ -568,3 +676,124 @@ class FLDA(PartialSharing):
 
 
 __all__ = ["APFL", "FLDA", "FedALA", "FedBN", "FedDBE", "FedFOMO", "FedPer", "LGFedAvg", "PartialSharing", "layer_names"]
+
+
+# ---------------------------------------------------------------------------------------------
+# FedAS
+
+
+class FedASOptions(FedAvgOptions):
+    search = {"align_lr": [0.001, 0.01, 0.1]}  # the bench's search space (fedskew bench)
+    align_lr: float = Field(0.01, ge=0, description="SGD learning rate of the parameter alignment (the official 0.01)")
+    align_epochs: int = Field(1, ge=0, description="epochs of the alignment over the client's data (the official 1)")
+    align_batch_size: int = Field(16, ge=1, description="batch size of the prototypes and of the alignment (the "
+                                                        "official 16)")
+    align_target: Literal["samples", "class_mean"] = Field(
+        "samples", description="samples: MSE of every sample's feature to its class prototype (PFLlib's clientas, the "
+                               "authors' code); class_mean: MSE of the batch's class-mean feature (FL-bench's fedas)")
+
+
+class FedAS(Method):
+    """FedAS (Yang et al., CVPR 2024, "FedAS: Bridging Inconsistency in Personalized Federated
+    Learning"; reference PFLlib's ``clientas.py`` and ``serveras.py``). Each client keeps its own
+    model; the body is replaced every round, the head (``classifier.*``) stays the client's.
+
+    Parameter alignment (before local training, on the client): the class prototypes of its own
+    model's body over its training data (eval mode, no gradient) are the targets; the received
+    global body is trained to them by plain SGD (``align_lr``, no momentum, ``align_epochs``
+    passes over the data in full batches of ``align_batch_size`` in a seeded order) on
+    sum_{c in batch} MSE(z_global(x_{y=c}), prototype_c), and the aligned body replaces the
+    client's (parameters; its buffers stay). Then E epochs of CE on the whole model, which is the
+    personalised model and is uploaded whole. Client synchronisation (after training): the trace
+    of the empirical Fisher information, sum over the full batches of B (stored order, eval mode) of
+    ||grad_theta mean_batch NLL||^2 over all parameters, is uploaded with the model, and the
+    server's model is the trace-weighted mean of the uploads, F_k / sum F (parameters and
+    buffers; the official code keeps the first upload's buffers). The official code also computes
+    the trace of every unselected client each round, for its log only: not done here.
+
+    No global model is scored: the server's model is a by-product whose body every client
+    receives and whose head (the trace-weighted mean of the clients' heads) no client uses (the
+    official code evaluates the personalised models only).
+
+    Down: the model. Up: the model + 1 float. Keeps: its own model (client)."""
+
+    fedavg_weighted = False  # Fisher-trace weights (Method.fedavg_weighted)
+
+    name = "fedas"
+    Options = FedASOptions
+    has_global_model = False  # the Fisher-weighted mean's head is nobody's: its body is what clients use
+    per_sample_loss = True  # Method.padding_exact (FedAvg's loss)
+
+    def client_init(self, client_id, global_state, info):
+        return add_prefix({k: v.clone() for k, v in global_state.items()}, "as.model.")
+
+    def prepare(self, payload, client_state, data: ClientData):
+        own, glob = strip_prefix(client_state, "as.model."), model_part(payload)
+        body = sorted(body_names(self.info))
+        rng = numpy_rng(self.info.seed, "fedas_align", data.round_idx, data.client_id)
+        protos = own_prototypes(data.frozen, own, data.x, data.y, self.opt.align_batch_size)
+        aligned = align_body(self.info.model_call, glob, body, protos, data.x, data.y, self.opt.align_lr,
+                             self.opt.align_epochs, self.opt.align_batch_size, rng, self.opt.align_target)
+        return {**client_state, **add_prefix({**own, **aligned}, "as.model.")}
+
+    def local_start(self, payload, client_state):
+        return strip_prefix(client_state, "as.model.")
+
+    def after_training(self, trained, payload, client_state, report):
+        x, y = report.local_data()
+        fim = fisher_trace(self.info.model_call, trained, self.info.param_names, x, y, self.info.batch_size)
+        ref = reference_tensor(trained)
+        return ({**as_model_part(trained), "as.fim": torch.tensor(fim, dtype=ref.dtype, device=ref.device)},
+                add_prefix(trained, "as.model."))
+
+    def aggregate(self, server_state, global_state, uploads, reports):
+        fim = torch.stack([u["as.fim"].double() for u in uploads])
+        return weighted_mean([model_part(u) for u in uploads], fim / fim.sum()), server_state
+
+
+def own_prototypes(frozen, state: State, x: torch.Tensor, y: torch.Tensor, batch: int) -> dict[int, torch.Tensor]:
+    """FedAS's targets: each class's mean feature of the client's own model over its data (eval mode)."""
+    z = torch.cat([frozen(state, x[i:i + batch])[0] for i in range(0, len(x), batch)])
+    return {int(c): z[y == c].mean(0) for c in torch.unique(y)}
+
+
+def align_body(model_call, glob: State, body: list[str], protos: dict[int, torch.Tensor], x: torch.Tensor,
+               y: torch.Tensor, lr: float, epochs: int, batch: int, rng, target: str = "samples") -> State:
+    """FedAS's parameter alignment: plain SGD on the global model's body parameters ``body`` of
+    sum_{c in batch} MSE(z(x_c), protos[c]) (the mean over the class's rows and features; with
+    ``target="class_mean"`` of the class's mean feature), train-mode forward, ``epochs`` passes in
+    full batches of ``batch`` (order from ``rng``). Returns the body."""
+    params = {k: glob[k].detach().clone() for k in body}
+    for _ in range(epochs):
+        order = torch.from_numpy(rng.permutation(len(y))).to(y.device)
+        for part in full_batches(len(y), batch):
+            rows = order[part]
+            xb, yb = x[rows], y[rows]
+            live = {k: v.requires_grad_(True) for k, v in params.items()}
+            z, _ = model_call({**glob, **live}, xb, True)
+            feats = [(z[yb == c].mean(0, keepdim=True) if target == "class_mean" else z[yb == c], protos[int(c)])
+                     for c in torch.unique(yb)]
+            loss = sum(F.mse_loss(f, p.expand_as(f)) for f, p in feats)
+            grads = torch.autograd.grad(loss, [live[k] for k in body])
+            params = {k: (live[k] - lr * g).detach() for k, g in zip(body, grads)}
+    return params
+
+
+def full_batches(n: int, batch: int) -> list[slice]:
+    """The official loaders' batches (``drop_last=True``): full batches only; all rows when fewer."""
+    return [slice(i, i + batch) for i in range(0, n - batch + 1, batch)] or [slice(0, n)]
+
+
+def fisher_trace(model_call, state: State, names, x: torch.Tensor, y: torch.Tensor, batch: int) -> float:
+    """FedAS's client weight (client synchronisation): sum over the full batches of the data, in
+    its stored order, of ||grad_theta mean_batch(-log softmax(f(x))_y)||^2 over the parameters
+    ``names``, eval mode (the trace of the empirical Fisher information as the official code sums
+    it, over a shuffled ``drop_last`` loader)."""
+    names = list(names)
+    total = 0.0
+    for rows in full_batches(len(y), batch):
+        live = {k: state[k].detach().clone().requires_grad_(True) for k in names}
+        _, logits = model_call({**state, **live}, x[rows], False)
+        nll = -F.log_softmax(logits, dim=1).gather(1, y[rows][:, None]).mean()
+        total += sum(float(g.double().pow(2).sum()) for g in torch.autograd.grad(nll, [live[k] for k in names]))
+    return total

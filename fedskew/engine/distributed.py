@@ -115,9 +115,10 @@ def recv(src: int, group, device: torch.device):
 
 def portable(result):
     """A ClientResult that can travel to rank 0: its report's closures over this rank's model
-    (``local_features``, ``recalibrate_bn``: used on the client side only) are dropped."""
+    (``local_features``, ``recalibrate_bn``, ``local_data``: used on the client side only) are
+    dropped."""
     return dataclasses.replace(result, report=dataclasses.replace(result.report, local_features=None,
-                                                                   recalibrate_bn=None))
+                                                                   recalibrate_bn=None, local_data=None))
 
 
 def _train_shard(executor, work):

@@ -112,7 +112,8 @@ class SequentialExecutor:
         idx = self.train_idx[client_id]
         return ClientReport(client_id, len(idx), num_steps, lr, self.settings.momentum,
                             feature_fn(self.model, self.x, self.y, rows=idx),
-                            bn_recalibration_fn(self.model, self.x, self.settings.batch_size, idx))
+                            bn_recalibration_fn(self.model, self.x, self.settings.batch_size, idx),
+                            lambda: (self.x[idx], self.y[idx]))
 
     def prepare(self, round_idx: int, client_id: int, payload: State, client_state: State) -> State:
         """``Method.prepare`` with the client's local training data."""
