@@ -447,7 +447,7 @@ class FedFOMO(Method):
 
 
 class FedAMPOptions(FedAvgOptions):
-    search = {"sigma": [0.1, 1.0, 10.0], "lam": [0.1, 1.0]}  # the bench's search space (fedskew bench)
+    search = {"sigma": [0.1, 1.0, 10.0], "lam": [None, 0.1, 1.0]}  # the bench's search space (fedskew bench)
     alpha: float | None = Field(None, gt=0, description=
         "alpha_k, the step on the attention regulariser; None: sigma / (N - 1), the largest step for which every xi_ii "
         ">= 0 whatever the distances (u_i a convex combination); PFLlib's default is 1.0")
