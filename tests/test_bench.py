@@ -293,3 +293,33 @@ def test_bench_parts_seeds_and_executor(tmp_path):
         out = subprocess.run(base + args + ["--out", "c"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                              env=env)
         assert out.returncode == 2 and text in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_changed_grid_leaves_its_old_trials_out_of_the_selection(tmp_path):
+    """A method whose search space changed between two runs of a sweep (FedAMP's did, 2026-11-26):
+    the first grid's runs stay in the database, but the selection reads the current grid only (as
+    the leaderboard's trial count does, through the same ``planned_points``), so every method keeps
+    the same budget."""
+    from fedskew.experiments.sweep import planned_points
+
+    first = {**TINY, "methods": [{"name": "fedprox", "trials": [{"mu": 0.01, "lr": 0.05}, {"mu": 0.1, "lr": 0.05}]}],
+             "selection": {"split": "validation", "validation_fraction": 0.2, "tune_seeds": [0]}}
+    db = run_sweep(load_spec(first), tmp_path, jobs=1)
+    old = {json.dumps(json.loads(r["params"]), sort_keys=True): r["run_id"] for r in db.execute("SELECT * FROM runs")}
+    db.close()
+    second = {**first, "methods": [{"name": "fedprox", "trials": [{"mu": 0.01, "lr": 0.05}, {"mu": 1.0, "lr": 0.05}]}]}
+    spec = load_spec(second)
+    db = run_sweep(spec, tmp_path, jobs=1)
+    stale_point = json.dumps({"lr": 0.05, "mu": 0.1}, sort_keys=True)
+    stale = old[stale_point]
+    assert stale in {r["run_id"] for r in db.execute("SELECT run_id FROM runs WHERE status='done'")}
+    assert ("fedprox", stale_point) not in planned_points(spec)
+    # make the stale trial the best by far: it must still not be chosen
+    (row,) = db.execute("SELECT summary FROM runs WHERE run_id=?", (stale,)).fetchall()
+    s = json.loads(row["summary"])
+    s["global/val_acc_mean_last10"] = 2.0
+    db.execute("UPDATE runs SET summary=? WHERE run_id=?", (json.dumps(s), stale))
+    db.commit()
+    choice = select(db, spec)[("fedprox", "P6C3")]
+    assert choice["params"]["mu"] in (0.01, 1.0) and choice["value"] <= 1.0
+    assert len(json.loads(choice["row"]["means"])) == 2  # two trials, not three

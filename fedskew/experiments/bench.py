@@ -459,6 +459,7 @@ def boards(name: str, scale: str, out: str | Path | None = None) -> list[Board]:
     import yaml
 
     from fedskew.experiments.store import open_sweep, selected_runs
+    from fedskew.experiments.sweep import load_spec, planned_points
 
     check_suite(name, scale)
     out_boards = []
@@ -470,8 +471,12 @@ def boards(name: str, scale: str, out: str | Path | None = None) -> list[Board]:
         db = open_sweep(folder)
         try:
             res = selected_runs(db, spec)
-            tried = {(r["label"], r["partition"]): r["n"] for r in db.execute(
-                "SELECT label, partition, COUNT(DISTINCT params) AS n FROM runs GROUP BY label, partition")}
+            planned = planned_points(load_spec(spec)) if spec else None
+            points: dict[tuple[str, str], set[str]] = {}
+            for r in db.execute("SELECT label, partition, params FROM runs"):
+                if planned is None or (r["label"], r["params"]) in planned:  # not a trial of an earlier grid
+                    points.setdefault((r["label"], r["partition"]), set()).add(r["params"])
+            tried = {k: len(v) for k, v in points.items()}
         finally:
             db.close()
         chosen = {k: json.loads(v["params"]) for k, v in res.selections.items()}

@@ -257,6 +257,12 @@ def plan(spec: SweepSpec, chosen: dict[tuple[str, str], dict] | None = None) -> 
     return runs
 
 
+def planned_points(spec: SweepSpec) -> set[tuple[str, str]]:
+    """(method label, grid point as stored in the results database) of every point the sweep's
+    grid has now: what selection and a trial count may read."""
+    return {(m.column, json.dumps(p, sort_keys=True)) for m in spec.methods for p in grid_points(m.options, m.trials)}
+
+
 def planned_count(spec: SweepSpec) -> int:
     """How many runs the sweep makes: :func:`plan`'s, plus (with ``selection.tune_seeds``) the
     selected point of every group on the other seeds."""
@@ -688,16 +694,18 @@ PERSONAL_VALIDATION = "personal/final_val_acc_after"
 
 def select(db: sqlite3.Connection, spec: SweepSpec, record: bool = True) -> dict[tuple[str, str], dict]:
     """Per (method label, partition): the grid point with the best mean over seeds of the
-    selection metric among finished runs (on a validation split, a method whose runs have no
-    global model is chosen by :data:`PERSONAL_VALIDATION`); recorded in ``selections`` unless
-    ``record`` is False."""
+    selection metric among finished runs of the sweep's current plan (a run a changed grid no
+    longer plans stays in the database and out of the choice); on a validation split, a method
+    whose runs have no global model is chosen by :data:`PERSONAL_VALIDATION`. Recorded in
+    ``selections`` unless ``record`` is False."""
     metric = spec.selection.key
     chosen = {}
     rows = db.execute("SELECT label, partition, params, seed, summary FROM runs WHERE status='done'").fetchall()
     summaries: dict[tuple[str, str], list[tuple[str, dict]]] = {}
     tuning = set(tune_seeds(spec))
+    planned = planned_points(spec)
     for row in rows:
-        if row["seed"] in tuning:
+        if row["seed"] in tuning and (row["label"], row["params"]) in planned:
             summaries.setdefault((row["label"], row["partition"]), []).append((row["params"],
                                                                                 json.loads(row["summary"])))
     groups: dict[tuple[str, str], dict[str, list[float]]] = {}
@@ -737,4 +745,5 @@ def default_jobs() -> int:
 
 
 __all__ = ["MethodSpec", "ResourcesSpec", "SweepProgress", "SweepSpec", "clock", "default_jobs", "default_sweep_dir",
-           "grid_points", "load_spec", "plan", "planned_count", "progress_line", "rounds_per_run", "run_sweep", "select", "tune_seeds"]
+           "grid_points", "load_spec", "plan", "planned_count", "planned_points", "progress_line", "rounds_per_run",
+           "run_sweep", "select", "tune_seeds"]
