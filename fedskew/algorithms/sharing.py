@@ -451,8 +451,8 @@ class FedAMPOptions(FedAvgOptions):
     alpha: float | None = Field(None, gt=0, description=
         "alpha_k, the step on the attention regulariser; None: sigma / (N - 1), the largest step for which every xi_ii "
         ">= 0 whatever the distances (u_i a convex combination); PFLlib's default is 1.0")
-    sigma: float = Field(1.0, gt=0, description="sigma of A(x) = 1 - exp(-x / sigma), so A'(x) = exp(-x / sigma) / sigma "
-                                                "(PFLlib's default)")
+    sigma: float = Field(1.0, gt=0, description=
+        "sigma of A(x) = 1 - exp(-x / sigma), so A'(x) = exp(-x / sigma) / sigma (PFLlib's default)")
     lam: float | None = Field(None, ge=0, description=
         "lambda: the local proximal weight is lambda / (2 alpha); None: lambda = alpha (weight 1/2, whatever N); "
         "PFLlib's default is 1.0")
@@ -476,8 +476,8 @@ class FedAMP(Method):
     Defaults: alpha = sigma / (N - 1) keeps u_i a convex combination (A' <= 1 / sigma), and
     lambda = alpha a proximal weight of 1/2 at any N. PFLlib's alphaK = lamda = sigma = 1 gave
     xi_ii near -3 on digits (docs/methods.md has the runs). Where the references differ: PFLlib's
-    client adds lambda / (2 alpha) ||w - u|| (a norm, not its square) on detached tensors, so its proximal term has no gradient, and its
-    server mixes the previous round's uploads only; fluke's mixes the round's uploads after
+    client adds lambda / (2 alpha) ||w - u|| (a norm, not its square) on detached tensors, so its
+    proximal term has no gradient, and its server mixes the previous round's uploads only; fluke's mixes the round's uploads after
     training and takes alpha = the learning rate in the client's term. Both are read, neither
     copied; the paper's equations are followed. The paper's heuristic variant for deep models
     (HeurFedAMP, cosine similarity) is not built.
@@ -675,7 +675,6 @@ class FLDA(PartialSharing):
         return ce + own, {"flda/global_ce": own.detach()}
 
 
-__all__ = ["APFL", "FLDA", "FedALA", "FedBN", "FedDBE", "FedFOMO", "FedPer", "LGFedAvg", "PartialSharing", "layer_names"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -748,7 +747,8 @@ class FedAS(Method):
 
     def aggregate(self, server_state, global_state, uploads, reports):
         fim = torch.stack([u["as.fim"].double() for u in uploads])
-        return weighted_mean([model_part(u) for u in uploads], fim / fim.sum()), server_state
+        w = fim / fim.sum() if fim.sum() > 0 else torch.full_like(fim, 1 / len(fim))  # (all zero: uniform)
+        return weighted_mean([model_part(u) for u in uploads], w), server_state
 
 
 def own_prototypes(frozen, state: State, x: torch.Tensor, y: torch.Tensor, batch: int) -> dict[int, torch.Tensor]:
@@ -797,3 +797,7 @@ def fisher_trace(model_call, state: State, names, x: torch.Tensor, y: torch.Tens
         nll = -F.log_softmax(logits, dim=1).gather(1, y[rows][:, None]).mean()
         total += sum(float(g.double().pow(2).sum()) for g in torch.autograd.grad(nll, [live[k] for k in names]))
     return total
+
+
+__all__ = ["APFL", "FLDA", "FedALA", "FedAMP", "FedAS", "FedBN", "FedDBE", "FedFOMO", "FedPer", "LGFedAvg",
+           "PartialSharing", "align_body", "attention_weights", "fisher_trace", "layer_names", "own_prototypes"]

@@ -694,8 +694,8 @@ PERSONAL_VALIDATION = "personal/final_val_acc_after"
 
 def select(db: sqlite3.Connection, spec: SweepSpec, record: bool = True) -> dict[tuple[str, str], dict]:
     """Per (method label, partition): the grid point with the best mean over seeds of the
-    selection metric among finished runs of the sweep's current plan (a run a changed grid no
-    longer plans stays in the database and out of the choice); on a validation split, a method
+    selection metric among finished runs at the points of the sweep's current grid (the runs of
+    an earlier grid stay in the database and out of the choice); on a validation split, a method
     whose runs have no global model is chosen by :data:`PERSONAL_VALIDATION`. Recorded in
     ``selections`` unless ``record`` is False."""
     metric = spec.selection.key
