@@ -543,7 +543,7 @@ def attention_weights(models: State, seen: torch.Tensor, i: int, alpha: float, s
     """FedAMP's row xi_i. of Eq. 5 (float64): xi_ij = alpha exp(-||w_i - w_j||^2 / sigma) / sigma for
     every other client j with ``seen[j]``, 0 for the rest, and xi_ii = 1 - sum_{j != i} xi_ij.
     ``models`` maps a parameter name to the stacked [N, ...] parameters of all N clients."""
-    sq = sum((v.double() - v[i].double()).flatten(1).pow(2).sum(1) for v in models.values())
+    sq = sum(torch.linalg.vector_norm((v - v[i]).flatten(1), dim=1, dtype=torch.float64) ** 2 for v in models.values())
     xi = alpha * torch.exp(-sq / sigma) / sigma
     peers = seen.to(xi.device).clone()
     peers[i] = False
