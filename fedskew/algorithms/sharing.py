@@ -36,6 +36,7 @@ from pydantic import Field, model_validator
 from fedskew.algorithms.base import (HEAD, ClientData, FedAvgOptions, Method, State, add_prefix, as_model_part,
                                      body_names, model_part, reference_tensor, strip_prefix, weighted_mean)
 from fedskew.algorithms.compose import PartialSharing
+from fedskew.algorithms.tensors import class_feature_means
 from fedskew.streams import numpy_rng
 
 
@@ -754,7 +755,8 @@ class FedAS(Method):
 def own_prototypes(frozen, state: State, x: torch.Tensor, y: torch.Tensor, batch: int) -> dict[int, torch.Tensor]:
     """FedAS's targets: each class's mean feature of the client's own model over its data (eval mode)."""
     z = torch.cat([frozen(state, x[i:i + batch])[0] for i in range(0, len(x), batch)])
-    return {int(c): z[y == c].mean(0) for c in torch.unique(y)}
+    means, counts = class_feature_means(z, y, int(y.max()) + 1)
+    return {c: means[c] for c in range(len(counts)) if counts[c] > 0}
 
 
 def align_body(model_call, glob: State, body: list[str], protos: dict[int, torch.Tensor], x: torch.Tensor,
