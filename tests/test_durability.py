@@ -302,6 +302,41 @@ def test_a_full_disk_is_one_sentence_and_the_run_resumes_exactly(tmp_path, full,
     same_as_full(tmp_path / "r", full)
 
 
+class _FillsUp:
+    """A file whose disk is full after ``limit`` bytes (the write raises ENOSPC)."""
+
+    def __init__(self, fh, limit: int):
+        self.fh, self.written, self.limit = fh, 0, limit
+
+    def write(self, data) -> int:
+        if self.written + len(data) > self.limit:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.written += len(data)
+        return self.fh.write(data)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def test_a_disk_that_fills_inside_torch_save_is_one_sentence_and_the_run_resumes(tmp_path, full, monkeypatch):
+    """torch.save's zip writer answers a full disk with a RuntimeError ("unexpected pos") whose
+    context is the OSError (found 2026-11-26 when this machine's disk filled during a benchmark):
+    the run still stops with the one-sentence storage error, and resumes exactly."""
+    real_save, calls = torch.save, []
+
+    def save_until_full(obj, f, *args, **kwargs):
+        calls.append(1)
+        return real_save(obj, _FillsUp(f, 1000) if len(calls) == 3 else f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save_until_full)
+    with pytest.raises(StorageError, match=r"writing the run directory '.*' failed \(No space left on device\)"):
+        fedskew.run(SMALL, out_dir=str(tmp_path), run_name="r")
+    monkeypatch.setattr(torch, "save", real_save)
+    assert not list((tmp_path / "r").glob("*.tmp"))  # what the cut-off file took is given back
+    fedskew.resume(tmp_path / "r")
+    same_as_full(tmp_path / "r", full)
+
+
 @pytest.mark.parametrize("damage", ["empty", "truncated", "foreign"])
 def test_a_damaged_checkpoint_falls_back_and_never_destroys_the_backup(tmp_path, full, damage, capsys):
     with pytest.raises(KeyboardInterrupt):

@@ -113,8 +113,16 @@ def atomic_write(write, path: Path) -> None:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
-    except BaseException:  # (a full disk: give back what the half-written file took)
+    except BaseException as exc:  # (a full disk: give back what the half-written file took)
         tmp.unlink(missing_ok=True)
+        if not isinstance(exc, OSError):
+            # torch.save's zip writer turns the disk's OSError (ENOSPC) into a RuntimeError on its
+            # way out ("unexpected pos"): the storage error is what callers answer in one sentence
+            cause = exc.__context__
+            while cause is not None and not isinstance(cause, OSError):
+                cause = cause.__context__
+            if cause is not None:
+                raise cause from exc
         raise
     os.replace(tmp, path)
     fsync_folder(path.parent)
