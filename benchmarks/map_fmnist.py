@@ -54,7 +54,7 @@ METHODS = {"fedavg": [], "fedrs": [], "fedphp": [], "map": [],
            "local": [], "fedadagrad": [], "feddisco": [], "fedsam": [], "fedasam": [], "feduv": [], "fedlmd": [], "fedvls": [], "fedgela": [],
            "fedconcat": [],
            # issue 34's, at their defaults
-           "feddbe": [], "gpfl": [], "pfedhn": [], "fedcp": [], "fedamp": [], "fedas": []}
+           "feddbe": [], "gpfl": [], "pfedhn": [], "fedcp": [], "fedamp": [], "fedas": [], "fedfed": []}
 BASE_METHODS = ["fedavg", "fedrs", "fedphp", "map"]
 
 

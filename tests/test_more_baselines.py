@@ -1785,3 +1785,252 @@ def test_fedas_round_equals_the_official_client_and_server(tmp_path, target):
     assert last["comm/up_floats"] == len(last["clients"]) * (sum(v.numel() for v in init.values()) + 1)
     assert last["personal/acc_after"] == pytest.approx(np.mean([local_test_acc(exp, k, states[k])
                                                                  for k in last["clients"]]), abs=1e-6)
+
+
+# -- FedFed (issue 34) -----------------------------------------------------------------------------
+
+
+class OfficialResBlock(torch.nn.Module):
+    """The official ``ResBlock(d, d, bn=True)`` (model/FL_VAE.py): the BatchNorm inserted at index 2."""
+
+    def __init__(self, d):
+        super().__init__()
+        layers = [torch.nn.LeakyReLU(), torch.nn.Conv2d(d, d, kernel_size=3, stride=1, padding=1),
+                  torch.nn.LeakyReLU(), torch.nn.Conv2d(d, d, kernel_size=1, stride=1, padding=0)]
+        layers.insert(2, torch.nn.BatchNorm2d(d))
+        self.convs = torch.nn.Sequential(*layers)
+
+    def forward(self, x):
+        return x + self.convs(x)
+
+
+class OfficialVAE(torch.nn.Module):
+    """The official ``FL_CVAE_cifar`` (model/FL_VAE.py) for 1-channel images of side 4 f, its
+    classifier passed in; ``forward`` takes the reparameterisation's eps and the two noise draws."""
+
+    def __init__(self, d, f, classifier):
+        super().__init__()
+        self.d, self.f, self.z = d, f, d * f ** 2
+        self.encoder_former = torch.nn.Conv2d(1, d // 2, kernel_size=4, stride=2, padding=1, bias=False)
+        self.encoder = torch.nn.Sequential(
+            torch.nn.BatchNorm2d(d // 2), torch.nn.ReLU(inplace=True),
+            torch.nn.Conv2d(d // 2, d, kernel_size=4, stride=2, padding=1, bias=False),
+            torch.nn.BatchNorm2d(d), torch.nn.ReLU(inplace=True), OfficialResBlock(d), torch.nn.BatchNorm2d(d),
+            OfficialResBlock(d))
+        self.decoder = torch.nn.Sequential(
+            OfficialResBlock(d), torch.nn.BatchNorm2d(d), OfficialResBlock(d), torch.nn.BatchNorm2d(d),
+            torch.nn.ConvTranspose2d(d, d // 2, kernel_size=4, stride=2, padding=1, bias=False),
+            torch.nn.BatchNorm2d(d // 2), torch.nn.LeakyReLU(inplace=True))
+        self.decoder_last = torch.nn.ConvTranspose2d(d // 2, 1, kernel_size=4, stride=2, padding=1, bias=False)
+        self.xi_bn = torch.nn.BatchNorm2d(1)
+        self.fc11 = torch.nn.Linear(d * f ** 2, self.z)
+        self.fc12 = torch.nn.Linear(d * f ** 2, self.z)
+        self.fc21 = torch.nn.Linear(self.z, d * f ** 2)
+        self.classifier = classifier
+
+    def forward(self, x, eps=None, n1=None, n2=None):
+        h1 = self.encoder(self.encoder_former(x)).view(-1, self.d * self.f ** 2)
+        mu, logvar = self.fc11(h1), self.fc12(h1)
+        hi = eps.mul(logvar.mul(0.5).exp_()).add_(mu) if self.training else mu
+        xi = torch.tanh(self.decoder(self.fc21(hi).view(-1, self.d, self.f, self.f)))
+        xi = torch.sigmoid(self.xi_bn(self.decoder_last(xi)))
+        if n1 is None:
+            return xi, mu, logvar
+        rx = x - xi
+        out = self.classifier(torch.cat((rx + n1, rx + n2, x), dim=0))
+        return out, xi, mu, logvar
+
+
+def official_train_vae_model(vae, x, y, epochs, batch, rng, gen, opts):
+    """The official Client.train_vae_model on one client (mosaic replaced by the plain batches, as
+    fedskew and FL-bench run it): per epoch, aug_classifier_train (mixup, classifier parameters
+    only), aug_VAE_train, train_whole_process, one AdamW over every parameter; the draws from
+    ``rng`` / ``gen`` in the order fedskew makes them."""
+    re0, ce, kl, x_ce, std1, std2, alpha = opts
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=1e-6)
+
+    def loader():
+        order = torch.from_numpy(rng.permutation(len(y)))
+        return [order[i:i + batch] for i in range(0, len(y), batch) if len(order[i:i + batch]) > 1]
+
+    for epoch in range(1, epochs + 1):
+        vae.train()
+        for rows in loader():  # aug_classifier_train
+            lam = rng.beta(alpha, alpha)
+            index = torch.from_numpy(rng.permutation(len(rows)))
+            xb, ya, yb = lam * x[rows] + (1 - lam) * x[rows][index], y[rows], y[rows][index]
+            optimizer.zero_grad()
+            for name, parameter in vae.named_parameters():
+                if "classifier" not in name:
+                    parameter.requires_grad = False
+            out = vae.classifier(xb)
+            (lam * F.cross_entropy(out, ya) + (1. - lam) * F.cross_entropy(out, yb)).backward()
+            optimizer.step()
+        vae.requires_grad_(True)
+        re = 10 * re0 if epoch < 100 else 5 * re0 if epoch < 200 else re0
+        for rows in loader():  # aug_VAE_train
+            optimizer.zero_grad()
+            eps = torch.randn(len(rows), vae.z, generator=gen)
+            gx, mu, logvar = vae(x[rows], eps)
+            l3 = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp()) / (len(rows) * 3 * vae.z)
+            (re * F.mse_loss(gx, x[rows]) + kl * l3).backward()
+            optimizer.step()
+        re = 10 * re0 if epoch < 10 else 5 * re0 if epoch < 20 else re0
+        for rows in loader():  # train_whole_process
+            xb, yb, b = x[rows], y[rows], len(rows)
+            optimizer.zero_grad()
+            eps = torch.randn(b, vae.z, generator=gen)
+            n1 = std1 * torch.randn(xb.shape, generator=gen)
+            n2 = std2 * torch.randn(xb.shape, generator=gen)
+            out, gx, mu, logvar = vae(xb, eps, n1, n2)
+            l3 = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp()) / (b * 3 * vae.z)
+            loss = (re * F.mse_loss(gx, xb) + ce * F.cross_entropy(out[:b * 2], yb.repeat(2)) + kl * l3
+                    + x_ce * F.cross_entropy(out[b * 2:], yb))
+            loss.backward()
+            optimizer.step()
+
+
+def test_fedfed_distillation_round_equals_the_official_client(tmp_path):
+    """One distillation round of one client (two local VAE epochs): the VAE and classifier the server
+    keeps equal the official client's procedure on the official VAE and the nn.Module classifier
+    (torch.optim.AdamW), with the same draws."""
+    from fedskew.streams import numpy_rng
+
+    opts = ["method=fedfed", "method.distill_rounds=2", "method.vae_width=8", "method.vae_batch_size=16",
+            "method.vae_epochs=2"]
+    exp = Experiment(load_config(None, ONE + opts), tmp_path / "r")
+    init = federated_state(exp.model)
+    start = exp.method.server_init(init, exp.info)
+    res = exp.run()
+    (k,) = res.history[0]["clients"]
+    server = torch.load(tmp_path / "r" / "checkpoint.pt")["server_state"]
+    idx = exp.fed.train_idx[k]
+    x, y = exp.fed.data.x_train[idx], exp.fed.data.y_train[idx]
+    load_state(exp.model, init)
+    ref = OfficialVAE(8, 2, exp.model)
+    ref.load_state_dict({**ref.state_dict(), **own(start, "fedfed.vae."),
+                         **{"classifier." + n: v for n, v in init.items()}})
+    o = exp.method.opt
+    assert exp.method.loss_weights(k) == (5.0, 2.0, 0.005, 0.4, True)  # an even client: the plain weights
+    official_train_vae_model(ref, x, y, 2, 16, numpy_rng(0, "fedfed_distill", 0, k),
+                             torch.Generator().manual_seed(torch_seed(0, "fedfed_noise", 0, k)),
+                             (o.rec_weight, o.ce_weight, o.kl_weight, o.x_ce_weight, 0.15, 0.25, 2.0))
+    got = {**own(server, "fedfed.vae."), **{"classifier." + n: v for n, v in own(server, "fedfed.cls.").items()}}
+    want = {n: v for n, v in ref.state_dict().items() if v.is_floating_point()}
+    assert sorted(got) == sorted(want)
+    close(got, want, atol=2e-5)
+    assert not torch.allclose(got["fc11.weight"], start["fedfed.vae.fc11.weight"])  # it trained
+    # the model trains as FedAvg meanwhile; G and f travel both ways on top of it
+    model_floats = sum(v.numel() for v in init.values())
+    extra = sum(v.numel() for n, v in start.items() if n.startswith(("fedfed.vae.", "fedfed.cls.")))
+    assert res.history[0]["comm/down_floats"] == model_floats + extra + 1  # (+ the round number)
+    assert res.history[0]["comm/up_floats"] == model_floats + extra
+
+
+def test_fedfed_adaptive_weights_follow_the_official_client_properties():
+    from fedskew.algorithms.base import FederationInfo
+    from fedskew.algorithms.distillation import FedFed
+
+    counts = torch.tensor([[50, 50, 0], [90, 5, 5], [5, 5, 0], [40, 30, 30]])
+    info = FederationInfo(4, 3, counts, 1, 4, 0, public_samples=(torch.zeros(3, 1, 8, 8), torch.arange(3)))
+    fed = FedFed(FedFed.Options(), info)
+    assert fed.loss_weights(0) == (5.0, 2.0, 0.005, 0.4, True)  # no heavy skew
+    assert fed.loss_weights(1) == (5.0, 10.0, 0.025, 2.0, False)  # label skew: 90 > 0.7 * 100
+    assert fed.loss_weights(2) == (25.0, 2.0, 0.0025, 0.4, True)  # quantity skew: 10 < 0.2 * mean 77.5
+    assert FedFed(FedFed.Options(adaptive=False), info).loss_weights(1) == (5.0, 2.0, 0.005, 0.4, True)
+
+
+def test_fedfed_balanced_draw_by_hand():
+    from fedskew.algorithms.distillation import balanced_draw
+
+    pool_y = torch.tensor([0] * 10 + [1] * 10 + [3] * 2)
+    draw = balanced_draw(pool_y, 10, np.random.default_rng(0))
+    assert len(draw) == 10
+    counts = np.bincount(pool_y[draw].numpy(), minlength=4)
+    assert counts[2] == 0 and min(counts[[0, 1, 3]]) >= 3  # 10 // 3 from each class the pool holds
+    assert len(set(draw[pool_y[draw].numpy() == 0])) == counts[0]  # without replacement where possible
+    many = balanced_draw(pool_y, 30, np.random.default_rng(1))  # class 3 has 2 < 10: with replacement
+    assert np.bincount(pool_y[many].numpy(), minlength=4)[3] == 10
+
+
+def test_fedfed_rounds_after_sharing_equal_a_replay_with_torch_sgd(tmp_path):
+    """Three clients, all every round, one distillation round: in round 1 every client uploads the
+    noised performance-sensitive parts of its data (x - G(x) in eval mode, by the official VAE,
+    plus noise of std 0.15 and 0.25); in round 2 every batch of b own samples trains with the b
+    paired samples of each noised pool, class-balanced, as one batch of 3b (torch.optim.SGD)."""
+    common = ["partition=pcdd", "partition.classes_per_client=4", "partition.num_clients=3", "clients_per_round=3",
+              "local_epochs=1", "batch_size=16", "momentum=0.5", "final_personalization=false", "method=fedfed",
+              "method.distill_rounds=1", "method.vae_width=8"]
+    two = Experiment(load_config(None, common + ["rounds=2"]), tmp_path / "two")
+    two_res = two.run()
+    after = torch.load(tmp_path / "two" / "checkpoint.pt")
+    exp = Experiment(load_config(None, common + ["rounds=3"]), tmp_path / "three")
+    res = exp.run()
+    server, glob = after["server_state"], after["global_state"]
+    n = [len(exp.fed.train_idx[k]) for k in range(3)]
+    # the pool: every client's data, in the round's client order, noised parts of the official VAE's x_r
+    assert server["fedfed.shared"].tolist() == [1, 1, 1] and not any(k.startswith("fedfed.cls.") for k in server)
+    assert not any(k.startswith("fedfed.vae.") for k in server)  # every client shared: G is no longer sent
+    pool_y = server["fedfed.pool.y"]
+    assert torch.equal(pool_y, torch.cat([exp.fed.data.y_train[exp.fed.train_idx[k]] for k in range(3)]))
+    one = Experiment(load_config(None, common + ["rounds=1"]), tmp_path / "one")
+    one.run()
+    g = own(torch.load(tmp_path / "one" / "checkpoint.pt")["server_state"], "fedfed.vae.")
+    ref = OfficialVAE(8, 2, torch.nn.Identity())
+    ref.load_state_dict({**ref.state_dict(), **g})
+    ref.eval()
+    with torch.no_grad():
+        x_s = torch.cat([exp.fed.data.x_train[exp.fed.train_idx[k]] for k in range(3)])
+        x_s = x_s - ref(x_s)[0]
+    for key, std in (("x1", 0.15), ("x2", 0.25)):
+        noise = server["fedfed.pool." + key] - x_s
+        assert abs(noise.mean().item()) < 0.01 and noise.std().item() == pytest.approx(std, rel=0.03)
+    # round 1's upload: the model and 2 x n_k images + n_k labels, once
+    model_floats = sum(v.numel() for v in glob.values())
+    assert two_res.history[1]["comm/up_floats"] == 3 * model_floats + sum(n) * (2 * 64 + 1)
+    # round 2: each client's n_k pairs from the pool, as the server draws them
+    weights = torch.tensor(n, dtype=torch.float64) / sum(n)
+    trained = []
+    for k in range(3):
+        sent = exp.method.download(server, k, 2)
+        assert sent["fedfed.pair.x"].shape == (n[k], 2, 1, 8, 8) and sent["fedfed.pair.y"].shape == (n[k], 2)
+        for slot in range(2):  # class-balanced: n_k // 10 of each class at least
+            assert np.bincount(sent["fedfed.pair.y"][:, slot].numpy(), minlength=10).min() >= n[k] // 10
+        batches, _, _ = stage_schedules(exp.executor.settings, exp.method, 2, k, n[k], exp.cfg.lr)
+        load_state(exp.model, glob)
+        exp.model.train()
+        opt = torch.optim.SGD(exp.model.parameters(), lr=exp.cfg.lr, momentum=0.5)
+        idx = exp.fed.train_idx[k]
+        for pos in batches:
+            x = torch.cat([exp.fed.data.x_train[idx[pos]], sent["fedfed.pair.x"][pos, 0], sent["fedfed.pair.x"][pos, 1]])
+            y = torch.cat([exp.fed.data.y_train[idx[pos]], sent["fedfed.pair.y"][pos, 0], sent["fedfed.pair.y"][pos, 1]])
+            opt.zero_grad()
+            F.cross_entropy(exp.model(x), y).backward()
+            opt.step()
+        trained.append(federated_state(exp.model))
+    final = torch.load(tmp_path / "three" / "checkpoint.pt")["global_state"]
+    close(final, {name: sum(float(w) * t[name] for w, t in zip(weights, trained)) for name in glob}, atol=1e-5)
+    assert res.history[2]["comm/down_floats"] == 3 * model_floats + sum(n) * 2 * (64 + 1)
+    assert res.history[2]["comm/up_floats"] == 3 * model_floats
+
+
+def test_fedfed_needs_images_in_one_sentence(tmp_path):
+    with pytest.raises(ConfigError, match="fedfed's VAE needs images"):
+        Experiment(load_config(None, ["method=fedfed", "dataset=synthetic"]), tmp_path / "r")
+
+
+@pytest.mark.parametrize("cut", [0, 2])  # inside distillation; after the pool began to fill
+def test_fedfed_resumes_exactly(tmp_path, cut):
+    from fedskew.engine.resume import resume
+
+    cfg = load_config(None, ["method=fedfed", "rounds=4", "method.distill_rounds=2", "method.vae_width=4",
+                             "clients_per_round=4", "checkpoint_every=1"])
+    first = Experiment(cfg, tmp_path / "whole").run()
+    with pytest.raises(KeyboardInterrupt):
+        Experiment(cfg, tmp_path / "cut").run(crash_after(cut))
+    torch.rand(4)
+    again = resume(tmp_path / "cut")
+    for k in first.global_state:
+        assert torch.equal(first.global_state[k], again.global_state[k]), k
+    assert [h["comm/down_floats"] for h in first.history] == [h["comm/down_floats"] for h in again.history]
+    assert first.summary["personal/final_acc_after"] == again.summary["personal/final_acc_after"]

@@ -181,6 +181,11 @@ def assert_same(a, b, tol=TOL):
     ["method=gpfl", "model=cnnbn", "model.width=4", "rounds=3"],
     # per-client generated models (downloads), the hypernetwork's step on the server
     ["method=pfedhn", "rounds=3"],
+    # a VAE trained in prepare, then every batch joined by its paired shared samples (Method.paired_samples),
+    # the pool growing as sampled clients share; with crop/flip and BatchNorm
+    ["method=fedfed", "rounds=4", "method.distill_rounds=1", "method.vae_width=4"],
+    ["method=fedfed", "rounds=3", "method.distill_rounds=1", "method.vae_width=4", "model=cnnbn", "model.width=4",
+     "dataset.augment=true"],
 ])
 def test_vectorized_matches_sequential(tmp_path, extra):
     # FedMR's paper form amplifies GEMM rounding (docs/benchmarks.md); FedDF's server Adam divides

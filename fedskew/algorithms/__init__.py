@@ -32,7 +32,7 @@ from fedskew.algorithms.neural_collapse import EtfGmv, FedETF, FedGELA
 from fedskew.algorithms.personalized import GPFL, Ditto, DittoRS, FedBABU, FedCP, FedLC, FedProto, FedRep, FedROD
 from fedskew.algorithms.representation import FedDecorr, FedMMD, FedProc, FedUV, Moon
 from fedskew.algorithms.classifier import CCVR, FedNH, FedPAC
-from fedskew.algorithms.distillation import FedDF, FedGen
+from fedskew.algorithms.distillation import FedDF, FedFed, FedGen
 from fedskew.algorithms.sharing import (APFL, FLDA, FedALA, FedAMP, FedAS, FedBN, FedDBE, FedFOMO, FedPer, LGFedAvg,
                                         Local)
 from fedskew.algorithms.server_opt import FedAdagrad, FedAdam, FedAvgM, FedAwS, FedDisco, FedYogi
@@ -51,6 +51,7 @@ METHODS: dict[str, type[Method]] = {
     "fedetf": FedETF, "fedgela": FedGELA,
     "fedfomo": FedFOMO, "fedpac": FedPAC, "flda": FLDA, "fedconcat": FedConcat,
     "feddbe": FedDBE, "gpfl": GPFL, "pfedhn": PFedHN, "fedcp": FedCP, "fedamp": FedAMP, "fedas": FedAS,
+    "fedfed": FedFed,
 }
 BUILTIN = frozenset(METHODS)
 _BUILTIN_CLASSES = tuple(METHODS.values())

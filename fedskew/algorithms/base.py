@@ -18,6 +18,8 @@ the same functions:
 ``aggregate``          (server state, global state, uploads, reports) -> (global, server state)
 ``step_correction``    (payload, client state) -> a direction applied after every optimizer step
                        of the uploaded model's training, outside momentum (SCAFFOLD, FedDC)
+``paired_samples``     (client state) -> (samples joined to each of the client's own in its
+                       batches this round, the rest of the state) (FedFed's shared features)
 =====================  =======================================================================
 
 A method may add a second local stage, whose result is the client's personalised model
@@ -350,6 +352,17 @@ class Method:
         client state for this round and counted as downloaded; the method's ``after_training``
         must drop them from the state it keeps. Default: nothing (every client gets ``broadcast``)."""
         return {}
+
+    def paired_samples(self, client_state: State) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, State]:
+        """Samples that travel with the client's own training samples this round, taken out of the
+        prepared client state: ``((x [n, m, ...], y [n, m]), the rest of the state)``, row i paired
+        with the client's own sample i (FedFed's shared features). A batch of b own samples then
+        trains as b (1 + m) samples: the own first, then each of the m slots in turn (the official
+        FedFed loader's ``cat(x1, x2, x3)``), each paired sample cropped and flipped as its own
+        sample is when augmentation is on. Called by every executor after ``prepare``, outside
+        ``vmap``; the rest of the state is what local training and ``after_training`` receive.
+        Default: ``(None, client_state)``."""
+        return None, client_state
 
     def prepare(self, payload: State, client_state: State, data: ClientData) -> State:
         """The client state local training uses, built from the client's data before training

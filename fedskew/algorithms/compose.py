@@ -205,6 +205,11 @@ class Composite(Method):
     def local_steps(self, round_idx, total_steps, steps_per_epoch):
         return self.base.local_steps(round_idx, total_steps, steps_per_epoch)
 
+    def paired_samples(self, client_state):
+        own = {k: v for k, v in client_state.items() if k not in _others(client_state, self._prefixes)}
+        pairs, rest = self.base.paired_samples(_others(client_state, self._prefixes))
+        return pairs, {**rest, **own}
+
     # The personalisation stage belongs to the one component that personalises, else to the base.
     def split_steps(self, total_steps, lr):
         return (self._personal or self.base).split_steps(total_steps, lr)

@@ -44,6 +44,18 @@ def add_tracked(total: dict, tracked: dict) -> dict:
     return total
 
 
+def join_pairs(x: torch.Tensor, y: torch.Tensor, px: torch.Tensor, py: torch.Tensor, draws: torch.Tensor | None,
+               pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of own samples ``x`` [..., b, *shape] joined by their paired samples ``px`` [..., b,
+    m, *shape] (``Method.paired_samples``): [..., b (1 + m), *shape], the own first, then slot 1's,
+    slot 2's, ...; each paired sample takes its own sample's crop/flip ``draws`` (None: none)."""
+    slots = list(px.unbind(y.dim()))  # the slot axis follows the batch axis
+    if draws is not None:
+        slots = [crop_flip(v, draws, pad) for v in slots]
+    d = y.dim() - 1
+    return torch.cat([x, *slots], d), torch.cat([y, *py.unbind(y.dim())], d)
+
+
 def module_forward(model: nn.Module, precision: str = "fp32") -> Forward:
     """The :class:`Forward` of an ``nn.Module`` trained in place (the sequential executor's)."""
     return make_forward(model, dict(model.named_parameters()), dict(model.named_buffers()),
@@ -125,7 +137,7 @@ class SequentialExecutor:
             client_id, round_idx, self.x[idx], self.y[idx], frozen_fn(self.model),
             None if val is None else self.x[val], None if val is None else self.y[val]))
 
-    def run_stage(self, stage: Stage, starts, states, schedules, clients, payload, lrs, round_idx):
+    def run_stage(self, stage: Stage, starts, states, schedules, clients, payload, lrs, round_idx, pairs=None):
         """Each client in turn: its start state loaded into the one model, a fresh torch.optim.SGD,
         and torch's global generator seeded from the stream (seed, ``local_rng``, round, client,
         stage), so that random layers (dropout) draw the same masks whatever ran before in this
@@ -133,14 +145,14 @@ class SequentialExecutor:
         method = self.method
         loss_fn = method.local_loss if stage == "upload" else method.personal_loss
         trained, means = [], []
-        for start, state, batches, k, lr in zip(starts, states, schedules, clients, lrs):
+        for i, (start, state, batches, k, lr) in enumerate(zip(starts, states, schedules, clients, lrs)):
             torch.manual_seed(torch_seed(self.settings.seed, "local_rng", round_idx, k, stage == "personal"))
             load_state(self.model, start)
             means.append(self._sgd_stage(
                 loss_fn, self.train_idx[k], batches, lr, payload, state, method.trained_params(stage),
                 self.settings.augmentation(round_idx, k, 0 if stage == "upload" else 1, sum(map(len, batches))),
                 method.step_correction(payload, state) if stage == "upload" else None,
-                method.sam if stage == "upload" else None))
+                method.sam if stage == "upload" else None, pairs[i] if pairs else None))
             trained.append(federated_state(self.model))
         return trained, means
 
@@ -156,13 +168,15 @@ class SequentialExecutor:
 
     def _sgd_stage(self, loss_fn, idx: torch.Tensor, batches: list[np.ndarray], lr: float,
                    payload: State, client_state: State, trainable: frozenset[str] | None = None,
-                   augment: torch.Tensor | None = None, correction: State | None = None, sam=None) -> dict:
+                   augment: torch.Tensor | None = None, correction: State | None = None, sam=None,
+                   pair: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
         """Train the loaded model on ``batches`` with a fresh torch.optim.SGD over the ``trainable``
         parameters (None: all; the others are frozen), each batch augmented with its rows of
         ``augment`` when given, and ``p -= lr * correction[p]`` after every optimizer step
         (``Method.step_correction``); ``sam`` (``Method.sam``): every step takes its gradient at
         w + eps (:func:`sam_perturbation`), as the official FedSAM client's ascent and descent
-        steps, w restored exactly before the SGD step. Mean tracked values (of the first pass)."""
+        steps, w restored exactly before the SGD step; ``pair`` (``Method.paired_samples``): each
+        batch joined by its rows of the paired samples. Mean tracked values (of the first pass)."""
         s, model = self.settings, self.model
         model.train()
         params = dict(model.named_parameters())
@@ -179,16 +193,21 @@ class SequentialExecutor:
         try:
             at = 0
             for positions in batches:
-                rows = idx[torch.from_numpy(positions).to(self.device)]
-                x = self.x[rows]
+                local = torch.from_numpy(positions).to(self.device)
+                rows = idx[local]
+                x, y = self.x[rows], self.y[rows]
                 if augment is not None:
-                    x = crop_flip(x, augment[at:at + len(rows)], s.augment_pad)
+                    draws = augment[at:at + len(rows)]
+                    x = crop_flip(x, draws, s.augment_pad)
                     at += len(rows)
-                loss, aux = loss_fn(fwd, params, x, self.y[rows], payload, client_state)
+                if pair is not None:
+                    x, y = join_pairs(x, y, pair[0][local], pair[1][local],
+                                      draws if augment is not None else None, s.augment_pad)
+                loss, aux = loss_fn(fwd, params, x, y, payload, client_state)
                 opt.zero_grad(set_to_none=True)
                 scaler.scale(loss).backward()
                 if sam is not None:
-                    self._sam_gradient(loss_fn, fwd, params, updated, x, self.y[rows], payload, client_state, sam)
+                    self._sam_gradient(loss_fn, fwd, params, updated, x, y, payload, client_state, sam)
                 scaler.unscale_(opt)
                 if s.grad_clip is not None:
                     nn.utils.clip_grad_norm_(updated, s.grad_clip)

@@ -1,9 +1,9 @@
 """One client round, the same for every executor (design.md, "Executors").
 
 :func:`client_round` is the only place that says in which order a selected client's round calls
-the method: ``prepare`` -> ``local_start`` -> (``personal_first``: the personalisation stage) ->
-the uploaded model's training with ``step_correction`` -> ``after_training`` -> the
-personalisation stage -> ``personal_state``, with the local accuracy before and after. Executors
+the method: ``prepare`` (then ``paired_samples``) -> ``local_start`` -> (``personal_first``: the
+personalisation stage) -> the uploaded model's training with ``step_correction`` ->
+``after_training`` -> the personalisation stage -> ``personal_state``, with the local accuracy before and after. Executors
 differ only in how a stage trains (:class:`StageRunner`): the sequential executor (and so
 Flower's ClientApp) one client after another with torch.optim.SGD, the vectorised one all clients
 stacked in one ``torch.func`` program. :func:`dispatch` is what the server sends a round's
@@ -122,11 +122,12 @@ class StageRunner(Protocol):
         distribution (None: no hold-out); asked for when the runner's ``score_validation`` is set."""
 
     def run_stage(self, stage: Stage, starts: list[State], states: list[State], schedules: list[list[np.ndarray]],
-                  clients: list[int], payload: State, lrs: list[float], round_idx: int
+                  clients: list[int], payload: State, lrs: list[float], round_idx: int, pairs: list | None = None
                   ) -> tuple[list[State], list[dict[str, float]]]:
         """Local SGD of each client from its start state on its schedule (the stage's loss,
-        trainable parameters and, for the upload stage, ``step_correction``): the trained states
-        (parameters and float buffers) and each client's mean tracked values (``loss`` and aux)."""
+        trainable parameters and, for the upload stage, ``step_correction``), each batch joined by
+        its rows of the client's ``Method.paired_samples`` where ``pairs`` gives them: the trained
+        states (parameters and float buffers) and each client's mean tracked values (``loss`` and aux)."""
 
 
 def client_round(runner: StageRunner, round_idx: int, clients: list[int], payload: State,
@@ -134,6 +135,11 @@ def client_round(runner: StageRunner, round_idx: int, clients: list[int], payloa
     """One round of local work of ``clients`` (in that order), whatever the executor."""
     method, settings = runner.method, runner.settings
     states = [runner.prepare(round_idx, k, payload, st) for k, st in zip(clients, client_states)]
+    pairs = [None] * len(clients)
+    for i, st in enumerate(states):
+        pairs[i], states[i] = method.paired_samples(st)
+    if all(p is None for p in pairs):
+        pairs = None
     starts = [method.local_start(payload, st) for st in states]
     acc_before = runner.accuracies(starts, clients, (round_idx, 2))
     plans = [stage_schedules(settings, method, round_idx, k, runner.num_samples(k), lr) for k in clients]
@@ -144,7 +150,7 @@ def client_round(runner: StageRunner, round_idx: int, clients: list[int], payloa
     def personal_stage(begin_from: list[State], states: list[State]) -> list[State]:
         begin = [method.personal_start(t, payload, st) for t, st in zip(begin_from, states)]
         personal, means = runner.run_stage("personal", begin, states, [p[1] for p in plans], clients, payload,
-                                           [p[2] for p in plans], round_idx)
+                                           [p[2] for p in plans], round_idx, pairs)
         out = []
         for i, (plan, st) in enumerate(zip(plans, states)):
             if plan[1]:  # a client with no personalisation step keeps its state
@@ -157,7 +163,7 @@ def client_round(runner: StageRunner, round_idx: int, clients: list[int], payloa
         states = personal_stage(starts, states)
         starts = [method.local_start(payload, st) for st in states]
     trained, means = runner.run_stage("upload", starts, states, [p[0] for p in plans], clients, payload,
-                                      [lr] * len(clients), round_idx)
+                                      [lr] * len(clients), round_idx, pairs)
     results = []
     for i, k in enumerate(clients):
         upload, new_state = method.after_training(trained[i], payload, states[i], reports[i])

@@ -52,7 +52,7 @@ from fedskew.algorithms.tensors import sam_perturbation
 from fedskew.data.augment import crop_flip
 from fedskew.data.federated import Federation
 from fedskew.engine.batched_sgd import FP16_INIT_SCALE, sgd_, unscale
-from fedskew.engine.local import SequentialExecutor
+from fedskew.engine.local import SequentialExecutor, join_pairs
 from fedskew.engine.memory import GATHER_BYTES, DeviceMemory, chunk_size
 from fedskew.engine.protocol import ClientResult, LocalSettings, Stage, client_round, make_forward
 from fedskew.models.functional import call, low_precision
@@ -268,7 +268,7 @@ class VectorizedExecutor:
     def score_validation(self, on: bool) -> None:  # the fallback path scores through the sequential one
         self.sequential.score_validation = on
 
-    def run_stage(self, stage: Stage, starts, states, schedules, clients, payload, lrs, round_idx):
+    def run_stage(self, stage: Stage, starts, states, schedules, clients, payload, lrs, round_idx, pairs=None):
         if len(set(lrs)) > 1:
             raise ValueError(f"clients of one round differ in their {stage} learning rate")
         cstates = stack_states(states)
@@ -276,8 +276,8 @@ class VectorizedExecutor:
         trained_all, sums, steps = self._run_stage(
             losses, self._stack_starts(starts), cstates, schedules, clients, payload, lrs[0],
             self.method.trained_params(stage), (round_idx, 0 if stage == "upload" else 1),
-            self._correction(payload, cstates) if stage == "upload" else None, self.padded[stage],
-            self.method.sam if stage == "upload" else None)
+            self._correction(payload, cstates) if stage == "upload" else None, self.padded[stage] and not pairs,
+            self.method.sam if stage == "upload" else None, pairs)
         trained = [unstack(trained_all, i) for i in range(len(clients))]  # views; methods never write in place
         self._last_trained = (trained_all, trained)
         table = means_per_client(sums, steps)
@@ -292,13 +292,14 @@ class VectorizedExecutor:
     def _run_stage(self, losses_fn, start: State, cstates: State, schedules: list[list[np.ndarray]],
                    clients: list[int], payload: State, lr: float, trainable: frozenset[str] | None = None,
                    round_stage: tuple[int, int] = (0, 0), correction: State | None = None, padded: bool = False,
-                   sam=None):
+                   sam=None, pairs: list | None = None):
         """Local SGD of every client of the chunk from the stacked ``start`` on its own batch
         schedule, updating the ``trainable`` parameters (None: all), batches augmented with the
         (round, stage) draws when augmentation is on, ``p -= lr * correction`` after every step
         (stacked ``Method.step_correction``); ``padded``: the clients of a step form one call,
         shorter batches padded with zero-weight rows; ``sam`` (``Method.sam``): each step's gradient
-        taken again at w + eps, every client on its own eps. Returns the stacked trained state
+        taken again at w + eps, every client on its own eps; ``pairs`` (``Method.paired_samples``,
+        every client's or none): each batch joined by its rows of them (never padded). Returns the stacked trained state
         (parameters and float buffers), the summed tracked values per client and each client's
         number of steps. Nothing inside the step loop reads a device value back to the host."""
         s = self.settings
@@ -317,15 +318,24 @@ class VectorizedExecutor:
         steps = np.array([len(sc) for sc in schedules])
         sizes = np.zeros((G, max(int(steps.max()), 1)), dtype=np.int64)
         first = np.zeros_like(sizes)
-        rows, base = [], 0
+        rows, local, base = [], [], 0
+        if pairs is not None and (any(p is None for p in pairs) or len({p[1].shape[1] for p in pairs}) > 1):
+            raise ValueError(f"method {self.method.name} gives paired samples to some clients of a round and not to "
+                             f"others, or different numbers of them: the vectorised executor needs every client's")
+        offsets = np.cumsum([0] + [len(p[1]) for p in pairs[:-1]]) if pairs is not None else None
         for i, (k, sched) in enumerate(zip(clients, schedules)):
             lengths = np.array([len(b) for b in sched], dtype=np.int64)
             sizes[i, :len(sched)] = lengths
             first[i, :len(sched)] = base + np.cumsum(lengths) - lengths
             picked = np.concatenate(sched) if sched else np.zeros(0, dtype=np.int64)
             rows.append(self.train_idx[k][self._to_device(picked)])
+            if pairs is not None:
+                local.append(picked + offsets[i])
             base += len(picked)
         rows = torch.cat(rows)
+        if pairs is not None:  # the paired samples of every client, one table; their rows parallel to ``rows``
+            pair_x, pair_y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+            local = self._to_device(np.concatenate(local))
         augs = None
         if s.augment_pad:
             augs = torch.cat([s.augmentation(round_stage[0], k, round_stage[1], int(n))
@@ -362,6 +372,9 @@ class VectorizedExecutor:
                 if augs is not None:
                     x = crop_flip(x, augs[at], s.augment_pad)
                 y = self.y[rows[at]]
+                if pairs is not None:
+                    x, y = join_pairs(x, y, pair_x[local[at]], pair_y[local[at]],
+                                      augs[at] if augs is not None else None, s.augment_pad)
                 p, buf, mom = pick(params), pick(buffers), pick(momentum) if momentum else None
                 leaves = {k: v.detach().requires_grad_(k in updated) for k, v in p.items()}
                 c = pick(cstates)
