@@ -436,8 +436,8 @@ class FedFed(Method):
 
     Feature distillation (Algorithm 1, the first ``distill_rounds`` rounds): besides its ordinary
     local training, a selected client trains the global VAE G and a classifier f of the model's
-    architecture (in ``after_training``, AdamW; independent of the model) on its data for ``vae_epochs`` epochs of three passes, as the
-    official ``train_vae_model``: (1) f alone on mixup batches; (2) G alone on rec MSE(G(x), x) + kl
+    architecture (in ``after_training``, AdamW; apart from the model) on its data for
+    ``vae_epochs`` epochs of three passes, as the official ``train_vae_model``: (1) f alone on mixup batches; (2) G alone on rec MSE(G(x), x) + kl
     KL; (3) both on Eq. (8)'s objective in the official form
 
         rec MSE(x_r, x) + ce CE(f([x_s + n_1; x_s + n_2]), [y; y]) + kl KL + x_ce CE(f(x), y),
