@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("flwr")
 
@@ -66,10 +67,12 @@ def federation(tmp_path_factory):
     assert alive(started) == []  # SuperLink, SuperNodes, SuperExecs, ClientApps, workers: all stopped
 
 
-@pytest.mark.parametrize("extra", [[], ["method=scaffold"]], ids=["fedavg", "scaffold"])
+@pytest.mark.parametrize("extra", [[], ["method=scaffold"], ["method=pfedhn"]], ids=["fedavg", "scaffold", "pfedhn"])
 def test_deployment_matches_fedskew_run(federation, tmp_path, extra):
-    """FedAvg, and SCAFFOLD (server control variate in the payload, client control variate kept
-    in Flower's per-node state across rounds), on a real SuperLink and two SuperNodes."""
+    """FedAvg, SCAFFOLD (server control variate in the payload, client control variate kept
+    in Flower's per-node state across rounds) and pFedHN (each client's generated model in its
+    own ``download`` record, through the torch-free ClientApp to its worker), on a real SuperLink
+    and two SuperNodes."""
     cfg = load_config(None, BASE + extra)
     run(cfg, tmp_path / "local")
     proc = federation.run(cfg, tmp_path / "flower", timeout=120)
@@ -104,9 +107,12 @@ def test_a_killed_supernode_leaves_the_round_to_the_others(tmp_path):
 @pytest.mark.parametrize("extra", [["method=map", "model.classifier_bias=false"], ["method=local"],
                                    ["method=fedadagrad"], ["method=fedasam", "method.disco.disco_a=1.0"],
                                    ["method=fedconcat", "method.clusters=2", "method.encoder_rounds=1"],
-                                   ["method=feddbe"], ["method=gpfl"], ["method=fedcp"], ["method=fedas"]],
+                                   ["method=feddbe"], ["method=gpfl"], ["method=fedcp"], ["method=fedas"],
+                                   ["method=fedfomo", "method.M=1"], ["method=pfedhn"], ["method=fedamp"],
+                                   ["method=fedpac"],
+                                   ["method=fedfed", "rounds=3", "method.distill_rounds=1", "method.vae_width=4"]],
                          ids=["map", "local", "fedadagrad", "fedasam+disco", "fedconcat", "feddbe", "gpfl", "fedcp",
-                              "fedas"])
+                              "fedas", "fedfomo", "pfedhn", "fedamp", "fedpac", "fedfed"])
 def test_simulation_runtime_matches_fedskew_run(tmp_path, extra):
     """MAP; Local (nothing is sent either way); FedAdagrad (server state m, v); FedASAM's two
     passes in the ClientApp with FedDisco's weights on the server; FedConcat's two phases (the
@@ -114,12 +120,20 @@ def test_simulation_runtime_matches_fedskew_run(tmp_path, extra):
     mean sent from round 1); GPFL (a kept head and conditional inputs); FedCP (a kept head and
     context, Gumbel noise in training and evaluation: the same numbers, since every executor seeds
     torch's generator per client); FedAS (the alignment before training, the Fisher trace of the
-    client's data after it, in the ClientApp)."""
+    client's data after it, in the ClientApp); and the methods whose server sends each client its
+    own download (``Method.download``, a ``download`` record in the message): FedFOMO's chosen
+    models, pFedHN's generated models, FedAMP's cloud models, FedPAC's combined heads, FedFed's
+    shared samples (after its VAE rounds and the upload of the shared features)."""
     pytest.importorskip("ray")
     from fedskew.flower.app import simulate
 
     cfg = load_config(None, BASE + extra)
-    run(cfg, tmp_path / "local")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the simulation's Ray actors run (the thread count moves FedFed's conv round-off)
+    try:
+        run(cfg, tmp_path / "local")
+    finally:
+        torch.set_num_threads(threads)
     simulate(cfg, tmp_path / "flower")
     assert_same_run(tmp_path / "local", tmp_path / "flower")
 

@@ -364,7 +364,8 @@ class FedFOMO(Method):
     the distance covers the trainable parameters.
 
     Down: M models + M ids per client; up: the model + M weights + M ids. Keeps: own model (client),
-    every client's latest model and P (server: N models). Not on Flower (per-client downloads)."""
+    every client's latest model and P (server: N models). On Flower the M models travel in the
+    client's ``download`` record."""
 
     fedavg_weighted = False  # each client weighs the models it downloads (Method.fedavg_weighted)
 
@@ -484,7 +485,8 @@ class FedAMP(Method):
     (HeurFedAMP, cosine similarity) is not built.
 
     Down: u_i (the trainable parameters) and xi_ii. Up: the model. Keeps: its own model (client);
-    every client's latest parameters (server: N models). Not on Flower (per-client downloads)."""
+    every client's latest parameters (server: N models). On Flower u_i travels in the client's
+    ``download`` record."""
 
     fedavg_weighted = False  # the server mixes per client by attention (Method.fedavg_weighted)
 

@@ -272,7 +272,7 @@ class Experiment:
         # between rounds; only the selected clients' states visit the device.
         payload, on_device, downloads = dispatch(method, self.info, t, selected, global_state, server_state,
                                                  client_states, self.device)
-        results, failed = self._train(t, selected, payload, on_device, lr)
+        results, failed = self._train(t, selected, payload, on_device, lr, downloads)
         train_s = time.perf_counter() - t1
         for r in results:
             if not math.isfinite(r.train_loss):
@@ -324,14 +324,15 @@ class Experiment:
         record["_global"], record["_server"] = new_global, new_server
         return record
 
-    def _train(self, t, selected, payload, states, lr):
+    def _train(self, t, selected, payload, states, lr, downloads):
         """Train the selected clients; a client whose training raises is reported (``clients_failed``)
         and left out, unless ``fail_fast``. On a failure the round is retried client by client on
         the sequential executor, so the others' results are exactly what they would have been."""
         try:
             # an executor that loses clients itself (Flower: a node that does not answer) lists them
             # in ``failed`` and returns the others
-            return self.executor.train_round(t, selected, payload, states, lr), list(getattr(self.executor, "failed", []))
+            return self.executor.train_round(t, selected, payload, states, lr, **self._downloads_for(downloads)), \
+                list(getattr(self.executor, "failed", []))
         except ClientFailure:
             raise
         except Exception:
@@ -353,6 +354,11 @@ class Experiment:
                                 f"{failed[0]['error']}")
         return results, failed
 
+    def _downloads_for(self, downloads: dict) -> dict:
+        """The keyword an executor whose client states live on the clients takes (Flower's:
+        ``remote_states``): each client's ``Method.download`` apart from its state, sent with its message."""
+        return {"downloads": downloads} if getattr(self.executor, "remote_states", False) else {}
+
     def _final_personalization(self, global_state, server_state, client_states) -> dict:
         """Every client receives the final global model and trains once (no aggregation, no state
         kept): ``personal/final_acc_before`` and ``personal/final_acc_after`` over all clients, and
@@ -361,13 +367,13 @@ class Experiment:
         cfg = self.cfg
         clients = list(range(self.fed.num_clients))
         # (a copy: the states of clients never selected are made for this pass and not kept)
-        payload, states, _ = dispatch(self.method, self.info, cfg.rounds, clients, global_state, server_state,
-                                      dict(client_states), self.device)
+        payload, states, downloads = dispatch(self.method, self.info, cfg.rounds, clients, global_state, server_state,
+                                              dict(client_states), self.device)
         validate = self.fed.data.x_val is not None and hasattr(self.executor, "val_accuracies")
         self.executor.score_validation = validate
         try:
             results = self.executor.train_round(cfg.rounds, clients, payload, states,
-                                                cfg.lr * cfg.lr_decay ** cfg.rounds)
+                                                cfg.lr * cfg.lr_decay ** cfg.rounds, **self._downloads_for(downloads))
         finally:
             self.executor.score_validation = False
         before, before_std = mean_std([r.acc_before for r in results])

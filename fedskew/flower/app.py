@@ -9,6 +9,9 @@ so the records, checkpoints of global and server state, metrics and summary are 
 client becomes one ``train`` message to the SuperNode serving that client's partition, carrying
 
 * ``payload``: an ArrayRecord holding ``Method.broadcast``'s dict one-to-one (same keys);
+* ``download`` (only for a method with per-client downloads): an ArrayRecord holding that
+  client's ``Method.download`` (FedFOMO's chosen models, pFedHN's generated model, FedAMP's cloud
+  model, FedFed's shared samples), merged into the client's state on the node for the round;
 * ``config``: a ConfigRecord with the round, the learning rate, the client id, whether to keep the
   client state, and the resolved fedskew config (JSON) so the node builds the same data split,
   model and method.
@@ -49,20 +52,10 @@ from fedskew.flower.client import CONFIG_KEY, OUT_KEY, STATE_KEY, TIMEOUT_KEY, c
 
 
 def check_supported(cfg: RunConfig) -> None:
-    """One sentence for a method the Flower runtime cannot carry yet: per-client downloads
-    (``Method.download``, FedFOMO) would need one payload record per message."""
-    from fedskew.algorithms import Method, build_method
-    from fedskew.algorithms.compose import Composite
-
+    """One sentence for a config the Flower runtime cannot run."""
     if cfg.distributed:
         raise ConfigError("distributed = true spreads a run's clients over torchrun ranks; on Flower each SuperNode "
                           "already trains its own clients: leave it false.")
-    method = build_method(cfg.method)
-    while isinstance(method, Composite):  # (a composite forwards download to its base)
-        method = method.base
-    if type(method).download is not Method.download:
-        raise ConfigError(f"method '{cfg.method.name}' sends each client its own download (Method.download), "
-                          f"which fedskew's Flower runtime does not carry yet; run it with `fedskew run`.")
 
 
 def to_record(state: dict) -> ArrayRecord:
@@ -90,11 +83,13 @@ class _NodeRuntime:
         self.executor = getattr(self.exp.executor, "sequential", self.exp.executor)
         self.initial = federated_state(self.exp.model)
 
-    def train(self, k: int, round_idx: int, lr: float, payload: dict, client_state: dict | None) -> ClientResult:
-        """Client k's local round (its state from ``client_init`` on a first visit)."""
+    def train(self, k: int, round_idx: int, lr: float, payload: dict, client_state: dict | None,
+              download: dict | None = None) -> ClientResult:
+        """Client k's local round (its state from ``client_init`` on a first visit), its own
+        ``Method.download`` merged into its state for the round, as ``dispatch`` does locally."""
         if client_state is None:
             client_state = self.exp.method.client_init(k, self.initial, self.exp.info)
-        return self.executor.train_client(round_idx, k, payload, client_state, lr)
+        return self.executor.train_client(round_idx, k, payload, {**client_state, **(download or {})}, lr)
 
 
 _RUNTIMES: dict[str, _NodeRuntime] = {}
@@ -116,7 +111,8 @@ def client_train(msg: Message, context: Context) -> Message:
     if served is not None and int(served) != k:
         raise ValueError(f"this SuperNode serves partition {served}, but the server sent client {k}")
     state = from_record(context.state[STATE_KEY]) if STATE_KEY in context.state else None
-    result = rt.train(k, int(conf["round"]), float(conf["lr"]), from_record(msg.content["payload"]), state)
+    download = from_record(msg.content["download"]) if "download" in msg.content else None
+    result = rt.train(k, int(conf["round"]), float(conf["lr"]), from_record(msg.content["payload"]), state, download)
     if bool(conf["keep-state"]):
         context.state[STATE_KEY] = to_record(result.client_state)
     return Message(RecordDict({"upload": to_record(result.upload), "report": MetricRecord(report_of(result))}),
@@ -152,6 +148,7 @@ class FlowerExecutor:
     clients of the last round that did not answer or raised."""
 
     name = "flower"
+    remote_states = True  # client states live on the nodes: the runner passes the downloads apart
 
     def __init__(self, grid: Grid, cfg: RunConfig, timeout: float = 600.0, wait_for_nodes: float = 120.0):
         self.grid = grid
@@ -200,7 +197,9 @@ class FlowerExecutor:
         return ids, replies
 
     def train_round(self, round_idx: int, clients: list[int], payload: dict, client_states: dict,
-                    lr: float, keep_state: bool = True) -> list[ClientResult]:
+                    lr: float, keep_state: bool = True, downloads: dict | None = None) -> list[ClientResult]:
+        """One message per selected client: the payload, its own download (``Method.download``:
+        FedFOMO's models, FedFed's shared samples) when it has one, and the round's config."""
         record = to_record(payload)
         messages, sent = [], {}
         alive = set(self.grid.get_node_ids())
@@ -212,8 +211,10 @@ class FlowerExecutor:
                 continue
             conf = ConfigRecord({CONFIG_KEY: self.cfg_json, "round": round_idx, "lr": float(lr), "client": k,
                                  "keep-state": keep_state})
-            messages.append(Message(RecordDict({"payload": record, "config": conf}), dst_node_id=node,
-                                    message_type="train"))
+            content = {"payload": record, "config": conf}
+            if downloads and downloads.get(k):
+                content["download"] = to_record(downloads[k])
+            messages.append(Message(RecordDict(content), dst_node_id=node, message_type="train"))
             sent[node] = k
         ids, by_id = self._exchange(messages)
         replies = {}

@@ -82,9 +82,11 @@ def client_train(msg: Message, context: Context) -> Message:
     if served is not None and int(served) != k:
         raise ValueError(f"this SuperNode serves partition {served}, but the server sent client {k}")
     state = numpy_of(context.state[STATE_KEY]) if STATE_KEY in context.state else None
+    download = numpy_of(msg.content["download"]) if "download" in msg.content else None
     conn = _connect(str(conf[CONFIG_KEY]), k)
     try:
-        conn.send(("train", k, int(conf["round"]), float(conf["lr"]), numpy_of(msg.content["payload"]), state))
+        conn.send(("train", k, int(conf["round"]), float(conf["lr"]), numpy_of(msg.content["payload"]), state,
+                   download))
         status, *reply = conn.recv()
     finally:
         conn.close()

@@ -2,7 +2,7 @@
 
     python -m fedskew.flower.worker SOCKET KEYFILE CONFIGFILE
 
-Serves ``("train", client, round, lr, payload, client_state)`` requests (numpy arrays) with the
+Serves ``("train", client, round, lr, payload, client_state, download)`` requests (numpy arrays) with the
 same ``train_client`` as every other path, replying ``("ok", upload, new_state, report)`` or
 ``("error", message)``; exits after ``FEDSKEW_WORKER_IDLE`` seconds without a request.
 """
@@ -46,9 +46,10 @@ def main(sock: str, keyfile: str, cfgfile: str) -> None:
         conn = listener.accept()
         last[0] = time.time()
         try:
-            _, k, round_idx, lr, payload, state = conn.recv()
-            tensors = (lambda arrays: {key: torch.from_numpy(v.copy()) for key, v in arrays.items()})
-            result = rt.train(k, round_idx, lr, tensors(payload), None if state is None else tensors(state))
+            _, k, round_idx, lr, payload, state, download = conn.recv()
+            tensors = (lambda arrays: None if arrays is None else {key: torch.from_numpy(v.copy())
+                                                                  for key, v in arrays.items()})
+            result = rt.train(k, round_idx, lr, tensors(payload), tensors(state), tensors(download))
             conn.send(("ok", {key: v.detach().cpu().numpy() for key, v in result.upload.items()},
                        {key: v.detach().cpu().numpy() for key, v in result.client_state.items()}, report_of(result)))
         except Exception as exc:  # the ClientApp raises it, Flower reports the client as failed
