@@ -272,7 +272,7 @@ class Experiment:
         # between rounds; only the selected clients' states visit the device.
         payload, on_device, downloads = dispatch(method, self.info, t, selected, global_state, server_state,
                                                  client_states, self.device)
-        results, failed = self._train(t, selected, payload, on_device, lr, downloads)
+        results, failed = self._train(t, selected, payload, on_device, lr, **self._downloads_for(downloads))
         train_s = time.perf_counter() - t1
         for r in results:
             if not math.isfinite(r.train_loss):
@@ -324,15 +324,14 @@ class Experiment:
         record["_global"], record["_server"] = new_global, new_server
         return record
 
-    def _train(self, t, selected, payload, states, lr, downloads):
+    def _train(self, t, selected, payload, states, lr, **kw):
         """Train the selected clients; a client whose training raises is reported (``clients_failed``)
         and left out, unless ``fail_fast``. On a failure the round is retried client by client on
         the sequential executor, so the others' results are exactly what they would have been."""
         try:
             # an executor that loses clients itself (Flower: a node that does not answer) lists them
             # in ``failed`` and returns the others
-            return self.executor.train_round(t, selected, payload, states, lr, **self._downloads_for(downloads)), \
-                list(getattr(self.executor, "failed", []))
+            return self.executor.train_round(t, selected, payload, states, lr, **kw), list(getattr(self.executor, "failed", []))
         except ClientFailure:
             raise
         except Exception:
@@ -355,8 +354,7 @@ class Experiment:
         return results, failed
 
     def _downloads_for(self, downloads: dict) -> dict:
-        """The keyword an executor whose client states live on the clients takes (Flower's:
-        ``remote_states``): each client's ``Method.download`` apart from its state, sent with its message."""
+        """Flower's executor (``remote_states``: client states on the nodes) takes the downloads apart."""
         return {"downloads": downloads} if getattr(self.executor, "remote_states", False) else {}
 
     def _final_personalization(self, global_state, server_state, client_states) -> dict:
