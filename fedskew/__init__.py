@@ -136,7 +136,8 @@ def resume(run_dir: str | Path, *, on_round: Callable[[dict], None] | None = Non
 
 def sweep(spec: Mapping | str | Path | None = None, /, jobs: int | None = None, out: str | Path | None = None, *,
           on_event: Callable[[str, dict], None] | None = None, ray: str | None = None,
-          on_progress: Callable[[dict], None] | None = None, progress: bool = False) -> Path:
+          on_progress: Callable[[dict], None] | None = None, progress: bool = False,
+          pack: str | int = "auto") -> Path:
     """Run a sweep (methods x option grids x partitions x seeds) into a folder with a SQLite results
     store and one run directory per run; returns the folder (default ``runs/sweep-<name>``).
 
@@ -151,7 +152,10 @@ def sweep(spec: Mapping | str | Path | None = None, /, jobs: int | None = None, 
     None until a round is done); ``progress=True`` prints it as a line to stderr every 30 s and
     after each run. ``ray``: run on Ray instead
     (``"local"`` starts an instance; ``"auto"``, ``"host:port"``, ``"ray://host:10001"`` join a
-    cluster; per-run resources from the spec's ``resources``; docs/scaling.md). Failed runs are listed by
+    cluster; per-run resources from the spec's ``resources``; docs/scaling.md). ``pack``: runs on the
+    vectorised executor that differ only in seed, partition, lr or float method options train as
+    lanes of one program (``"auto"``: on a CUDA device; ``"off"``; or N runs a pack; docs/design.md,
+    "Runs as lanes"). Failed runs are listed by
     :func:`load_results` (``status``, ``error``) and announced with a warning."""
     import sys
     import warnings
@@ -183,7 +187,7 @@ def sweep(spec: Mapping | str | Path | None = None, /, jobs: int | None = None, 
             if progress and tracker.line_due(kind):
                 print(f"fedskew sweep: {progress_line(snap)}", file=sys.stderr, flush=True)
 
-    db = run_sweep(parsed, sweep_dir, jobs, on_event, ray)
+    db = run_sweep(parsed, sweep_dir, jobs, on_event, ray, pack)
     try:
         failed = db.execute("SELECT COUNT(*) FROM runs WHERE status='failed'").fetchone()[0]
     finally:

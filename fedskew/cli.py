@@ -350,6 +350,8 @@ class SweepDisplay:
             if line:
                 self.progress.console.print(line, highlight=False, markup=False)
             self.progress.update(self.task, completed=snap["rounds_done"], description=self.line(snap))
+            if kind != "round":  # a run started, finished or failed: drawn now, not at the next refresh tick
+                self.progress.refresh()
             return
         if kind == "skipped":
             line = f"{name}: already done"
@@ -404,6 +406,9 @@ def _sweep_tables(sweep_dir: Path, console: Console) -> None:
 
 def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, console: Console, args=None,
                     ray: str | None = None) -> int:
+    from fedskew.experiments.sweep import check_pack
+
+    pack = check_pack(getattr(args, "pack", None) or "auto")  # (a bad value: one sentence before anything runs)
     from fedskew.experiments.report import write_report
     from fedskew.experiments.store import writable
     from fedskew.experiments.sweep import (clock, default_jobs, default_sweep_dir, planned_count, rounds_per_run,
@@ -429,9 +434,9 @@ def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, conso
     display = SweepDisplay(console, total, rounds_per_run(spec))
     if display.progress is not None:
         with display.progress:
-            db = run_sweep(spec, sweep_dir, jobs, display, ray)
+            db = run_sweep(spec, sweep_dir, jobs, display, ray, pack)
     else:
-        db = run_sweep(spec, sweep_dir, jobs, display, ray)
+        db = run_sweep(spec, sweep_dir, jobs, display, ray, pack)
     failed = db.execute("SELECT COUNT(*) FROM runs WHERE status='failed'").fetchone()[0]
     db.close()
     console.print(f"{total} runs, {failed} failed; results in {sweep_dir / 'results.sqlite'} "
@@ -606,6 +611,11 @@ def cmd_flower(args, console: Console) -> int:
     return 0
 
 
+PACK_HELP = ("runs on the vectorised executor that differ only in seed, partition, lr or float method options train "
+             "as lanes of one program (docs/design.md, \"Runs as lanes\"): auto (on a CUDA device; default), off, or N "
+             "runs a pack")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedskew", description="Federated learning under label skew.",
                                      epilog=EPILOG)
@@ -617,6 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--print-config", action="store_true",
                        help="print the resolved config (every default, the method's options included) and exit")
     p_run.add_argument("--jobs", type=int, help="multirun (key=a,b): runs at once (default: min(2, cores))")
+    p_run.add_argument("--pack", metavar="auto|off|N", help=PACK_HELP)
     p_res = sub.add_parser("resume", help="continue an interrupted run from its directory")
     p_res.add_argument("run_dir")
     p_res.add_argument("changes", nargs="*", metavar="key=value",
@@ -634,6 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_sw.add_argument("--out", help="sweep folder (default runs/sweep-<name>); running again resumes it")
     p_sw.add_argument("--jobs", type=int, help="runs at once, one torch thread each (default: min(2, cores))")
     p_sw.add_argument("--no-report", action="store_true", help="skip the report at the end")
+    p_sw.add_argument("--pack", metavar="auto|off|N", help=PACK_HELP)
     p_sw.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                       help="run on Ray: no address starts a local instance; auto, host:port or ray://host:10001 "
                            "joins a cluster (docs/scaling.md)")
@@ -652,6 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_pro.add_argument("--data", help="folder holding the data set (small and paper scales)")
     p_pro.add_argument("--out", help="sweep folder (default runs/reproduce-<name>-<scale>)")
     p_pro.add_argument("--jobs", type=int)
+    p_pro.add_argument("--pack", metavar="auto|off|N", help=PACK_HELP)
     p_be = sub.add_parser("bench", help="a benchmark suite of the papers' settings, with the published numbers "
                                          "beside ours (`fedskew bench --list`)")
     p_be.add_argument("suite", nargs="?", help="the suite (fedskew bench --list)")
@@ -661,6 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_be.add_argument("--data", help="folder holding the data sets (lite and paper scales)")
     p_be.add_argument("--out", help="suite folder (default runs/bench-<suite>-<scale>); running again resumes it")
     p_be.add_argument("--jobs", type=int)
+    p_be.add_argument("--pack", metavar="auto|off|N", help=PACK_HELP)
     p_be.add_argument("--ray", help="run on Ray (local, auto, host:port)")
     p_be.add_argument("--report", action="store_true", help="only rebuild the leaderboard from the runs there are")
     p_be.add_argument("--methods", help="only these methods (comma-separated names)")

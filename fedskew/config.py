@@ -121,6 +121,8 @@ class ModelConfig(_Section):
     hidden: list[Annotated[int, Field(ge=1, le=1 << 16)]] | None = Field(None, description="hidden widths of mlp (default [200, 200]) and mlpnet "
                                                        "(default [1024, 1024, 128])")
     width: int = Field(32, ge=1, description="cnnbn channel width")
+    dropout: float = Field(0.0, ge=0, lt=1, description="mlp: dropout after each hidden layer (drawn from each "
+                                                        "client's own stream, the same in both executors)")
     projection_dim: int | None = Field(None, ge=1, description="add MOON's projection head (d->d->n); features = its output")
     classifier: Literal["linear", "etf"] = Field("linear", description="etf: fixed simplex-ETF head, never trained")
     etf_scale: float = Field(1.0, gt=0, description="etf: beta, the head is beta * M^T")
@@ -145,7 +147,7 @@ class ModelConfig(_Section):
                                                       "before the classifier (method fedconcat: one per cluster)")
 
     def applies(self) -> set[str]:
-        own = {"mlp": {"hidden"}, "mlpnet": {"hidden"}, "cnnbn": {"width"}}.get(self.name, set())
+        own = {"mlp": {"hidden", "dropout"}, "mlpnet": {"hidden"}, "cnnbn": {"width"}}.get(self.name, set())
         etf = {"etf_scale", "etf_normalize", "etf_projector", "etf_learn_scale"} if self.classifier == "etf" else set()
         return {"name", "classifier_bias", "projection_dim", "classifier", "private_expert", "feature_shift",
                 "conditional_valve", "conditional_policy", "branches", *own, *etf}
@@ -233,7 +235,8 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _method_options(self) -> "RunConfig":
-        from fedskew.algorithms import method_model_defaults, model_option_owners, validate_method_config
+        from fedskew.algorithms import (method_model_defaults, method_run_defaults, model_option_owners,
+                                        validate_method_config)
 
         problems = []
         for section in ("dataset", "partition", "model"):
@@ -261,6 +264,13 @@ class RunConfig(_Strict):
         for key, value in method_model_defaults(self.method).items():
             if key not in self.model.model_fields_set:
                 setattr(self.model, key, value)
+        # the local-training settings of the method's official code, where the config leaves them unset
+        for key, value in method_run_defaults(self.method).items():
+            if key not in RUN_DEFAULT_KEYS:
+                raise ValueError(f"method {self.method.name} declares a run default for '{key}'; a method may set "
+                                 f"only {sorted(RUN_DEFAULT_KEYS)}")
+            if key not in self.model_fields_set:
+                self.__dict__[key] = value  # (not setattr: assignment would validate this model again)
         if self.clients_per_round > self.partition.num_clients:
             raise ValueError(f"clients_per_round = {self.clients_per_round} exceeds partition.num_clients = "
                              f"{self.partition.num_clients}")
@@ -271,6 +281,7 @@ class RunConfig(_Strict):
         return {"fedskew_version": __version__, **self.model_dump(mode="json")}
 
 
+RUN_DEFAULT_KEYS = frozenset({"lr", "momentum", "weight_decay", "grad_clip", "local_epochs", "batch_size"})
 RECORD_KEYS = ("fedskew_version", "environment", "environment_previous", "changes")
 SECTIONS = {"dataset": DatasetConfig, "partition": PartitionConfig, "model": ModelConfig}
 

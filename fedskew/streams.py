@@ -45,6 +45,11 @@ def batch_order(seed: int, round_idx: int, client_id: int, num_samples: int, epo
     return [rng.permutation(num_samples) for _ in range(epochs)]
 
 
+def dropout_generator(seed: int, round_idx: int, client_id: int, stage: int) -> torch.Generator:
+    """The CPU generator of a client's dropout masks in one stage of a round (stream ``dropout``)."""
+    return torch.Generator().manual_seed(torch_seed(seed, "dropout", round_idx, client_id, stage))
+
+
 @contextlib.contextmanager
 def seeded_torch(seed: int, name: str = "model_init"):
     """Run a block with the global torch RNG seeded from a stream; the outer state is restored."""

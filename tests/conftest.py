@@ -1,9 +1,13 @@
 import gzip
+import os
 import signal
 import struct
+import subprocess
 
 import numpy as np
 import pytest
+
+from fedskew.engine.reaper import Reaper
 
 
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
@@ -12,6 +16,37 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     # inherited SIG_IGN, and the Ctrl-C tests would see their runs ignore the signal. Python's own
     # handler here makes the children start with the default disposition (a handler resets on exec).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# Every process a test starts from this process (tests, and fedskew code they call in-process:
+# LocalFederation, Ray) is watched by a Reaper: if the test run is killed, even with SIGKILL, the
+# watchdog kills them (their whole process group when they have their own); at the end of the
+# session it kills whatever is still running, and the session reports it as a failure.
+_SESSION_PID = os.getpid()
+_REAPER = Reaper()
+_popen_init = subprocess.Popen.__init__
+
+
+def _watched_popen_init(self, *args, **kwargs):
+    _popen_init(self, *args, **kwargs)
+    if os.getpid() == _SESSION_PID and _REAPER.proc.poll() is None:
+        try:
+            own_group = os.getpgid(self.pid) == self.pid
+        except ProcessLookupError:  # already gone
+            return
+        _REAPER.watch(self.pid, group=own_group)
+
+
+subprocess.Popen.__init__ = _watched_popen_init
+
+
+def pytest_sessionfinish(session, exitstatus):
+    left = _REAPER.close(kill=True)
+    if left and session.config.option.verbose >= 0:
+        print(f"\nconftest: {len(left)} process(es) the tests started were still running and were killed: "
+              f"{left}")
+        if exitstatus == 0:
+            session.exitstatus = 1
 
 
 def write_idx(path, array: np.ndarray, gz: bool = True, truncate: int = 0) -> None:

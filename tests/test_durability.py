@@ -120,9 +120,15 @@ def test_two_sweeps_on_one_folder_one_is_refused(tmp_path):
     spec = {"name": "lock", "base": {**SMALL, "rounds": 30}, "methods": ["fedavg"], "seeds": [0, 1]}
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
     first = cli_popen("sweep", "s.yaml", "--out", "sw", "--jobs", "1", "--no-report", cwd=tmp_path)
+    # results.sqlite is written under the folder lock; the first sweep (its process group: the sweep
+    # and its worker) is then frozen, so it still holds the lock however long the second takes to start
     wait_for(lambda: (tmp_path / "sw" / "results.sqlite").exists(), first)
-    second = subprocess.run([sys.executable, "-m", "fedskew.cli", "sweep", "s.yaml", "--out", "sw", "--no-report"],
-                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    os.killpg(first.pid, signal.SIGSTOP)
+    try:
+        second = subprocess.run([sys.executable, "-m", "fedskew.cli", "sweep", "s.yaml", "--out", "sw", "--no-report"],
+                                cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
     assert second.returncode == 2 and f"sweep folder 'sw' is in use by another fedskew process (pid {first.pid})" \
         in second.stderr
     first.communicate(timeout=600)

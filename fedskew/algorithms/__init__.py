@@ -167,6 +167,11 @@ def method_model_defaults(cfg) -> dict:
     return cls.model_defaults_of(options)
 
 
+def method_run_defaults(cfg) -> dict:
+    """The local-training settings the method named by ``cfg`` uses by default (``Method.run_defaults``)."""
+    return dict(_parse(cfg)[0].run_defaults)
+
+
 def build_method(cfg, info: FederationInfo | None = None) -> Method:
     cls, options, parts = _parse(cfg)
     method = cls(options, info)
@@ -176,7 +181,7 @@ def build_method(cfg, info: FederationInfo | None = None) -> Method:
 
 
 __all__ = ["ClientReport", "FederationInfo", "Forward", "METHODS", "Method", "State", "build_method",
-           "did_you_mean", "external_methods", "import_methods", "method_model_defaults", "method_validation_fraction", "register_method", "registered",
+           "did_you_mean", "external_methods", "import_methods", "method_model_defaults", "method_run_defaults", "method_validation_fraction", "register_method", "registered",
            "validate_method_config"]
 
 

@@ -296,6 +296,9 @@ class Method:
     # model options this method's papers use, applied to the keys a config leaves unset
     # (``method=map`` -> a bias-free classifier; ``method=etf_gmv`` -> the fixed ETF head)
     model_defaults: dict = {}
+    # local-training settings (RUN_DEFAULT_KEYS) the method's official code uses, applied where a
+    # config leaves them unset (pFedHN: the authors' inner lr 5e-3, weight decay 5e-5, clip 50)
+    run_defaults: dict = {}
     # boolean model options only this method may turn on (FLDA's ``private_expert``: an architecture
     # whose private parts only that method keeps on the clients); config validation refuses them
     # with any other method

@@ -12,6 +12,8 @@ BatchNorm statistics are updated once per step, as in the sequential reference.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from pydantic import BaseModel
 
@@ -255,6 +257,42 @@ class Composite(Method):
         for c in self.components:
             new_state.update(c.aggregate(_own(server_state, c.prefix), [_own(u, c.prefix) for u in uploads], reports))
         return new_global, new_state
+
+
+def option_holders(method: Method, path: str = "method") -> list[tuple[str, object]]:
+    """Every object of ``method`` whose hooks read options from its ``opt``, by path: the method,
+    and a composite's base (recursively) and components."""
+    out = [(path, method)]
+    if isinstance(method, Composite):
+        out += option_holders(method.base, f"{path}.base")
+        out += [(f"{path}.components.{i}", c) for i, c in enumerate(method.components)]
+    return out
+
+
+class OptionsView:
+    """Options with some values replaced (a pack's per-lane values, tensors under ``vmap``)."""
+
+    def __init__(self, options: BaseModel, values: dict):
+        self.__dict__.update(_options=options, _values=values)
+
+    def __getattr__(self, name):
+        values = self.__dict__["_values"]
+        return values[name] if name in values else getattr(self.__dict__["_options"], name)
+
+
+@contextmanager
+def lane_options(method: Method, values: dict[str, dict]):
+    """Within the block, the option holders of ``method`` (:func:`option_holders`) named in
+    ``values`` read those values (path -> {option: value}) instead of their own."""
+    holders = dict(option_holders(method))
+    saved = {path: holders[path].opt for path in values}
+    try:
+        for path, v in values.items():
+            holders[path].opt = OptionsView(saved[path], v)
+        yield
+    finally:
+        for path, opt in saved.items():
+            holders[path].opt = opt
 
 
 def options_of(schema: type[BaseModel], opt: BaseModel) -> BaseModel:

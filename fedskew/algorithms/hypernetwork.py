@@ -62,8 +62,10 @@ class PFedHN(Method):
     momentum 0.9, weight decay, applied to the embeddings too) and the gradient grad_phi theta_k^T
     Delta_k, clipped to norm 50, once per client of the round (``server_step=per_client``, in the
     round's order; ``mean``: once with their mean). With one client per round this is the authors'
-    loop exactly (their 50 inner steps, inner lr 5e-3 and inner weight decay 5e-5 are the run's E
-    epochs, lr and weight_decay here); with several, every client's model came from the round's
+    loop exactly (their 50 inner steps are the run's E epochs here; their inner lr 5e-3, weight
+    decay 5e-5 and gradient clip 50 are the method's ``run_defaults``, used where the config leaves
+    lr, weight_decay and grad_clip unset: at the run's lr 0.01 and no clip, one seed in three of the
+    README setting diverged); with several, every client's model came from the round's
     first phi, so the later steps use gradients taken there (the authors generate each client's
     model from the phi of the step before). The client's
     personalised model is its trained theta~_k; ``personal/acc_before`` is the generated
@@ -75,6 +77,9 @@ class PFedHN(Method):
 
     name = "pfedhn"
     Options = PFedHNOptions
+    # the authors' inner optimiser (trainer.py: --inner-lr 5e-3, --inner-wd 5e-5, clip_grad_norm_ 50),
+    # where the config leaves the run's lr, weight_decay and grad_clip unset
+    run_defaults = {"lr": 5e-3, "weight_decay": 5e-5, "grad_clip": 50.0}
     has_global_model = False
     fedavg_weighted = False  # the server takes a gradient step (Method.fedavg_weighted)
     per_sample_loss = True  # Method.padding_exact (FedAvg's loss)

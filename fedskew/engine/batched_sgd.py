@@ -38,9 +38,10 @@ def unscale(grads, scaler: dict[str, torch.Tensor]):
 
 
 @torch.no_grad()
-def sgd_(params: State, grads: State, momentum: State | None, lr: float, settings, ok: torch.Tensor | None = None) -> None:
+def sgd_(params: State, grads: State, momentum: State | None, lr, settings, ok: torch.Tensor | None = None) -> None:
     """One torch.optim.SGD step (dampening 0, no Nesterov) for every client at once, in place
-    on ``params`` and ``momentum``; clients with ``ok`` False (fp16 overflow) keep both."""
+    on ``params`` and ``momentum``; clients with ``ok`` False (fp16 overflow) keep both. ``lr``: a
+    float, or a tensor of one learning rate per client (the lanes of a pack)."""
     if ok is not None:
         before = [dict(params), dict(momentum or {})]
         before = [{k: v.clone() for k, v in d.items()} for d in before]
@@ -64,7 +65,10 @@ def sgd_(params: State, grads: State, momentum: State | None, lr: float, setting
         p[i], g[i], *rest = _dense(list(group))
         if m:
             m[i] = rest[0]
-    fused_sgd_(p, g, m, s.weight_decay, s.momentum if m else 0.0, lr)
+    if isinstance(lr, torch.Tensor):
+        plain_sgd_(p, g, m, s.weight_decay, s.momentum if m else 0.0, lr)
+    else:
+        fused_sgd_(p, g, m, s.weight_decay, s.momentum if m else 0.0, lr)
 
 
 def fused_sgd_(p: list[torch.Tensor], g: list[torch.Tensor], m: list[torch.Tensor], weight_decay: float,
@@ -86,11 +90,15 @@ def fused_sgd_(p: list[torch.Tensor], g: list[torch.Tensor], m: list[torch.Tenso
 
 
 def plain_sgd_(p: list[torch.Tensor], g: list[torch.Tensor], m: list[torch.Tensor], weight_decay: float,
-               momentum: float, lr: float) -> None:
-    """:func:`fused_sgd_` without the private kernel."""
+               momentum: float, lr) -> None:
+    """:func:`fused_sgd_` without the private kernel; ``lr`` a float or one per client (a tensor
+    along the leading dimension)."""
     for i, (param, grad) in enumerate(zip(p, g)):
         d = grad.add(param, alpha=weight_decay) if weight_decay else grad
         if m:
             m[i].mul_(momentum).add_(d)
             d = m[i]
-        param.add_(d, alpha=-lr)
+        if isinstance(lr, torch.Tensor):
+            param.sub_(d * lr.view(-1, *[1] * (param.dim() - 1)))
+        else:
+            param.add_(d, alpha=-lr)

@@ -15,7 +15,8 @@ from fedskew.data.federated import Federation
 from fedskew.engine.batched_sgd import FP16_GROWTH_INTERVAL, FP16_INIT_SCALE
 from fedskew.engine.protocol import ClientResult, LocalSettings, Stage, client_round, make_forward
 from fedskew.models.functional import bn_recalibration_fn, feature_fn, frozen_fn, low_precision, predict
-from fedskew.streams import torch_seed
+from fedskew.models.nets import DROPOUT_MASKS, GeneratorMasks
+from fedskew.streams import dropout_generator, torch_seed
 
 
 def federated_state(model: nn.Module) -> State:
@@ -141,18 +142,25 @@ class SequentialExecutor:
         """Each client in turn: its start state loaded into the one model, a fresh torch.optim.SGD,
         and torch's global generator seeded from the stream (seed, ``local_rng``, round, client,
         stage), so that random layers (dropout) draw the same masks whatever ran before in this
-        process: another run of a sweep worker, or the rounds before a resume."""
+        process: another run of a sweep worker, or the rounds before a resume. Dropout layers
+        (``StreamDropout``) draw their masks from the client's own ``dropout`` stream instead."""
         method = self.method
         loss_fn = method.local_loss if stage == "upload" else method.personal_loss
         trained, means = [], []
         for i, (start, state, batches, k, lr) in enumerate(zip(starts, states, schedules, clients, lrs)):
             torch.manual_seed(torch_seed(self.settings.seed, "local_rng", round_idx, k, stage == "personal"))
             load_state(self.model, start)
-            means.append(self._sgd_stage(
-                loss_fn, self.train_idx[k], batches, lr, payload, state, method.trained_params(stage),
-                self.settings.augmentation(round_idx, k, 0 if stage == "upload" else 1, sum(map(len, batches))),
-                method.step_correction(payload, state) if stage == "upload" else None,
-                method.sam if stage == "upload" else None, pairs[i] if pairs else None))
+            # dropout masks from the client's own stream, as the vectorised executor draws them
+            token = DROPOUT_MASKS.set(GeneratorMasks(dropout_generator(self.settings.seed, round_idx, k,
+                                                                       int(stage == "personal"))))
+            try:
+                means.append(self._sgd_stage(
+                    loss_fn, self.train_idx[k], batches, lr, payload, state, method.trained_params(stage),
+                    self.settings.augmentation(round_idx, k, 0 if stage == "upload" else 1, sum(map(len, batches))),
+                    method.step_correction(payload, state) if stage == "upload" else None,
+                    method.sam if stage == "upload" else None, pairs[i] if pairs else None))
+            finally:
+                DROPOUT_MASKS.reset(token)
             trained.append(federated_state(self.model))
         return trained, means
 

@@ -199,9 +199,27 @@ def dispatch(method: Method, info: FederationInfo, round_idx: int, clients: list
     return payload, on_device, downloads
 
 
+def make_executor(cfg, model, fed, method, device, pack=None):
+    """The run's executor (``cfg`` a RunConfig); with ``pack`` (a :class:`~fedskew.engine.lanes.Pack`) the vectorised one
+    whose stages train as lanes of the pack's stacked program."""
+    settings = LocalSettings(cfg.local_epochs, cfg.batch_size, cfg.momentum, cfg.weight_decay,
+                             cfg.grad_clip, cfg.seed, 4 if cfg.dataset.augment else 0, cfg.precision)
+    if pack is not None:
+        from fedskew.engine.lanes import LaneExecutor
+
+        return LaneExecutor(model, fed, method, settings, device, cfg.max_parallel_clients, cfg.pad_batches, pack=pack)
+    if cfg.executor == "vectorized":
+        from fedskew.engine.vectorized import VectorizedExecutor
+
+        return VectorizedExecutor(model, fed, method, settings, device, cfg.max_parallel_clients, cfg.pad_batches)
+    from fedskew.engine.local import SequentialExecutor
+
+    return SequentialExecutor(model, fed, method, settings, device)
+
+
 def to_device(state: State, device: torch.device) -> State:
     return {k: v.to(device) for k, v in state.items()}
 
 
 __all__ = ["ClientResult", "LocalSettings", "StageRunner", "batch_schedule", "client_round", "dispatch",
-           "make_forward", "stage_schedules", "to_device"]
+           "make_executor", "make_forward", "stage_schedules", "to_device"]

@@ -27,10 +27,10 @@ import torch
 from fedskew.algorithms import FederationInfo, build_method, method_validation_fraction
 from fedskew.algorithms.base import model_part
 from fedskew.config import ConfigError, RunConfig
-from fedskew.data.federated import Federation, load_federation, public_pool, public_samples
+from fedskew.data.federated import load_federation, public_pool, public_samples
 from fedskew.engine.durable import LOCK_NAME, STOP, FolderLock, RunInterrupted, append_line, atomic_write_text, blocking_file
-from fedskew.engine.local import SequentialExecutor, federated_state, load_state
-from fedskew.engine.protocol import LocalSettings, dispatch, to_device
+from fedskew.engine.local import federated_state, load_state
+from fedskew.engine.protocol import dispatch, make_executor, to_device
 from fedskew.engine.rundir import STORAGE_ERRNOS, RunDir, RunResult, StorageError, default_run_dir, environment
 from fedskew.engine.tracking import Trackers, check_available
 from fedskew.metrics import (client_means, communication, feature_stats, forgetting_record, global_metrics, mean_std,
@@ -47,20 +47,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_executor(cfg: RunConfig, model, fed: Federation, method, device):
-    settings = LocalSettings(cfg.local_epochs, cfg.batch_size, cfg.momentum, cfg.weight_decay,
-                             cfg.grad_clip, cfg.seed, 4 if cfg.dataset.augment else 0, cfg.precision)
-    if cfg.executor == "vectorized":
-        from fedskew.engine.vectorized import VectorizedExecutor
-
-        return VectorizedExecutor(model, fed, method, settings, device, cfg.max_parallel_clients, cfg.pad_batches)
-    return SequentialExecutor(model, fed, method, settings, device)
-
-
 class Experiment:
     """One federated run. ``run()`` executes (or resumes) it and returns a :class:`RunResult`."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path | None = None, resume: bool = False):
+    def __init__(self, cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, pack=None):
         self.cfg = cfg
         self.resume = resume
         self.group = None  # torch.distributed: this process's rank (distributed=true), else None
@@ -96,7 +86,8 @@ class Experiment:
         if need is not None and need != cfg.model.classifier:
             raise ConfigError(f"method '{cfg.method.name}' needs model.classifier = '{need}', not "
                               f"'{cfg.model.classifier}'.")
-        self.executor = make_executor(cfg, self.model, self.fed, self.method, self.device)
+        self.pack = pack  # runs as lanes (fedskew.engine.lanes): its stop flag is read once per step of the pack
+        self.executor = make_executor(cfg, self.model, self.fed, self.method, self.device, pack)
         if self.group is not None:
             if self.group.rank > 0:
                 return  # a worker rank: it trains what rank 0 sends (run) and writes nothing
@@ -248,7 +239,7 @@ class Experiment:
             # checkpoint, a round killed in between would be missing from them for ever
             trackers.log(record)
             append_line(record, self.run_dir / "metrics.jsonl")
-            stop = STOP.is_set() and t < cfg.rounds - 1
+            stop = (STOP.is_set() if self.pack is None else self.pack.stopping) and t < cfg.rounds - 1
             if (t + 1) % cfg.checkpoint_every == 0 or t == cfg.rounds - 1 or stop:
                 self._checkpoint({"next_round": t + 1, "global_state": global_state, "server_state": server_state,
                                   "client_states": client_states, "totals": totals})

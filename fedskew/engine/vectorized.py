@@ -42,12 +42,16 @@ one-line notice; results are never silently different.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import nn
 from torch.func import vmap
 
 from fedskew.algorithms.base import ClientReport, Method, State
+from fedskew.algorithms.compose import lane_options
 from fedskew.algorithms.tensors import sam_perturbation
 from fedskew.data.augment import crop_flip
 from fedskew.data.federated import Federation
@@ -55,7 +59,9 @@ from fedskew.engine.batched_sgd import FP16_INIT_SCALE, sgd_, unscale
 from fedskew.engine.local import SequentialExecutor, join_pairs
 from fedskew.engine.memory import GATHER_BYTES, DeviceMemory, chunk_size
 from fedskew.engine.protocol import ClientResult, LocalSettings, Stage, client_round, make_forward
-from fedskew.models.functional import call, low_precision
+from fedskew.models.functional import call, in_eval_mode, low_precision
+from fedskew.models.nets import DROPOUT_MASKS, BufferMasks, StreamDropout, dropout_mask
+from fedskew.streams import dropout_generator
 
 
 def stack_states(states: list[State]) -> State:
@@ -114,24 +120,80 @@ class VectorizedExecutor:
                             if isinstance(m, nn.Linear)}
         self._has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
         self._cast = low_precision(model, settings.precision)
-        self._losses = vmap(self._loss(method.local_loss), in_dims=(0, 0, 0, 0, None, 0))
-        self._personal_losses = vmap(self._loss(method.personal_loss), in_dims=(0, 0, 0, 0, None, 0))
+        self._vmapped_losses: dict = {}  # (stage, payload per lane, padded, lane options) -> vmapped loss
         self._eval = vmap(self._logits, in_dims=(0, 0))
         # Padding (one call per step): only where it is exact (module docstring).
         self.padded = {stage: pad_batches and not self._has_bn and method.padding_exact(stage)
                        for stage in ("upload", "personal")}
-        self._padded_losses = {
-            self._losses: vmap(self._loss(method.local_loss), in_dims=(0, 0, 0, 0, None, 0, 0)),
-            self._personal_losses: vmap(self._loss(method.personal_loss), in_dims=(0, 0, 0, 0, None, 0, 0))}
-        self._verified: set = set()  # loss functions whose padding has been checked against no padding
+        self._verified: set = set()  # stages whose padding has been checked against no padding
+        # dropout layers, trained on masks drawn ahead from each client's stream (StreamDropout)
+        self._dropouts = [m for m in model.modules() if isinstance(m, StreamDropout) and m.p > 0]
+        self._dropout_shapes: list | None = None
+        self._mask_blocks: list[int] = []
+        # True (a run of a pack): every stage as lanes, the learning rate one tensor entry per lane even
+        # when one run trains alone, so that a run's arithmetic does not depend on the runs beside it
+        self.lane_lr = False
 
     # -- pure pieces -------------------------------------------------------------------------------
-    def _loss(self, loss_fn):
-        """One client's (loss, aux) for ``loss_fn`` (``local_loss`` or ``personal_loss``), to vmap."""
-        def loss(params, buffers, x, y, payload, client_state, weights=None):
+    def _loss(self, stage: Stage):
+        """One client's (loss, aux) of the stage's loss (``local_loss`` or ``personal_loss``), to vmap;
+        ``options``: the lane's values of method options that differ between the runs of a pack
+        (:func:`~fedskew.algorithms.compose.lane_options`), else None; ``masks``: the lane's dropout
+        masks drawn ahead for this step (:class:`~fedskew.models.nets.BufferMasks`), else None."""
+        def loss(params, buffers, x, y, payload, client_state, weights=None, options=None, masks=None):
             fwd = make_forward(self.model, params, buffers, self._cast, weights)
-            return loss_fn(fwd, params, x, y, payload, client_state)
+            loss_fn = self.method.local_loss if stage == "upload" else self.method.personal_loss
+            token = None if masks is None else DROPOUT_MASKS.set(BufferMasks(masks, self._mask_blocks))
+            try:
+                if options is None:
+                    return loss_fn(fwd, params, x, y, payload, client_state)
+                with lane_options(self.method, options):
+                    return loss_fn(fwd, params, x, y, payload, client_state)
+            finally:
+                if token is not None:
+                    DROPOUT_MASKS.reset(token)
         return loss
+
+    def losses(self, stage: Stage, lane_payload: bool = False, padded: bool = False, options: bool = False,
+               masks: bool = False):
+        """The stage's loss vmapped over a stack of clients (or lanes): the payload shared by all
+        (``lane_payload`` False) or one per lane, padding weights, lane options and dropout masks
+        when asked."""
+        key = (stage, lane_payload, padded, options, masks)
+        if key not in self._vmapped_losses:
+            self._vmapped_losses[key] = vmap(self._loss(stage), in_dims=(
+                0, 0, 0, 0, 0 if lane_payload else None, 0, 0 if padded else None, 0 if options else None,
+                0 if masks else None))
+        return self._vmapped_losses[key]
+
+    def _dropout_masks(self, gens: list, members: np.ndarray, rows: np.ndarray, longest: int, passes: int
+                       ) -> list[torch.Tensor]:
+        """Each member lane's dropout masks for one step, drawn ahead from its generator in the
+        order the sequential executor draws them (per forward pass, each StreamDropout layer in
+        forward order, ``rows[j]`` rows of lane j), one [lanes, N] table per pass; every layer's
+        block is ``longest`` rows long, a lane's own rows first, the rest ones (padding)."""
+        if self._dropout_shapes is None:  # the input shape of each StreamDropout, probed once
+            shapes = []
+            hooks = [m.register_forward_pre_hook(lambda mod, inp: shapes.append((mod.p, tuple(inp[0].shape[1:]))))
+                     for m in self._dropouts]
+            try:
+                with torch.no_grad():
+                    in_eval_mode(self.model, lambda: self.model(self.x[:1]))
+            finally:
+                for h in hooks:
+                    h.remove()
+            self._dropout_shapes = shapes
+        sizes = [longest * math.prod(f) for _, f in self._dropout_shapes]
+        self._mask_blocks = np.cumsum([0] + sizes[:-1]).tolist()
+        tables = []
+        for _ in range(passes):
+            table = torch.ones(len(members), sum(sizes))
+            for j, lane in enumerate(members):
+                for (p, feat), at in zip(self._dropout_shapes, self._mask_blocks):
+                    m = dropout_mask(p, (int(rows[j]), *feat), gens[lane]).flatten()
+                    table[j, at:at + len(m)] = m
+            tables.append(table.to(self.device))
+        return tables
 
     def _logits(self, state, x):
         return call(self.model, state, x, features=False)
@@ -269,19 +331,54 @@ class VectorizedExecutor:
         self.sequential.score_validation = on
 
     def run_stage(self, stage: Stage, starts, states, schedules, clients, payload, lrs, round_idx, pairs=None):
+        request = self.stage_request(stage, starts, states, schedules, clients, payload, lrs, round_idx, pairs)
+        return self.finish_request(request, *self.train_requests([request])[0])
+
+    def stage_request(self, stage: Stage, starts, states, schedules, clients, payload, lrs, round_idx,
+                      pairs=None) -> "StageRequest":
+        """Everything one stage of this run's clients needs, stacked (its lanes)."""
         if len(set(lrs)) > 1:
             raise ValueError(f"clients of one round differ in their {stage} learning rate")
         cstates = stack_states(states)
-        losses = self._losses if stage == "upload" else self._personal_losses
-        trained_all, sums, steps = self._run_stage(
-            losses, self._stack_starts(starts), cstates, schedules, clients, payload, lrs[0],
-            self.method.trained_params(stage), (round_idx, 0 if stage == "upload" else 1),
-            self._correction(payload, cstates) if stage == "upload" else None, self.padded[stage] and not pairs,
-            self.method.sam if stage == "upload" else None, pairs)
-        trained = [unstack(trained_all, i) for i in range(len(clients))]  # views; methods never write in place
+        augs = None
+        if self.settings.augment_pad:
+            augs = torch.cat([self.settings.augmentation(round_idx, k, 0 if stage == "upload" else 1,
+                                                         sum(map(len, sc))) for k, sc in zip(clients, schedules)])
+        gens = [dropout_generator(self.settings.seed, round_idx, k, int(stage == "personal")) for k in clients] \
+            if self._dropouts else None
+        return StageRequest(self, stage, self._stack_starts(starts), cstates, schedules,
+                            [self.train_idx[k] for k in clients], payload, lrs[0], self.method.trained_params(stage),
+                            augs, self._correction(payload, cstates) if stage == "upload" else None,
+                            self.padded[stage] and not pairs, self.method.sam if stage == "upload" else None, pairs,
+                            gens)
+
+    def finish_request(self, request: "StageRequest", trained_all: State, sums: dict, steps: np.ndarray):
+        """The stage's result as ``StageRunner.run_stage`` gives it: each client's trained state (views
+        of the stack) and mean tracked values."""
+        trained = [unstack(trained_all, i) for i in range(len(request.rows))]  # views; methods never write in place
         self._last_trained = (trained_all, trained)
         table = means_per_client(sums, steps)
-        return trained, [{k: v[i] for k, v in table.items()} for i in range(len(clients))]
+        return trained, [{k: v[i] for k, v in table.items()} for i in range(len(request.rows))]
+
+    def train_requests(self, requests: list["StageRequest"], check: bool = False) -> list[tuple[State, dict, np.ndarray]]:
+        """Train stage requests of the same shape as one stacked program, this executor's method the
+        template of every lane's loss: one request (a run's clients) as it is; several (runs of a
+        pack: :mod:`fedskew.engine.lanes`) with their lanes side by side, each lane with its own run's
+        payload, learning rate, data rows and method option values. (stacked trained state, tracked
+        sums, steps) per request; ``check``: verify each request's lanes against its run alone on the
+        first step (:class:`~fedskew.engine.lanes.LaneCheck`)."""
+        if len(requests) == 1 and not self.lane_lr:
+            r = requests[0]
+            out = self._run_stage(r.stage, r.start, r.cstates, r.schedules, r.rows, r.executor.x, r.executor.y,
+                                  r.payload, False, r.lr, r.trainable, r.augs, r.correction, r.padded, r.sam, r.pairs,
+                                  gens=r.gens)
+            return [out]
+        from fedskew.engine.lanes import merge_requests, split_result
+
+        m = merge_requests(self, requests, check)
+        out = self._run_stage(m.stage, m.start, m.cstates, m.schedules, m.rows, m.x, m.y, m.payload, True, m.lr,
+                              m.trainable, m.augs, m.correction, m.padded, m.sam, m.pairs, m.options, m.check, m.gens)
+        return split_result(out, [len(r.rows) for r in requests], m.fixed)
 
     def _correction(self, payload: State, cstates: State) -> State | None:
         """Every client's ``Method.step_correction``, stacked (None: the method has none)."""
@@ -289,21 +386,29 @@ class VectorizedExecutor:
             return None
         return vmap(self.method.step_correction, in_dims=(None, 0))(payload, cstates)
 
-    def _run_stage(self, losses_fn, start: State, cstates: State, schedules: list[list[np.ndarray]],
-                   clients: list[int], payload: State, lr: float, trainable: frozenset[str] | None = None,
-                   round_stage: tuple[int, int] = (0, 0), correction: State | None = None, padded: bool = False,
-                   sam=None, pairs: list | None = None):
-        """Local SGD of every client of the chunk from the stacked ``start`` on its own batch
-        schedule, updating the ``trainable`` parameters (None: all), batches augmented with the
-        (round, stage) draws when augmentation is on, ``p -= lr * correction`` after every step
-        (stacked ``Method.step_correction``); ``padded``: the clients of a step form one call,
-        shorter batches padded with zero-weight rows; ``sam`` (``Method.sam``): each step's gradient
-        taken again at w + eps, every client on its own eps; ``pairs`` (``Method.paired_samples``,
-        every client's or none): each batch joined by its rows of them (never padded). Returns the stacked trained state
-        (parameters and float buffers), the summed tracked values per client and each client's
-        number of steps. Nothing inside the step loop reads a device value back to the host."""
+    def _run_stage(self, stage: Stage, start: State, cstates: State, schedules: list[list[np.ndarray]],
+                   lane_rows: list[torch.Tensor], x_table: torch.Tensor, y_table: torch.Tensor, payload: State,
+                   lane_payload: bool, lr, trainable: frozenset[str] | None = None, augs: torch.Tensor | None = None,
+                   correction: State | None = None, padded: bool = False, sam=None, pairs: list | None = None,
+                   options: dict | None = None, check=None, gens: list | None = None):
+        """Local SGD of every lane (a client of this run, or of a run of a pack) from the stacked
+        ``start`` on its own batch schedule over its training rows ``lane_rows`` of ``x_table``,
+        ``y_table``, updating the ``trainable`` parameters (None: all), batches augmented with their
+        rows of ``augs`` (the lanes' crop/flip draws in lane order; None: off), ``p -= lr *
+        correction`` after every step (stacked ``Method.step_correction``); ``padded``: the lanes of a
+        step form one call, shorter batches padded with zero-weight rows; ``sam`` (``Method.sam``):
+        each step's gradient taken again at w + eps, every lane on its own eps; ``pairs``
+        (``Method.paired_samples``, every lane's or none): each batch joined by its rows of them
+        (never padded). ``payload``: shared by every lane, or (``lane_payload``) one per lane; ``lr``
+        a float or one per lane; ``options`` the lanes' method option values (None: the method's
+        own); ``check`` (a pack's :class:`~fedskew.engine.lanes.LaneCheck`): given every step group's
+        losses and tracked values until it is done (its check that each run's lanes compute what the
+        run computes alone); ``gens``: each lane's dropout generator (None: the model has no dropout).
+        Returns the stacked trained state
+        (parameters and float buffers), the summed tracked values per lane and each lane's number of
+        steps. Nothing inside the step loop reads a device value back to the host."""
         s = self.settings
-        G = len(clients)
+        G = len(lane_rows)
         param_names = [n for n, _ in self.model.named_parameters()]
         params = {n: self._stacked_copy(n, start[n]) for n in param_names}
         buffers = {n: v.clone() for n, v in start.items() if n not in params}
@@ -312,8 +417,9 @@ class VectorizedExecutor:
         momentum = {n: torch.zeros_like(params[n]) for n in updated} if s.momentum else None
         state_bytes = sum(t.numel() * t.element_size() for t in [*params.values(), *buffers.values()]) * 4
         self.peak_state_bytes = max(self.peak_state_bytes, state_bytes)
+        lane_lr = isinstance(lr, torch.Tensor)
 
-        # Batch schedules exactly as the sequential executor's, flattened: the samples of client i
+        # Batch schedules exactly as the sequential executor's, flattened: the samples of lane i
         # at step t are rows[first[i, t] : first[i, t] + sizes[i, t]]; sizes = 0 once it finished.
         steps = np.array([len(sc) for sc in schedules])
         sizes = np.zeros((G, max(int(steps.max()), 1)), dtype=np.int64)
@@ -323,28 +429,27 @@ class VectorizedExecutor:
             raise ValueError(f"method {self.method.name} gives paired samples to some clients of a round and not to "
                              f"others, or different numbers of them: the vectorised executor needs every client's")
         offsets = np.cumsum([0] + [len(p[1]) for p in pairs[:-1]]) if pairs is not None else None
-        for i, (k, sched) in enumerate(zip(clients, schedules)):
+        for i, (idx, sched) in enumerate(zip(lane_rows, schedules)):
             lengths = np.array([len(b) for b in sched], dtype=np.int64)
             sizes[i, :len(sched)] = lengths
             first[i, :len(sched)] = base + np.cumsum(lengths) - lengths
             picked = np.concatenate(sched) if sched else np.zeros(0, dtype=np.int64)
-            rows.append(self.train_idx[k][self._to_device(picked)])
+            rows.append(idx[self._to_device(picked)])
             if pairs is not None:
                 local.append(picked + offsets[i])
             base += len(picked)
         rows = torch.cat(rows)
-        if pairs is not None:  # the paired samples of every client, one table; their rows parallel to ``rows``
+        if pairs is not None:  # the paired samples of every lane, one table; their rows parallel to ``rows``
             pair_x, pair_y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
             local = self._to_device(np.concatenate(local))
-        augs = None
-        if s.augment_pad:
-            augs = torch.cat([s.augmentation(round_stage[0], k, round_stage[1], int(n))
-                              for k, n in zip(clients, sizes.sum(1))])
         sizes_d, first_d = self._to_device(sizes), self._to_device(first)
         positions = torch.arange(int(sizes.max()), device=self.device)
+        plain_losses = self.losses(stage, lane_payload, False, options is not None, gens is not None)
+        padded_losses = self.losses(stage, lane_payload, True, options is not None, gens is not None)
+        slots = 1 + (pairs[0][1].shape[1] if pairs is not None else 0)  # rows of a batch per own sample
 
         sums: dict[str, torch.Tensor] = {}
-        if s.precision == "fp16":  # one dynamic loss scale per client, as torch.amp.GradScaler keeps it
+        if s.precision == "fp16":  # one dynamic loss scale per lane, as torch.amp.GradScaler keeps it
             scaler = {"scale": torch.full((G,), FP16_INIT_SCALE, device=self.device),
                       "good": torch.zeros(G, dtype=torch.long, device=self.device)}
         self.model.train()
@@ -366,42 +471,52 @@ class VectorizedExecutor:
                     take = (lambda v: v.index_select(0, gi))
                 pick = (lambda d: {k: take(v) for k, v in d.items()})
                 n, longest = take(sizes_d[:, step]), int(col[members].max())
-                # row j of a client's batch: its sample j, or (padding) its last sample again
+                # row j of a lane's batch: its sample j, or (padding) its last sample again
                 at = take(first_d[:, step])[:, None] + torch.minimum(positions[:longest], n[:, None] - 1)
-                x = self.x[rows[at]]
+                x = x_table[rows[at]]
                 if augs is not None:
                     x = crop_flip(x, augs[at], s.augment_pad)
-                y = self.y[rows[at]]
+                y = y_table[rows[at]]
                 if pairs is not None:
                     x, y = join_pairs(x, y, pair_x[local[at]], pair_y[local[at]],
                                       augs[at] if augs is not None else None, s.augment_pad)
                 p, buf, mom = pick(params), pick(buffers), pick(momentum) if momentum else None
                 leaves = {k: v.detach().requires_grad_(k in updated) for k, v in p.items()}
                 c = pick(cstates)
-                if int(col[members].min()) < longest:  # padded rows weigh 0
+                pay = pick(payload) if lane_payload else payload
+                opts = None if options is None else {h: pick(v) for h, v in options.items()}
+                masks = [None, None] if gens is None else self._dropout_masks(
+                    gens, members, col[members] * slots, longest * slots, 1 if sam is None else 2)
+                ragged = int(col[members].min()) < longest
+                if ragged:  # padded rows weigh 0
                     weights = (positions[:longest] < n[:, None]) / n[:, None].to(self._dtype)
-                    losses_at = (lambda w, b=buf, x=x, y=y, c=c, weights=weights:
-                            self._padded_losses[losses_fn](w, b, x, y, payload, c, weights))
+                    losses_at = (lambda w, mk=masks[0], b=buf, x=x, y=y, c=c, pay=pay, opts=opts, weights=weights:
+                                 padded_losses(w, b, x, y, pay, c, weights, opts, mk))
                     losses, aux = losses_at(leaves)
-                    if losses_fn not in self._verified:
-                        self._verify_padding(losses_fn, leaves, buf, x, y, payload, c, n, losses, aux)
+                    if stage not in self._verified:
+                        self._verify_padding(stage, plain_losses, leaves, buf, x, y, pay, lane_payload, c, opts,
+                                             masks[0], n, losses, aux)
                 else:
-                    losses_at = (lambda w, b=buf, x=x, y=y, c=c: losses_fn(w, b, x, y, payload, c))
+                    losses_at = (lambda w, mk=masks[0], b=buf, x=x, y=y, c=c, pay=pay, opts=opts:
+                                 plain_losses(w, b, x, y, pay, c, None, opts, mk))
                     losses, aux = losses_at(leaves)
+                if check is not None and not check.done:  # a pack's first steps: each run's lanes as alone
+                    check(members, col[members] if ragged else [None] * len(members), {"loss": losses, **aux},
+                          leaves, buf, x, y, c, masks[0])
                 tracked = {"loss": losses, **aux}
                 for key, v in tracked.items():
                     sums.setdefault(key, torch.zeros(G, device=self.device))
                 sc = pick(scaler) if s.precision == "fp16" else None
                 grads = torch.autograd.grad((losses if sc is None else losses * sc["scale"]).sum(),
                                             [leaves[k] for k in updated], allow_unused=True, materialize_grads=True)
-                # Each client's loss depends only on its own row of the stack, so the gradient of
-                # the sum is every client's own gradient.
-                if sam is not None:  # SAM / ASAM: the gradient at w + eps, each client its own eps
+                # Each lane's loss depends only on its own row of the stack, so the gradient of
+                # the sum is every lane's own gradient.
+                if sam is not None:  # SAM / ASAM: the gradient at w + eps, each lane its own eps
                     eps = sam_perturbation({k: leaves[k].detach() for k in updated}, dict(zip(updated, grads)),
                                            sam.rho, sam.adaptive, sam.eta)
                     ascended = {k: (v.detach() + eps[k]).requires_grad_(True) if k in eps else v
                                 for k, v in leaves.items()}
-                    grads = torch.autograd.grad(losses_at(ascended)[0].sum(), [ascended[k] for k in updated],
+                    grads = torch.autograd.grad(losses_at(ascended, masks[1])[0].sum(), [ascended[k] for k in updated],
                                                 allow_unused=True, materialize_grads=True)
                 ok = None
                 if sc is not None:
@@ -411,12 +526,17 @@ class VectorizedExecutor:
                             scaler[k][a:b] = v
                         else:
                             scaler[k].index_copy_(0, gi, v)
-                sgd_({k: p[k] for k in updated}, dict(zip(updated, grads)), mom, lr, s, ok)
+                step_lr = take(lr) if lane_lr else lr
+                sgd_({k: p[k] for k in updated}, dict(zip(updated, grads)), mom, step_lr, s, ok)
                 if correction:
                     with torch.no_grad():
                         corr = pick(correction)
-                        torch._foreach_add_([p[k] for k in updated if k in corr],
-                                            [corr[k] for k in updated if k in corr], alpha=-lr)
+                        keys = [k for k in updated if k in corr]
+                        if lane_lr:
+                            for k in keys:
+                                p[k].sub_(corr[k] * step_lr.view(-1, *[1] * (corr[k].dim() - 1)))
+                        else:
+                            torch._foreach_add_([p[k] for k in keys], [corr[k] for k in keys], alpha=-lr)
                 if gi is None:
                     for key, v in tracked.items():
                         sums[key][a:b] += v.detach()
@@ -442,22 +562,46 @@ class VectorizedExecutor:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    def _verify_padding(self, losses_fn, leaves, buf, x, y, payload, c, n, losses, aux) -> None:
-        """Once per loss function: the padded client with the shortest batch recomputed without
-        its padding rows must give the same loss and tracked values. A method that declares
+    def _verify_padding(self, stage, plain_losses, leaves, buf, x, y, payload, lane_payload, c, opts, masks, n,
+                        losses, aux) -> None:
+        """Once per stage: the padded lane with the shortest batch recomputed without its padding
+        rows must give the same loss and tracked values. A method that declares
         ``per_sample_loss`` but averages with ``.mean()`` (padding rows counted) fails here."""
         i = int(n.argmin())
         m = int(n[i])
-        one = (lambda d: {k: v[i:i + 1] for k, v in d.items()})
+        one = (lambda d: None if d is None else {k: one(v) if isinstance(v, dict) else v[i:i + 1] for k, v in d.items()})
         with torch.no_grad():
-            ref_loss, ref_aux = losses_fn(one(leaves), one(buf), x[i:i + 1, :m], y[i:i + 1, :m], payload, one(c))
+            ref_loss, ref_aux = plain_losses(one(leaves), {k: v.clone() for k, v in one(buf).items()},
+                                             x[i:i + 1, :m], y[i:i + 1, :m], one(payload) if lane_payload else payload,
+                                             one(c), None, one(opts), None if masks is None else masks[i:i + 1])
         got = {"loss": losses[i:i + 1], **{k: v[i:i + 1] for k, v in aux.items()}}
         for key, ref in {"loss": ref_loss, **ref_aux}.items():
             if not torch.allclose(got[key].detach(), ref, rtol=1e-4, atol=1e-6):
                 # this stage is grouped from now on; the round in progress is redone by the caller
-                self.padded["upload" if losses_fn is self._losses else "personal"] = False
+                self.padded[stage] = False
                 raise ValueError(f"method {self.method.name} declares per_sample_loss, but its '{key}' changes "
                                  f"when zero-weight padding rows join the batch ({ref.item():.6g} -> "
                                  f"{got[key].item():.6g}): average per-sample terms with fwd.mean / "
                                  f"fwd.cross_entropy, or remove the declaration")
-        self._verified.add(losses_fn)
+        self._verified.add(stage)
+
+
+@dataclass
+class StageRequest:
+    """One run's stage as the vectorised executor trains it: its clients are the lanes."""
+
+    executor: VectorizedExecutor
+    stage: Stage
+    start: State  # stacked start states
+    cstates: State  # stacked client states
+    schedules: list  # each lane's batches (positions into its rows)
+    rows: list  # each lane's training rows of ``executor.x``
+    payload: State
+    lr: float
+    trainable: frozenset | None
+    augs: torch.Tensor | None
+    correction: State | None
+    padded: bool
+    sam: object
+    pairs: list | None
+    gens: list | None = None  # each lane's dropout generator (the model has StreamDropout layers)

@@ -294,6 +294,98 @@ def _execute(config: dict, run_dir: str, report: Callable[[tuple], None] | None 
     return result.summary, [scalar_metrics(h) for h in result.history], result.environment
 
 
+# Run config keys in which the runs of one pack may differ (fedskew.engine.lanes), besides the
+# method's float options: everything else shapes the stacked step and must be equal.
+LANE_FREE = frozenset({"seed", "lr", "lr_decay", "partition", "rounds", "clients_per_round", "eval_every",
+                       "checkpoint_every", "run_name", "out_dir", "logger", "logger_group", "fail_fast",
+                       "feature_stats", "classifier_stats", "forgetting_stats", "forgetting_test_samples",
+                       "final_personalization", *RECORD_KEYS})
+
+
+def pack_key(config: dict) -> str | None:
+    """Runs with one key may train as lanes of one pack; None: this run trains alone (not on the
+    vectorised executor, or spread over torchrun ranks)."""
+    if config.get("executor") != "vectorized" or config.get("distributed"):
+        return None
+
+    def shape(v):  # a float option's value does not shape the step
+        return {k: shape(x) for k, x in v.items()} if isinstance(v, dict) else "float" if isinstance(v, float) else v
+    return json.dumps({k: shape(v) if k == "method" else v for k, v in config.items() if k not in LANE_FREE},
+                      sort_keys=True, default=str)
+
+
+def pack_size(pack: str | int, config: dict) -> int:
+    """How many runs like ``config`` one pack takes: ``off`` 1, N N; ``auto``: 32 on a CUDA device,
+    1 on the CPU (where ``--jobs`` runs whole runs side by side instead)."""
+    if pack == "off":
+        return 1
+    if pack == "auto":
+        return AUTO_PACK if str(config.get("device", "cpu")).startswith("cuda") else 1
+    return int(pack)
+
+
+AUTO_PACK = 32
+
+
+def check_pack(value) -> str | int:
+    """``--pack``'s value: ``auto``, ``off`` or a positive integer, else one sentence."""
+    text = str(value).strip().lower()
+    if text in ("auto", "off"):
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ConfigError(f"pack = '{value}' is not allowed; give auto, off or a positive integer (runs per pack).")
+
+
+def packs(todo: list[dict], pack: str | int) -> list[list[dict]]:
+    """``todo`` as units of work: lists of runs that train as one pack (a run that cannot pack, or
+    with ``pack`` off, is a unit alone), in the order of their first run."""
+    units: list[list[dict]] = []
+    open_unit: dict[str, list[dict]] = {}
+    for r in todo:
+        key, size = pack_key(r["config"]), pack_size(pack, r["config"])
+        unit = open_unit.get(key) if key is not None and size > 1 else None
+        if unit is None or len(unit) >= size:
+            unit = []
+            units.append(unit)
+            if key is not None and size > 1:
+                open_unit[key] = unit
+        unit.append(r)
+    return units
+
+
+def _execute_pack(configs: list[dict], run_dirs: list[str], report: Callable[[tuple], None] | None = None) -> list:
+    """Run (or resume) several runs as lanes of one pack (:mod:`fedskew.engine.lanes`); worker entry
+    point. One outcome per run: ``("done", summary, history, environment)``, ``("failed", error
+    text)`` or ``("interrupted", message)``; a run's failure leaves the others running."""
+    from fedskew.engine.lanes import Pack
+    from fedskew.engine.runner import Experiment
+
+    report = report or (_ROUNDS.put if _ROUNDS is not None else None)
+    pack, experiments, callbacks, outcomes = Pack(), [], [], [None] * len(configs)
+    for i, (config, run_dir) in enumerate(zip(configs, run_dirs)):
+        run_dir_p = Path(run_dir)
+        try:
+            cfg = validate_config({k: v for k, v in config.items() if k not in RECORD_KEYS})
+            experiments.append((i, Experiment(cfg, run_dir_p, resume=(run_dir_p / "config.yaml").is_file(), pack=pack)))
+        except Exception as exc:
+            outcomes[i] = ("failed", _error_text(exc))
+            continue
+        callbacks.append(None if report is None else
+                         (lambda record, name=run_dir_p.name, n=cfg.rounds: report((name, record["round"] + 1, n))))
+    results = pack.run([e for _, e in experiments], callbacks)
+    for (i, _), result in zip(experiments, results):
+        if isinstance(result, RunInterrupted):
+            outcomes[i] = ("interrupted", str(result))
+        elif isinstance(result, BaseException):
+            if not isinstance(result, Exception):
+                raise result
+            outcomes[i] = ("failed", _error_text(result))
+        else:
+            outcomes[i] = ("done", result.summary, [scalar_metrics(h) for h in result.history], result.environment)
+    return outcomes
+
+
 class SweepProgress:
     """A sweep's progress from its events ("skipped", "started", "round", "done", "failed"): runs
     and rounds done, the runs running, elapsed seconds and an ETA from the round rate measured in
@@ -461,11 +553,16 @@ def _mp_context(external: dict[str, tuple[str, str]]):
 
 
 def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
-              on_event: Callable[[str, dict], None] | None = None, ray: str | None = None) -> sqlite3.Connection:
+              on_event: Callable[[str, dict], None] | None = None, ray: str | None = None,
+              pack: str | int = "auto") -> sqlite3.Connection:
     """Run every planned run that has not finished; returns the open database. ``jobs`` > 1 runs
-    that many runs at once in worker processes with one torch thread each; ``ray`` (``"local"``: a
-    Ray instance started for the sweep, else a cluster address such as ``auto`` or
-    ``ray://host:10001``) submits them as Ray tasks with ``spec.resources`` instead."""
+    that many runs (or packs) at once in worker processes with one torch thread each; ``ray``
+    (``"local"``: a Ray instance started for the sweep, else a cluster address such as ``auto`` or
+    ``ray://host:10001``) submits them as Ray tasks with ``spec.resources`` instead. ``pack``
+    (:func:`packs`): runs on the vectorised executor that differ only in seed, partition, learning
+    rate, rounds or float method options train as lanes of one program, up to N runs a pack
+    (``auto``: on a CUDA device; ``off``: never)."""
+    pack = check_pack(pack)
     sweep_dir = Path(sweep_dir)
     if ray is not None:
         from fedskew.experiments.on_ray import check_address
@@ -481,7 +578,7 @@ def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
     sweep_dir.mkdir(parents=True, exist_ok=True)
     lock = FolderLock(sweep_dir, "sweep folder").acquire()  # one sweep process per folder, for its life
     try:
-        db = _run_locked(spec, sweep_dir, runs, jobs, on_event, ray)
+        db = _run_locked(spec, sweep_dir, runs, jobs, on_event, ray, pack)
     finally:
         lock.release()
     return db
@@ -508,7 +605,7 @@ def _finished_read_only(spec: SweepSpec, sweep_dir: Path, runs: list[dict], on_e
 
 
 def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, on_event,
-                ray: str | None = None) -> sqlite3.Connection:
+                ray: str | None = None, pack: str | int = "off") -> sqlite3.Connection:
     spec_file = sweep_dir / "sweep.yaml"
     spec_data = spec.model_dump(mode="json")
     if spec_file.is_file():
@@ -545,6 +642,26 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
         if on_event and run_id in by_id:
             on_event("round", {**by_id[run_id], "round": done_rounds, "rounds": total})
 
+    def outcomes_of(unit: list[dict], outcomes: list) -> str | None:
+        """Record a pack's outcomes; the first interruption's message, if one was interrupted."""
+        stopped = None
+        for r, outcome in zip(unit, outcomes):
+            if outcome[0] == "done":
+                finished(r, outcome[1], outcome[2], env=outcome[3])
+            elif outcome[0] == "failed":
+                finished(r, None, None, outcome[1])
+            else:
+                mark_interrupted(db, r["run_id"])
+                stopped = stopped or outcome[1]
+        return stopped
+
+    def units(todo: list[dict]) -> list[list[dict]]:
+        """``todo`` in packs formed from every run the sweep knows, finished ones included, so that a
+        resumed sweep packs its unfinished runs beside the same runs as before (a pack's arithmetic
+        depends on its lanes at float round-off)."""
+        left = {r["run_id"] for r in todo}
+        return [u for u in ([r for r in unit if r["run_id"] in left] for unit in packs(list(by_id.values()), pack)) if u]
+
     def execute(todo: list[dict]) -> None:
         """Run ``todo`` here, in worker processes or on Ray (Ray reports no rounds)."""
         by_id.update({r["run_id"]: r for r in todo})
@@ -555,8 +672,22 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
             run_on_ray(todo, {k: str(Path(v).resolve()) for k, v in run_dir.items()}, ray, spec.resources, started,
                        finished)
         elif jobs <= 1:
-            for r in todo:
-                started(r)
+            for unit in units(todo):
+                for r in unit:
+                    started(r)
+                if len(unit) > 1:
+                    try:
+                        outcomes = _execute_pack([r["config"] for r in unit], [run_dir[r["run_id"]] for r in unit],
+                                                 round_done)
+                    except BaseException:
+                        for r in unit:
+                            mark_interrupted(db, r["run_id"])
+                        raise
+                    stopped = outcomes_of(unit, outcomes)
+                    if stopped:
+                        raise RunInterrupted(stopped)
+                    continue
+                r = unit[0]
                 try:
                     summary, history, env = _execute(r["config"], run_dir[r["run_id"]], round_done)
                 except BaseException as exc:  # any run's failure (even a full disk) is recorded; the others go on
@@ -591,48 +722,61 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
                 for proc in procs:  # SIGKILL: a worker takes SIGTERM as "stop after this round" and, idle,
                     proc.kill()     # would wait for work for ever, and the pool's thread (so exit) with it
 
-            def collect(fut, r) -> bool:
-                """Record a finished future's run; False when its worker died."""
+            def collect(fut, unit) -> bool:
+                """Record a finished future's runs; False when its worker died."""
                 try:
-                    summary, history, env = fut.result()
+                    out = fut.result()
                 except BrokenProcessPool:
                     return False
                 except RunInterrupted:
-                    mark_interrupted(db, r["run_id"])
+                    for r in unit:
+                        mark_interrupted(db, r["run_id"])
                 except Exception as exc:
-                    finished(r, None, None, _error_text(exc))
+                    for r in unit:
+                        finished(r, None, None, _error_text(exc))
                 else:
-                    finished(r, summary, history, env=env)
+                    if len(unit) > 1:
+                        outcomes_of(unit, out)
+                    else:
+                        finished(unit[0], out[0], out[1], env=out[2])
                 return True
 
-            # A run in flight when a worker died is a suspect: it runs again alone, so a run that kills
-            # its worker (out of memory, a crash in native code) fails by itself and no other is lost.
-            pool, queue, running, suspects = new_pool(), list(todo), {}, set()
+            def submit(pool, unit):
+                if len(unit) > 1:
+                    return pool.submit(_execute_pack, [r["config"] for r in unit], [run_dir[r["run_id"]] for r in unit])
+                return pool.submit(_execute, unit[0]["config"], run_dir[unit[0]["run_id"]])
+
+            # A run in flight when a worker died is a suspect: it runs again alone (out of any pack), so
+            # a run that kills its worker (out of memory, a crash in native code) fails by itself and no
+            # other is lost.
+            pool, queue, running, suspects = new_pool(), units(todo), {}, set()
+            ids = (lambda units: {r["run_id"] for unit in units for r in unit})
             try:
                 while queue or running:
-                    while queue and len(running) < jobs and not (suspects & {r["run_id"] for r in running.values()}):
-                        if queue[0]["run_id"] in suspects and running:
+                    while queue and len(running) < jobs and not (suspects & ids(running.values())):
+                        if suspects & ids(queue[:1]) and running:
                             break
-                        r = queue.pop(0)
+                        unit = queue.pop(0)
                         try:
-                            fut = pool.submit(_execute, r["config"], run_dir[r["run_id"]])
+                            fut = submit(pool, unit)
                         except BrokenProcessPool:  # a running worker died since the last wait: handled below
-                            queue.insert(0, r)
+                            queue.insert(0, unit)
                             if not running:
                                 stop(pool)
                                 pool = new_pool()
                             break
-                        started(r)
-                        running[fut] = r
+                        for r in unit:
+                            started(r)
+                        running[fut] = unit
                     done, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
                     drain()
                     lost = []
                     for fut in done:
-                        r = running.pop(fut)
-                        if not collect(fut, r):
-                            lost.append(r)
+                        unit = running.pop(fut)
+                        if not collect(fut, unit):
+                            lost += unit
                     if lost:  # a worker died: the pool is gone with every run in it
-                        lost += list(running.values())
+                        lost += [r for unit in running.values() for r in unit]
                         running.clear()
                         stop(pool)
                         for r in reversed(lost):
@@ -641,7 +785,7 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
                                                         "memory?); run it alone with `fedskew run` to see why")
                             else:
                                 suspects.add(r["run_id"])
-                                queue.insert(0, r)
+                                queue.insert(0, [r])
                         pool = new_pool()
             except BaseException:  # SIGINT or SIGTERM (the CLI raises them here): stop at the round boundary
                 try:
@@ -656,7 +800,7 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
                             running.pop(fut)
                 finally:
                     try:
-                        for r in running.values():
+                        for r in [r for unit in running.values() for r in unit]:
                             mark_interrupted(db, r["run_id"])
                     finally:
                         stop(pool)
@@ -744,6 +888,6 @@ def default_jobs() -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-__all__ = ["MethodSpec", "ResourcesSpec", "SweepProgress", "SweepSpec", "clock", "default_jobs", "default_sweep_dir",
-           "grid_points", "load_spec", "plan", "planned_count", "planned_points", "progress_line", "rounds_per_run",
+__all__ = ["MethodSpec", "ResourcesSpec", "SweepProgress", "SweepSpec", "check_pack", "clock", "default_jobs",
+           "default_sweep_dir", "grid_points", "load_spec", "pack_key", "packs", "plan", "planned_count", "planned_points", "progress_line", "rounds_per_run",
            "run_sweep", "select", "tune_seeds"]

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fedskew.engine.reaper import Reaper
 from fedskew.flower.client import CONFIG_KEY, OUT_KEY, TIMEOUT_KEY
 
 if TYPE_CHECKING:
@@ -112,13 +113,16 @@ class LocalFederation:
     Every process starts in its own session and is stopped by process group (the SuperExec and
     the ``flwr-clientapp``/``flwr-serverapp`` processes it spawns included); the resident workers,
     which run detached, are stopped by the PID files they write in ``workdir/workers``. ``stop``
-    runs on exit of the ``with`` block, also after an error."""
+    runs on exit of the ``with`` block, also after an error; if the process that started the
+    federation dies without ``stop`` (SIGKILL, a crash), a :class:`~fedskew.engine.reaper.Reaper`
+    kills every one of them (workers included)."""
 
     def __init__(self, num_nodes: int, workdir: str | Path, poll_interval: float | None = None):
         self.num_nodes = num_nodes
         self.workdir = Path(workdir)
         self.port = free_port()
         self.procs: dict[str, subprocess.Popen] = {}
+        self.reaper: Reaper | None = None
         self.env = flower_env(FEDSKEW_WORKER_DIR=str(self.workdir / "workers"),
                               FLWR_HOME=str(self.workdir / "flwr-home"))
         if poll_interval is not None:  # SuperExec's task poll (default 1 s)
@@ -128,9 +132,11 @@ class LocalFederation:
         log = open(self.workdir / f"{name}.log", "wb")
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                             start_new_session=True)
+        self.reaper.watch(self.procs[name].pid, group=True)
 
     def start(self) -> "LocalFederation":
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.reaper = Reaper(pid_dirs=(self.workdir / "workers",))
         write_connection(self.workdir / "flwr-home", f"127.0.0.1:{self.port}")
         self._start("superlink", ["flower-superlink", "--insecure", "--disable-runtime-dependency-installation",
                                   "--host", "127.0.0.1", "--port", str(self.port),
@@ -160,6 +166,7 @@ class LocalFederation:
         log = open(self.workdir / "flwr-run.log", "ab")
         proc = subprocess.Popen(["flwr", "run", str(app), "fedskew", "--stream"], stdout=log, stderr=subprocess.STDOUT,
                                 env=self.env, start_new_session=True)
+        self.reaper.watch(proc.pid, group=True)
         self.procs[f"flwr-run-{len(self.procs)}"] = proc
         if wait:
             proc.wait()
@@ -223,6 +230,9 @@ class LocalFederation:
             except ValueError:
                 pass
         self.procs.clear()
+        if self.reaper is not None:
+            self.reaper.close()
+            self.reaper = None
 
     def __enter__(self) -> "LocalFederation":
         return self.start()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fedskew.models.nets import ModelError, SkewNet, _spatial, mlp
+from fedskew.models.nets import ModelError, SkewNet, StreamDropout, _spatial, mlp
 
 
 def mlpnet(input_shape, num_classes, bias=True, hidden=(1024, 1024, 128)) -> SkewNet:
@@ -65,8 +65,8 @@ def _vgg(name: str, input_shape, num_classes, bias, batch_norm: bool) -> SkewNet
         layers.append(nn.ReLU(inplace=False))
         channels = v
     side = size // 2 ** pools
-    layers += [nn.Flatten(), nn.Dropout(0.5), nn.Linear(channels * side * side, 512), nn.ReLU(),
-               nn.Dropout(0.5), nn.Linear(512, 512), nn.ReLU()]
+    layers += [nn.Flatten(), StreamDropout(0.5), nn.Linear(channels * side * side, 512), nn.ReLU(),
+               StreamDropout(0.5), nn.Linear(512, 512), nn.ReLU()]
     return SkewNet(nn.Sequential(*layers), 512, num_classes, bias)
 
 
@@ -116,7 +116,7 @@ class WideBlock(nn.Module):
         super().__init__()
         self.bn1 = nn.BatchNorm2d(cin)
         self.conv1 = nn.Conv2d(cin, cout, 3, 1, 1, bias=False)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = StreamDropout(dropout)
         self.bn2 = nn.BatchNorm2d(cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, stride, 1, bias=False)
         self.shortcut = nn.Sequential()

@@ -9,6 +9,7 @@ can select the head or the body by name (FedRep, FedROD, FedBABU, ETF heads).
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,59 @@ from fedskew.streams import torch_seed
 
 class ModelError(ValueError):
     """A model that cannot be built for the given input shape."""
+
+
+# The mask source of StreamDropout layers in the current training call (None: torch's dropout).
+DROPOUT_MASKS: ContextVar = ContextVar("fedskew_dropout_masks", default=None)
+
+
+class StreamDropout(nn.Dropout):
+    """``nn.Dropout`` whose training masks come from the executor's mask source (``DROPOUT_MASKS``):
+    each client's masks are drawn from its own named stream (``dropout``, per round, client and
+    stage), one layer after another in forward order, by :class:`GeneratorMasks` in the sequential
+    executor and the same draws made ahead of each step by the vectorised one (:class:`BufferMasks`,
+    which is how dropout runs under ``vmap``), so the two executors train on the same masks. With no
+    source (outside training) it is ``nn.Dropout``. Same parameters and state as ``nn.Dropout``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        source = DROPOUT_MASKS.get()
+        if not self.training or self.p == 0 or source is None:
+            return super().forward(x)
+        return x * source.mask(self.p, x)
+
+
+def dropout_mask(p: float, shape, generator: torch.Generator) -> torch.Tensor:
+    """One dropout mask (keep with probability 1 - p, kept entries scaled by 1 / (1 - p)), float32,
+    drawn on the CPU from ``generator`` (the same bits on every device)."""
+    return torch.empty(tuple(shape)).bernoulli_(1 - p, generator=generator).div_(1 - p)
+
+
+class GeneratorMasks:
+    """Masks drawn as each StreamDropout asks, from one client's generator (sequential executor)."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def mask(self, p: float, x: torch.Tensor) -> torch.Tensor:
+        return dropout_mask(p, x.shape, self.generator).to(x.device, x.dtype)
+
+
+class BufferMasks:
+    """Masks drawn ahead (vectorised executor): a lane's flat ``buffer`` holds one block per
+    StreamDropout call of a step, at the offsets ``blocks``; a call takes the first ``x.numel()``
+    entries of its block (its rows first, so a lane that trains fewer rows than the block was
+    drawn for takes exactly its own draws)."""
+
+    def __init__(self, buffer: torch.Tensor, blocks: list[int]):
+        self.buffer, self.blocks, self.calls = buffer, blocks, 0
+
+    def mask(self, p: float, x: torch.Tensor) -> torch.Tensor:
+        if self.calls >= len(self.blocks):
+            raise ValueError(f"the loss runs the model in training mode more often per step than the "
+                             f"{len(self.blocks)} dropout passes drawn for it")
+        at = self.blocks[self.calls]
+        self.calls += 1
+        return self.buffer[at:at + x.numel()].view(x.shape).to(x.dtype)
 
 
 class SkewNet(nn.Module):
@@ -151,12 +205,13 @@ def _spatial(name: str, input_shape: tuple[int, ...], layers: list[tuple[int, in
     return h, w
 
 
-def mlp(input_shape, num_classes, bias=True, hidden=(200, 200)) -> SkewNet:
-    """Flatten, then ``len(hidden)`` ReLU layers; features = the last hidden layer."""
+def mlp(input_shape, num_classes, bias=True, hidden=(200, 200), dropout: float = 0.0) -> SkewNet:
+    """Flatten, then ``len(hidden)`` ReLU layers, each followed by dropout ``dropout`` when it is > 0
+    (:class:`StreamDropout`); features = the last hidden layer."""
     layers: list[nn.Module] = [nn.Flatten()]
     width = math.prod(input_shape)
     for h in hidden:
-        layers += [nn.Linear(width, h), nn.ReLU()]
+        layers += [nn.Linear(width, h), nn.ReLU()] + ([StreamDropout(dropout)] if dropout > 0 else [])
         width = h
     return SkewNet(nn.Sequential(*layers), width, num_classes, bias)
 
@@ -221,6 +276,8 @@ def build_model(cfg, input_shape: tuple[int, ...], num_classes: int, seed: int =
     kwargs = {"bias": cfg.classifier_bias}
     if cfg.name in ("mlp", "mlpnet") and cfg.hidden is not None:
         kwargs["hidden"] = tuple(cfg.hidden)
+    if cfg.name == "mlp" and cfg.dropout:
+        kwargs["dropout"] = cfg.dropout
     if cfg.name == "cnnbn":
         kwargs["width"] = cfg.width
     model = models[cfg.name](tuple(input_shape), num_classes, **kwargs)
