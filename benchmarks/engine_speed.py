@@ -52,7 +52,7 @@ from fedskew.engine.runner import Experiment
 from fedskew.streams import sample_clients
 
 MODELS = {"mlp": ["model=mlp", "model.hidden=[64,64]"], "mlp200": ["model=mlp", "model.hidden=[200,200]"],
-          "tcnn": ["model=tcnn"], "cnnbn": ["model=cnnbn", "model.width=16"]}
+          "tcnn": ["model=tcnn"], "cnnbn": ["model=cnnbn", "model.width=16"], "simplecnn": ["model=simplecnn"]}
 ENGINES = ("bare", "sequential", "grouped", "padded", "flower")
 
 

@@ -11,6 +11,8 @@ names what is wrong and how to fix it.
 
 from __future__ import annotations
 
+import functools
+
 import gzip
 import math
 import os
@@ -279,39 +281,69 @@ def subsample(data: Dataset, train_fraction: float, test_fraction: float, seed: 
 
 
 def load_dataset(cfg, seed: int) -> Dataset:
-    """Build the data set named by a :class:`fedskew.config.DatasetConfig`."""
+    """Build the data set named by a :class:`fedskew.config.DatasetConfig`. A data set read from
+    files is decoded once per process and shared by every run that reads it (the last
+    ``DECODED_KEPT`` kept: a sweep worker or a pack serves many runs of one data set); what a run
+    derives from it (subsamples, hold-outs) is its own."""
     if cfg.name == "digits":
         data = load_digits(seed, cfg.test_fraction)
     elif cfg.name == "synthetic":
         data = make_synthetic(seed, cfg.num_classes, cfg.dim, cfg.train_per_class, cfg.test_per_class, cfg.separation)
-    elif cfg.name in ("mnist", "fmnist"):
-        data = load_idx_dataset(cfg.name, cfg.root, cfg.download)
-    elif cfg.name in ("cifar10", "cifar100"):
-        from fedskew.data.vision import load_cifar
-
-        data = load_cifar(cfg.name, cfg.root, cfg.download)
-    elif cfg.name == "svhn":
-        from fedskew.data.vision import load_svhn
-
-        data = load_svhn(cfg.root, cfg.download)
-    elif cfg.name == "cinic10":
-        from fedskew.data.vision import load_cinic10
-
-        data = load_cinic10(cfg.root, cfg.download)
-    elif cfg.name == "tinyimagenet":
-        from fedskew.data.vision import load_tinyimagenet
-
-        data = load_tinyimagenet(cfg.root, cfg.download)
-    elif cfg.name in ("femnist", "shakespeare"):
-        from fedskew.data.leaf import load_leaf
-
-        data = load_leaf(cfg.name, cfg.root)
     else:
-        raise DatasetError(f"dataset.name '{cfg.name}' is not known; allowed: {list(DATASETS)}.")
+        data = _decoded(cfg.name, cfg.root, cfg.download, _stamp(cfg.root or os.environ.get("FEDSKEW_DATA")))
     if not getattr(cfg, "normalize", True):
         data = unnormalised(data)
     data = subsample(data, cfg.train_subsample, cfg.test_subsample, seed)
     return hold_out_validation(data, cfg.validation_fraction, seed) if cfg.validation_fraction else data
+
+
+DECODED_KEPT = 2
+
+
+def _stamp(root: str | None) -> tuple:
+    """The names, sizes and modification times of the files in ``root`` and its sub-folders, two
+    levels down: a changed or replaced file is decoded again."""
+    out = []
+    for folder in [Path(root)] if root else []:
+        try:
+            for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+                st = entry.stat()
+                out.append((entry.name, st.st_size, st.st_mtime_ns))
+                if entry.is_dir() and len(out) < 10_000:
+                    out += [(f"{entry.name}/{e.name}", e.stat().st_size, e.stat().st_mtime_ns)
+                            for e in os.scandir(entry.path) if e.is_file()]
+        except OSError:
+            pass
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=DECODED_KEPT)
+def _decoded(name: str, root: str | None, download: bool, stamp: tuple) -> Dataset:
+    """A data set decoded from its files (kept: :func:`load_dataset`, ``stamp`` the files' state);
+    never changed in place."""
+    if name in ("mnist", "fmnist"):
+        return load_idx_dataset(name, root, download)
+    if name in ("cifar10", "cifar100"):
+        from fedskew.data.vision import load_cifar
+
+        return load_cifar(name, root, download)
+    if name == "svhn":
+        from fedskew.data.vision import load_svhn
+
+        return load_svhn(root, download)
+    if name == "cinic10":
+        from fedskew.data.vision import load_cinic10
+
+        return load_cinic10(root, download)
+    if name == "tinyimagenet":
+        from fedskew.data.vision import load_tinyimagenet
+
+        return load_tinyimagenet(root, download)
+    if name in ("femnist", "shakespeare"):
+        from fedskew.data.leaf import load_leaf
+
+        return load_leaf(name, root)
+    raise DatasetError(f"dataset.name '{name}' is not known; allowed: {list(DATASETS)}.")
 
 
 def unnormalised(data: Dataset) -> Dataset:

@@ -203,8 +203,8 @@ class LaneExecutor(VectorizedExecutor):
     trains them with the other runs' as lanes of one call."""
 
     def __init__(self, *args, pack: "Pack", **kwargs):
-        super().__init__(*args, **kwargs)
         self.pack = pack
+        super().__init__(*args, **kwargs)
         self.lane_lr = True
 
     def run_stage(self, stage, starts, states, schedules, clients, payload, lrs, round_idx, pairs=None):

@@ -10,6 +10,7 @@ with ``torch.load(weights_only=True)`` (nothing is unpickled).
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import time
@@ -23,7 +24,7 @@ import yaml
 
 from fedskew import __version__
 from fedskew.config import ConfigError, RunConfig
-from fedskew.engine.durable import atomic_save, atomic_write_text, read_records, save_png
+from fedskew.engine.durable import atomic_save, atomic_write, atomic_write_text, read_records, save_png
 
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
 
@@ -111,6 +112,9 @@ def _check_inflated_size(path: Path) -> None:
                          f"compresses)")
 
 
+_HEATMAPS: dict[str, bytes] = {}  # partition heatmaps drawn in this process (RunDir.write_partition)
+
+
 class RunDir:
     """The files of one run directory, written by the process that holds its lock."""
 
@@ -136,8 +140,18 @@ class RunDir:
         atomic_write_text(yaml.safe_dump(record, sort_keys=False), old)
 
     def write_partition(self, fed, title: str) -> None:
-        (self.path / "partition.json").write_text(json.dumps(fed.summary_rows()))
-        save_png(fed.heatmap(title), self.path / "partition.png", dpi=110)
+        """``partition.json`` and the heatmap ``partition.png``, drawn once per process for each
+        partition (the runs of a sweep that share a partition and a title share the picture)."""
+        rows = fed.summary_rows()
+        (self.path / "partition.json").write_text(json.dumps(rows))
+        key = hashlib.sha1(json.dumps([title, fed.counts("train").tolist()]).encode()).hexdigest()
+        if key not in _HEATMAPS:
+            if len(_HEATMAPS) >= 16:
+                _HEATMAPS.pop(next(iter(_HEATMAPS)))
+            save_png(fed.heatmap(title), self.path / "partition.png", dpi=110)
+            _HEATMAPS[key] = (self.path / "partition.png").read_bytes()
+        else:
+            atomic_write(lambda fh: fh.write(_HEATMAPS[key]), self.path / "partition.png")
 
     def record_changes(self, start: int, changes: dict) -> None:
         """Settings changed at a resume, in config.yaml's ``changes``, from round ``start + 1``."""

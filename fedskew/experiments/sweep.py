@@ -217,7 +217,7 @@ RUN_SETTINGS = ("lr", "local_epochs", "batch_size", "momentum", "weight_decay", 
 # the key existed": a run at that value keeps the id it had, so a new option (a new method's model
 # switch) never orphans the finished runs of a sweep. tests/test_sweep.py pins an id: a key added to
 # the schema without an entry here fails it.
-ADDED_KEYS = {"model.conditional_policy": False}
+ADDED_KEYS = {"model.conditional_policy": False, "model.dropout": 0.0}
 
 
 def run_identity(cfg: dict) -> dict:
