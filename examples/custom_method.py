@@ -4,7 +4,8 @@ LogitNorm (Wei et al., ICML 2022, Eq. 6) trains on logits divided by tau times t
 client cannot lower its loss by only growing the logits of the few classes it holds. The class
 below is everything fedskew needs: options (a pydantic model) and the local loss; the rest is
 FedAvg's. Registered, it runs on both executors, in sweeps and in reports like a built-in method
-(``fedskew run method=logitnorm method.tau=0.05`` does not see it: the CLI imports no user code).
+(``fedskew run --import examples/custom_method.py method=logitnorm method.tau=0.05`` runs it from the
+command line; ``fedskew bench ... --import examples/custom_method.py --methods fedavg,logitnorm`` ranks it).
 
     python examples/custom_method.py        # FedAvg vs LogitNorm on digits P20C3, 3 seeds, 2 at a time
 """

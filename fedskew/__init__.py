@@ -134,23 +134,24 @@ def resume(run_dir: str | Path, *, on_round: Callable[[dict], None] | None = Non
     return resume_run(run_dir, on_round, changes)
 
 
-def sweep(spec: Mapping | str | Path | None = None, /, jobs: int | None = None, out: str | Path | None = None, *,
+def sweep(spec: Mapping | str | Path | Any | None = None, /, jobs: int | None = None, out: str | Path | None = None, *,
           on_event: Callable[[str, dict], None] | None = None, ray: str | None = None,
-          on_progress: Callable[[dict], None] | None = None, progress: bool = False,
+          on_progress: Callable[[dict], None] | None = None, progress: bool | None = None,
           pack: str | int = "auto") -> Path:
     """Run a sweep (methods x option grids x partitions x seeds) into a folder with a SQLite results
     store and one run directory per run; returns the folder (default ``runs/sweep-<name>``).
 
-    ``spec``: a mapping or a YAML file in the format of :mod:`fedskew.experiments.sweep`; None is
-    ``fedskew sweep``'s default comparison. ``jobs`` runs at once (default min(2, cores)), one torch
+    ``spec``: a mapping, a YAML file in the format of :mod:`fedskew.experiments.sweep` or a
+    ``SweepSpec``; None is ``fedskew sweep``'s default comparison. ``jobs`` runs at once (default min(2, cores)), one torch
     thread each. Running it again skips finished runs and resumes interrupted ones. ``on_event`` is
     called with ``("skipped" | "started" | "round" | "done" | "failed", run)`` (``"round"``: after
     each round of a run in this process or a worker, with ``run["round"]`` rounds done of
     ``run["rounds"]``; Ray reports none). ``on_progress`` is called after every event with the
     sweep's progress: ``runs_done``, ``runs_running``, ``runs_failed``, ``runs_total``,
     ``rounds_done``, ``rounds_total``, ``elapsed_s`` and ``eta_s`` (from the measured round rate;
-    None until a round is done); ``progress=True`` prints it as a line to stderr every 30 s and
-    after each run. ``ray``: run on Ray instead
+    None until a round is done); ``progress`` prints it as a line to stderr every 30 s and after
+    each run: by default where a person watches (stderr is a terminal, or a Jupyter kernel runs
+    the code), ``False`` never, ``True`` always. ``ray``: run on Ray instead
     (``"local"`` starts an instance; ``"auto"``, ``"host:port"``, ``"ray://host:10001"`` join a
     cluster; per-run resources from the spec's ``resources``; docs/scaling.md). ``pack``: runs on the
     vectorised executor that differ only in seed, partition, lr or float method options train as
@@ -164,10 +165,20 @@ def sweep(spec: Mapping | str | Path | None = None, /, jobs: int | None = None, 
     from fedskew.experiments.sweep import (SweepProgress, default_jobs, default_sweep_dir, load_spec, planned_count,
                                            progress_line, rounds_per_run, run_sweep, unguarded_script_line)
 
-    parsed = load_spec(dict(spec) if isinstance(spec, Mapping) else spec if spec is not None else default_comparison())
+    from fedskew.experiments.sweep import SweepSpec
+
+    parsed = spec if isinstance(spec, SweepSpec) else \
+        load_spec(dict(spec) if isinstance(spec, Mapping) else spec if spec is not None else default_comparison())
+    if progress is None:  # a person is watching: a terminal, or a notebook's kernel
+        progress = sys.stderr.isatty() or "ipykernel" in sys.modules
     sweep_dir = Path(out) if out is not None else default_sweep_dir(parsed)
     jobs = jobs or default_jobs()
-    line = unguarded_script_line(sys._getframe(1)) if jobs > 1 and ray is None else None
+    from fedskew.algorithms import external_methods
+    from fedskew.experiments.sweep import script_methods
+
+    # workers import the script only when a method of its own lives in it (sweep.script_hidden)
+    line = unguarded_script_line(sys._getframe(1)) if jobs > 1 and ray is None and \
+        script_methods(external_methods()) else None
     if line is not None:
         from fedskew.config import ConfigError
 
@@ -196,6 +207,45 @@ def sweep(spec: Mapping | str | Path | None = None, /, jobs: int | None = None, 
         warnings.warn(f"{failed} run(s) of the sweep in {sweep_dir} failed; fedskew.load_results lists their errors.",
                       stacklevel=2)
     return sweep_dir
+
+
+def bench(suite: str, /, scale: str, *, data: str | Path | None = None, methods: list[str] | None = None,
+          parts: list[str] | None = None, seeds: list[int] | None = None, settings: list[str] | None = None,
+          jobs: int | None = None, out: str | Path | None = None, device: str | None = None,
+          executor: str | None = None, pack: str | int = "auto", progress: bool | None = None) -> Path:
+    """Run a benchmark suite (``fedskew bench SUITE --scale SCALE``) and write its leaderboard
+    (``leaderboard.md`` and ``.html``); returns the suite folder (default
+    ``runs/bench-<suite>-<scale>``). ``methods`` may name methods you registered
+    (:func:`register_method`): they are tuned and ranked like the built-in ones. ``parts``,
+    ``seeds`` and ``settings`` cut the suite as ``--parts``, ``--seeds`` and ``--settings`` do;
+    ``device``, ``executor`` and ``pack`` say where and how the runs train. Running it again keeps
+    the finished runs."""
+    from fedskew.config import ConfigError
+    from fedskew.experiments import bench as suites
+    from fedskew.experiments.published import load as load_registry
+
+    suites.check_suite(suite, scale)
+    load_registry()
+    if scale != "smoke" and not data:
+        raise ConfigError(f"bench --scale {scale} reads its data sets from disk: give data=FOLDER.")
+    known = __import__("fedskew.algorithms", fromlist=["registered"]).registered()
+    unknown = [m for m in methods or [] if m not in known]
+    if unknown:
+        raise ConfigError(f"bench methods names {unknown[0]!r}, which is not a registered method; register it with "
+                          f"fedskew.register_method first.")
+    folder = suites.suite_dir(suite, scale, out)
+    suites.claim_folder(folder, suite, scale, write=False)
+    specs = suites.sweeps(suite, scale, str(data) if data else None, methods)
+    if not specs:
+        raise ConfigError(f"bench suite '{suite}' has none of the methods {methods} at scale {scale}.")
+    specs = suites.restrict(specs, suite, parts, [str(x) for x in seeds] if seeds is not None else None,
+                            {"device": device, "executor": executor}, settings)
+    suites.claim_folder(folder, suite, scale)
+    for part, spec in specs.items():
+        sweep(spec, jobs, folder / part, pack=pack, progress=progress)
+    command = f"fedskew.bench({suite!r}, scale={scale!r}" + (f", methods={methods!r}" if methods else "") + ")"
+    suites.write_leaderboard(suite, scale, command, folder)
+    return folder
 
 
 def report(sweep_dir: str | Path, out: str | Path | None = None, *, metric: str | None = None,
@@ -251,5 +301,5 @@ def register_method(cls: type[Method] | None = None, *, name: str | None = None)
 
 
 __all__ = ["ClientReport", "ConfigError", "FederationInfo", "Forward", "Method", "RunConfig", "RunResult",
-           "__version__", "load_config", "load_results", "methods", "register_method", "report", "resume", "run",
-           "sweep"]
+           "__version__", "bench", "load_config", "load_results", "methods", "register_method", "report", "resume",
+           "run", "sweep"]

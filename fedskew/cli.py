@@ -223,13 +223,6 @@ def cmd_resume(args, console: Console) -> int:
         if (Path(args.run_dir) / "config.yaml").is_file() else None
     rounds = cfg.rounds if cfg else 0
     args.interrupt_hint = f"`fedskew resume {args.run_dir}` continues it again."
-    if cfg is not None and not changes:
-        from fedskew.engine.resume import finished_rounds
-
-        done = finished_rounds(Path(args.run_dir), {"rounds": cfg.rounds})
-        if done is not None:
-            print(f"fedskew: run '{args.run_dir}' finished its {done} rounds: nothing runs, its results are read "
-                  f"back (`fedskew resume {args.run_dir} rounds=N` with N > {done} extends it).", file=sys.stderr)
     return _execute(lambda on_round: resume(args.run_dir, on_round, changes), rounds, console)
 
 
@@ -246,10 +239,13 @@ def _execute(fn, rounds: int, console: Console) -> int:
 
 
 def _describe(obj) -> str:
+    """The first paragraph of a method's or component's docstring, as plain text."""
     import inspect
 
+    from fedskew.algorithms import plain_text
+
     doc = inspect.getdoc(obj) or ""
-    return " ".join(doc.split("\n\n")[0].split())
+    return plain_text(" ".join(doc.split("\n\n")[0].split()))
 
 
 def cmd_methods(args, console: Console) -> int:
@@ -265,6 +261,8 @@ def cmd_methods(args, console: Console) -> int:
                               f"`fedskew methods` lists them.")
         cls = METHODS.get(args.name) or COMPONENTS[args.name]
         console.print(f"[bold]{args.name}[/bold]: {_describe(cls)}", highlight=False)
+        console.print(f"Paper: {cls.source.text()}" if cls.source else "Paper: none recorded.", highlight=False,
+                      markup=False)
         table = Table("option", "default", "allowed", "meaning")
         for key, field in cls.Options.model_fields.items():
             table.add_row(f"method.{key}" if args.name in METHODS else f"method.{args.name}.{key}",
@@ -370,7 +368,7 @@ def _sweep_tables(sweep_dir: Path, console: Console) -> None:
     """The report's main tables as terminal tables, titled with the metric and its unit."""
     import yaml
 
-    from fedskew.experiments.report import build_table, cell_text, default_metric, metric_title
+    from fedskew.experiments.report import build_table, cell_text, chance_of, default_metric, metric_title
     from fedskew.experiments.store import open_sweep, selected_runs
 
     spec = yaml.safe_load((sweep_dir / "sweep.yaml").read_text()) or {}
@@ -387,8 +385,11 @@ def _sweep_tables(sweep_dir: Path, console: Console) -> None:
         if not any(v is not None for vals in cells.values() for v in vals):
             continue
         title, scale, unit = metric_title(key)
-        table = build_table(cells, res.partitions, res.labels, None)
-        how = (f"mean +- std over {n} seeds (bold: the best mean and those within the seed spread of it)" if n > 1
+        dataset = next((r.summary.get("dataset") for runs in res.runs.values() for r in runs), None)
+        table = build_table(cells, res.partitions, res.labels, None, chance_of(dataset, key))
+        bold = any(table[p][c]["top"] for p in res.partitions for c in res.labels)
+        how = (f"mean +- std over {n} seeds" + (" (bold: the best mean and those the paired t-test over seeds does "
+                                                 "not find worse)" if bold else "") if n > 1
                else "one seed: no spread, so nothing is bold")
         console.print(f"\n[bold]{title}{unit}[/bold]: {key}, {how}", highlight=False)
         out = Table()
@@ -415,6 +416,7 @@ def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, conso
                                            run_sweep)
 
     sweep_dir = Path(out) if out else default_sweep_dir(spec)
+    check_folder_name(sweep_dir, "--out")
     total = planned_count(spec)
     jobs = jobs or default_jobs()
     where = (f"{jobs} at a time" if ray is None else
@@ -503,7 +505,17 @@ def cmd_bench(args, console: Console) -> int:
         console.print("`fedskew bench SUITE --scale smoke|lite|paper [--data DIR] [--jobs N | --ray ADDRESS]` runs a "
                       "suite; `--report` rebuilds its leaderboard from the runs it has.", highlight=False)
         return 0 if args.list or args.suite is None else 2
+    if args.scale is None:
+        raise ConfigError(f"bench {args.suite} needs --scale smoke, lite or paper (`fedskew bench --list` gives the "
+                          f"runs and the time of each).")
     bench.check_suite(args.suite, args.scale)
+    from fedskew.experiments.published import load as load_registry
+
+    load_registry()  # a broken published-results file is one sentence before anything trains
+    for flag in ("parts", "seeds", "settings"):
+        if getattr(args, flag, None) is not None and not _csv(getattr(args, flag)):
+            raise ConfigError(f"bench --{flag} '{getattr(args, flag)}' names nothing; give comma-separated names, or "
+                              f"leave the flag out for all.")
     if args.scale != "smoke" and not args.data and not args.report:
         raise ConfigError(f"bench --scale {args.scale} reads Fashion-MNIST (and CIFAR-10 at paper scale) from disk: "
                           f"give the folder with --data DIR.")
@@ -515,8 +527,11 @@ def cmd_bench(args, console: Console) -> int:
         unknown = [m for m in methods if m not in registered()]
         if unknown:
             raise ConfigError(f"bench --methods names {unknown[0]!r}, which is not a registered method"
-                              f"{did_you_mean(unknown[0], registered())}; `fedskew methods` lists them.")
+                              f"{did_you_mean(unknown[0], registered())}; `fedskew methods` lists them (a method of "
+                              f"your own: --import MODULE, the module that registers it).")
     folder = bench.suite_dir(args.suite, args.scale, args.out)
+    check_folder_name(folder, "bench --out")
+    bench.claim_folder(folder, args.suite, args.scale, write=False)  # one suite and scale per folder
     failed = 0
     if not args.report:
         parts = bench.sweeps(args.suite, args.scale, args.data, methods)
@@ -524,12 +539,15 @@ def cmd_bench(args, console: Console) -> int:
             raise ConfigError(f"bench suite '{args.suite}' has none of the methods {methods} at scale {args.scale}.")
         parts = bench.restrict(parts, args.suite, _csv(args.parts), _csv(args.seeds),
                                {"device": args.device, "executor": args.executor,
-                                "checkpoint_every": args.checkpoint_every})
+                                "checkpoint_every": args.checkpoint_every}, _csv(args.settings))
+        bench.claim_folder(folder, args.suite, args.scale)
         for paper, spec in parts.items():
             failed |= _run_and_report(load_spec(spec), str(folder / paper), args.jobs, False, console, args, args.ray)
     command = f"fedskew bench {args.suite} --scale {args.scale}" + (f" --data {args.data}" if args.data else "") + \
+        "".join(f" --import {m}" for m in getattr(args, "imports", None) or []) + \
         (f" --methods {','.join(methods)}" if methods else "") + \
-        "".join(f" --{k} {v}" for k, v in (("parts", args.parts), ("seeds", args.seeds)) if v)
+        "".join(f" --{k} '{v}'" for k, v in (("parts", args.parts), ("seeds", args.seeds), ("settings", args.settings))
+                if v)
     md, page, cells = bench.write_leaderboard(args.suite, args.scale, command, folder)
     if cells:
         table = Table("paper", "table", "setting", "method", "ours", "published", "delta", "within",
@@ -540,13 +558,16 @@ def cmd_bench(args, console: Console) -> int:
                           f"{c.entry.value:.2f}", "-" if c.delta is None else f"{c.delta:+.2f}",
                           "-" if c.within is None else ("yes" if c.within else "no"))
         console.print(table)
-    console.print(f"{bench.SCALE_NOTE[args.scale]}.\nleaderboard: {md} and {page}", highlight=False)
+    note = bench.SCALE_NOTE[args.scale] if cells else bench.LABEL_SKEW_NOTE.get(args.scale, args.scale)
+    console.print(f"{note}.\nleaderboard: {md} and {page}", highlight=False)
     return 1 if failed else 0
 
 
 def cmd_report(args, console: Console) -> int:
     from fedskew.experiments.report import write_report
 
+    if args.out:
+        check_folder_name(args.out, "report --out")
     md, page = write_report(args.sweep_dir, args.out, args.metric, args.baseline)
     console.print(f"report: {md} and {page}", highlight=False)
     return 0
@@ -611,6 +632,8 @@ def cmd_flower(args, console: Console) -> int:
     return 0
 
 
+IMPORT_HELP = ("import a module (a name on the Python path, or a .py file) first: the methods it registers with "
+               "fedskew.register_method can be named like built-in ones; repeat for several")
 PACK_HELP = ("runs on the vectorised executor that differ only in seed, partition, lr or float method options train "
              "as lanes of one program (docs/design.md, \"Runs as lanes\"): auto (on a CUDA device; default), off, or N "
              "runs a pack")
@@ -628,6 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="print the resolved config (every default, the method's options included) and exit")
     p_run.add_argument("--jobs", type=int, help="multirun (key=a,b): runs at once (default: min(2, cores))")
     p_run.add_argument("--pack", metavar="auto|off|N", help=PACK_HELP)
+    p_run.add_argument("--import", dest="imports", action="append", metavar="MODULE", help=IMPORT_HELP)
     p_res = sub.add_parser("resume", help="continue an interrupted run from its directory")
     p_res.add_argument("run_dir")
     p_res.add_argument("changes", nargs="*", metavar="key=value",
@@ -646,6 +670,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_sw.add_argument("--jobs", type=int, help="runs at once, one torch thread each (default: min(2, cores))")
     p_sw.add_argument("--no-report", action="store_true", help="skip the report at the end")
     p_sw.add_argument("--pack", metavar="auto|off|N", help=PACK_HELP)
+    p_sw.add_argument("--import", dest="imports", action="append", metavar="MODULE", help=IMPORT_HELP)
     p_sw.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                       help="run on Ray: no address starts a local instance; auto, host:port or ray://host:10001 "
                            "joins a cluster (docs/scaling.md)")
@@ -669,18 +694,20 @@ def build_parser() -> argparse.ArgumentParser:
                                          "beside ours (`fedskew bench --list`)")
     p_be.add_argument("suite", nargs="?", help="the suite (fedskew bench --list)")
     p_be.add_argument("--list", action="store_true", help="the suites with their size at each scale")
-    p_be.add_argument("--scale", default="smoke", help="smoke (digits, seconds a cell), lite (Fashion-MNIST at CPU "
-                                                       "scale) or paper")
+    p_be.add_argument("--scale", help="smoke (digits, seconds a cell), lite (Fashion-MNIST at CPU scale) or paper; "
+                                      "required to run a suite")
     p_be.add_argument("--data", help="folder holding the data sets (lite and paper scales)")
     p_be.add_argument("--out", help="suite folder (default runs/bench-<suite>-<scale>); running again resumes it")
     p_be.add_argument("--jobs", type=int)
     p_be.add_argument("--pack", metavar="auto|off|N", help=PACK_HELP)
+    p_be.add_argument("--import", dest="imports", action="append", metavar="MODULE", help=IMPORT_HELP)
     p_be.add_argument("--ray", help="run on Ray (local, auto, host:port)")
     p_be.add_argument("--report", action="store_true", help="only rebuild the leaderboard from the runs there are")
     p_be.add_argument("--methods", help="only these methods (comma-separated names)")
     p_be.add_argument("--parts", help="only these parts of the suite (comma-separated; `fedskew bench --list` names "
                                       "them), e.g. map")
     p_be.add_argument("--seeds", help="only these of the suite's seeds (comma-separated), e.g. 0")
+    p_be.add_argument("--settings", help="only these settings (the tables' columns, comma-separated), e.g. '#C=2'")
     p_be.add_argument("--device", help="where the runs train (cpu, cuda, cuda:N); not part of the setting")
     p_be.add_argument("--executor", choices=["sequential", "vectorized"],
                       help="the executor of every run (the two agree to float round-off); not part of the setting")
@@ -758,9 +785,19 @@ def _main(argv: list[str] | None) -> int:
         parser.print_help()
         return 2
     try:
+        import_user_modules(getattr(args, "imports", None) or [])
         return commands[args.command](args, console)
     except (ConfigError, DatasetError, PartitionError, ModelError, FloatingPointError, ClientFailure) as exc:
         print(f"fedskew: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a read-only folder or a full disk anywhere else: one sentence, nothing half-written
+        from fedskew.engine.rundir import STORAGE_ERRNOS
+
+        if exc.errno not in STORAGE_ERRNOS:
+            raise
+        where = f" '{exc.filename}'" if exc.filename else ""
+        print(f"fedskew: error: cannot write{where} ({exc.strerror or exc}); free space or choose a writable folder, "
+              f"then run the same command again: finished work is kept.", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
         hint = getattr(args, "interrupt_hint", None)
@@ -772,6 +809,40 @@ def _main(argv: list[str] | None) -> int:
 
 
 _END_NOW = False
+
+
+def check_folder_name(path, flag: str) -> None:
+    """One sentence for a folder name the file system cannot hold (a part over 255 bytes)."""
+    from fedskew.config import ConfigError
+
+    long = [part for part in Path(str(path)).parts if len(part.encode()) > 255]
+    if long:
+        raise ConfigError(f"{flag} '{str(path)[:60]}...' has a folder name {len(long[0].encode())} bytes long; a folder "
+                          f"name holds at most 255.")
+
+
+def import_user_modules(names: list[str]) -> None:
+    """``--import``: each module by name (the current folder on the path), or a ``.py`` file by its
+    stem from its folder (so that sweep workers import it by name too); one sentence when it fails."""
+    import importlib
+
+    from fedskew.config import ConfigError
+
+    for name in names:
+        path = Path(name)
+        if name.endswith(".py"):
+            if not path.is_file():
+                raise ConfigError(f"--import '{name}': no such file.")
+            folder, name = str(path.resolve().parent), path.stem
+        else:
+            folder = os.getcwd()
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            raise ConfigError(f"--import '{name}' failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}.") \
+                from None
 
 
 def entry() -> None:

@@ -323,3 +323,86 @@ def test_a_changed_grid_leaves_its_old_trials_out_of_the_selection(tmp_path):
     choice = select(db, spec)[("fedprox", "P6C3")]
     assert choice["params"]["mu"] in (0.01, 1.0) and choice["value"] <= 1.0
     assert len(json.loads(choice["row"]["means"])) == 2  # two trials, not three
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 44: failures cost rank, partial seeds are marked, one bold rule, ties by a stated rule
+
+
+def _board(values, failed=None, seeds=3, chance=0.1):
+    from fedskew.experiments.bench import Board
+
+    labels = sorted({m for m, _ in values} | {m for m, _ in (failed or {})})
+    settings = sorted({s for _, s in values} | {s for _, s in (failed or {})})
+    ran = {k for k, v in values.items() if v}
+    return Board("part", "global/test_acc_mean_last10", labels, settings, values, {}, {}, dict(failed or {}), ran,
+                 seeds, chance)
+
+
+def test_a_failed_setting_ranks_last_instead_of_improving_the_average_rank():
+    """The audit's injection: two methods tied at an average rank; the one that fails its worst
+    setting must not move ahead (before, its failed setting dropped out of its average)."""
+    seeds = lambda v: {0: v, 1: v + 0.01, 2: v - 0.01}  # noqa: E731
+    values = {("a", "s1"): seeds(0.8), ("b", "s1"): seeds(0.7), ("c", "s1"): seeds(0.6),
+              ("a", "s2"): seeds(0.6), ("b", "s2"): seeds(0.7), ("c", "s2"): seeds(0.8)}
+    board = _board(values)
+    assert board.average_rank("a") == board.average_rank("c") == 2.0
+    failed = {**values}
+    del failed[("c", "s1")]  # c fails its worst setting
+    board = _board(failed, failed={("c", "s1"): 3})
+    assert board.ranks("s1") == {"a": 1, "b": 2, "c": 3}
+    assert board.average_rank("c") == 2.0 and board.average_rank("a") == 2.0  # not 1.0 for c
+    from fedskew.experiments.bench import board_rows, board_summary
+
+    rows, record = board_rows(board, "a")
+    row = next(r for r in rows if r[0] == "c")
+    assert row[1] == "failed (3) (#3)"
+    assert "Cells with every run failed: 1 (c s1)" in board_summary(board, "a", record)
+
+
+def test_a_cell_with_missing_seeds_is_marked_and_none_is_not_ranked():
+    from fedskew.experiments.bench import board_rows
+
+    values = {("a", "s"): {0: 0.8, 1: 0.82}, ("b", "s"): {0: 0.5, 1: 0.52, 2: 0.51}, ("c", "s"): {}}
+    board = _board(values)
+    board.ran.add(("c", "s"))  # finished runs without the value: c has no such model
+    rows, _ = board_rows(board, None)
+    cells = {r[0]: r[1] for r in rows}
+    assert cells["a"].endswith("(2/3 seeds)**") and "(#1)" in cells["a"]
+    assert cells["c"] == "none" and "c" not in board.ranks("s")
+
+
+def test_one_bold_rule_paired_test_one_seed_and_chance():
+    from fedskew.experiments.report import bold_labels, build_table
+
+    best = {0: 0.80, 1: 0.82, 2: 0.81}
+    near = {0: 0.795, 1: 0.825, 2: 0.80}  # differences +-: a tie by the paired test
+    worse = {0: 0.70, 1: 0.71, 2: 0.705}  # consistently 10 points lower: a loss
+    assert bold_labels({"best": best, "near": near, "worse": worse}) == {"best", "near"}
+    assert bold_labels({"a": {0: 0.9}, "b": {0: 0.5}}) == set()  # one seed: nothing bold
+    assert bold_labels({"a": {0: 0.095, 1: 0.094}, "b": {0: 0.09, 1: 0.09}}, chance=0.1) == set()  # below chance
+    assert bold_labels({"a": {0: 0.105, 1: 0.104}}, chance=0.1) == set()  # within one point of chance
+    # the report's tables use the same rule (values paired by position: the selected runs' seed order)
+    t = build_table({("P", "x"): list(best.values()), ("P", "y"): list(worse.values())}, ["P"], ["x", "y"], None, 0.1)
+    assert t["P"]["x"]["top"] and not t["P"]["y"]["top"]
+
+
+def test_selection_ties_within_round_off_go_to_the_earlier_trial(tmp_path):
+    """Two trials whose validation means differ by float round-off only: the first (the defaults)
+    is chosen, not the one whose sum happened to round up."""
+    import sqlite3
+
+    from fedskew.experiments.sweep import select
+
+    spec = load_spec({"name": "tie", "base": {"rounds": 1}, "seeds": [0],
+                      "methods": [{"name": "fedprox", "trials": [{"mu": 0.01}, {"mu": 0.1}]}],
+                      "selection": {"split": "validation"}})
+    db = sqlite3.connect(tmp_path / "r.sqlite")
+    db.row_factory = sqlite3.Row
+    db.execute("CREATE TABLE runs (label, partition, params, seed, summary, status)")
+    db.execute("CREATE TABLE selections (label, partition, params, metric, split, value, means)")
+    for mu, value in ((0.01, 0.3 + 0.6), (0.1, 0.9)):  # 0.8999999999999999 vs 0.9
+        db.execute("INSERT INTO runs VALUES ('fedprox', 'default', ?, 0, ?, 'done')",
+                   (json.dumps({"mu": mu}, sort_keys=True), json.dumps({"global/val_acc_mean_last10": value})))
+    assert 0.3 + 0.6 < 0.9
+    assert select(db, spec)[("fedprox", "default")]["params"] == {"mu": 0.01}

@@ -89,3 +89,191 @@ def test_every_option_of_every_method_and_component_says_what_it_means():
     missing = [f"{name}.{key}" for name, cls in {**METHODS, **COMPONENTS}.items()
                for key, field in cls.Options.model_fields.items() if not (field.description or "").strip()]
     assert not missing, f"options without a meaning: {missing}"
+
+
+def test_every_method_and_component_names_its_source_in_plain_text():
+    """Issue 44: every registered method and component carries its own Source (paper, venue,
+    year, official code, equations), `fedskew methods NAME` prints it, and no page shows Sphinx
+    roles or a developer's sentence to users."""
+    import subprocess
+    import sys
+
+    from fedskew.algorithms import plain_text
+
+    from fedskew.algorithms import BUILTIN
+
+    missing = [n for n, c in {**{k: METHODS[k] for k in BUILTIN}, **{f"component {k}": v for k, v in COMPONENTS.items()}}.items()
+               if "source" not in c.__dict__ or c.source is None]
+    assert not missing, f"no Source: {missing}"
+    for cls in [*(METHODS[k] for k in BUILTIN), *COMPONENTS.values()]:
+        s = cls.source
+        assert s.authors and s.title and s.venue and s.implements and s.code, cls
+        assert s.arxiv is None or re.fullmatch(r"\d{4}\.\d{4,5}", s.arxiv), s.arxiv
+    assert plain_text("see :class:`~fedskew.algorithms.components.Discrepancy` and ``x``") == "see `Discrepancy` and `x`"
+    for name in ("fedavg", "feddisco", "fedproc", "map", "rs"):
+        out = subprocess.run([sys.executable, "-m", "fedskew.cli", "methods", name], capture_output=True, text=True,
+                             timeout=120, env={**__import__("os").environ, "COLUMNS": "200"}).stdout
+        assert "Paper: " in out and ":class:" not in out and ":func:" not in out, out[:500]
+        assert "Subclasses override" not in out
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 44: every fact the leaderboard prose states agrees with the generated tables it cites
+
+ORDINALS = {w: i + 1 for i, w in enumerate("first second third fourth fifth sixth seventh eighth ninth tenth "
+                                           "eleventh twelfth".split())}
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[^a-z0-9_]", "", name.lower())
+
+
+def md_tables(text: str) -> list[dict]:
+    """Every methods x settings table of a generated leaderboard (header 'method', ..., 'avg rank'):
+    its kind ('global' or 'personalised', from the lines above it) and per method its cells (mean,
+    std, rank per setting) and average rank."""
+    out, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if not (line.startswith("| method |") and "avg rank" in line):
+            continue
+        header = [c.strip() for c in line.strip("|").split("|")]
+        above = " ".join(lines[max(0, i - 6):i]).lower()
+        kind = "personalised" if "personalised" in above.split("global")[-1] else "global"
+        rows = {}
+        for row in lines[i + 2:]:
+            if not row.startswith("|"):
+                break
+            cells = [c.strip().strip("*") for c in row.strip("|").split("|")]
+            m = {"cells": {}, "avg": None}
+            for setting, cell in zip(header[1:-2], cells[1:-2]):
+                got = re.match(r"([\d.]+)(?: \+- ([\d.]+))? \(#([\d.]+)\)", cell)
+                if got:
+                    m["cells"][setting] = tuple(float(g) if g else None for g in got.groups())
+            m["avg"] = float(cells[-2]) if re.fullmatch(r"[\d.]+", cells[-2]) else None
+            rows[_key(cells[0])] = m
+        out.append({"kind": kind, "settings": header[1:-2], "rows": rows})
+    # the published cells beside ours: ours (mean, std), the published value and spread, the delta
+    published = {}
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 7 and line.startswith("| ") and re.match(r"[\d.]+ \+- [\d.]+|not run", cells[1]):
+            nums = [float(x) for c in cells[1:6] for x in re.findall(r"-?\d+\.\d+", c)]
+            published.setdefault(_key(cells[0]), []).extend(abs(x) for x in nums)
+    if published:
+        out.append({"kind": "published", "settings": [], "rows": {
+            k: {"cells": {"published": tuple(v)}, "avg": None} for k, v in published.items()}})
+    return out
+
+
+def position(table: dict, method: str) -> int | None:
+    """1 + the number of methods whose average rank is strictly better."""
+    avg = table["rows"][method]["avg"]
+    if avg is None:
+        return None
+    return 1 + sum(1 for r in table["rows"].values() if r["avg"] is not None and r["avg"] < avg)
+
+
+def _matches(value: str, x: float | None) -> bool:
+    return x is not None and abs(float(value) - x) <= 0.5 * 10 ** -len(value.split(".")[1]) + 1e-9
+
+
+def prose_problems(prose: str, tables: list[dict]) -> list[str]:
+    """Claims of the prose (split into clauses at ';' and sentence ends) that its tables contradict.
+    A claim belongs to the method named last before it in the clause (else the first after it): a
+    decimal number that is none of that method's means, stds or average ranks; an ordinal ('first',
+    'tenth', '12th') that is not the method's rank in the setting it names right after ('first
+    under Dir0.5'), or without one its place by average rank. Numbers in code spans (option values,
+    commands) and after 'p <' are not claims; write a claim's method in the same clause."""
+    names = {k for t in tables for k in t["rows"]}
+    settings = sorted({s for t in tables for s in t["settings"]}, key=len, reverse=True)
+    problems = []
+    # a method whose name is an English word (local, map) is a claim's method only in a code span
+    words = {"local", "map"}
+    text = re.sub(r"`[^`]*`", lambda m: (m.group(0).strip("`") + ("method" if m.group(0).strip("`") in words else ""))
+                  if _key(m.group(0)) in names else "", prose)
+    text = re.sub(r"\s+", " ", re.sub(r"\n\|.*", "", text))
+    text = re.sub(r"\b(Dir)\((\d+(?:\.\d+)?)\)", r"\1\2", text)  # Dir(0.5) as the tables write it: Dir0.5
+    tables = [{**t, "rows": {(n + "method" if n in words else n): r for n, r in t["rows"].items()}} for t in tables]
+    names = {(n + "method" if n in words else n) for n in names}
+    for clause in re.split(r";|\. (?=[A-Z*(])", text):
+        keyed = _key_text(clause)
+        spots = sorted((m.start(), n) for n in names for m in re.finditer(rf"(?<![\w-]){n}(?![\w-])", keyed))
+        if not spots:
+            continue
+        tabs = [t for t in tables if t["kind"] in clause.lower()] or tables
+        tabs += [t for t in tables if t["kind"] == "published" and t not in tabs]
+        plain = clause.replace("(", "").replace(")", "")
+
+        def owner(at: int) -> str:
+            before = [n for pos, n in spots if pos <= at]
+            return before[-1] if before else spots[0][1]
+
+        def setting_after(at: int) -> str | None:
+            """The setting an ordinal names right after it ('first under Dir0.5')."""
+            m = re.match(r"\S+ (?:under|in) (\S+)", plain[at:])
+            return next((s for s in settings if m and m.group(1).rstrip(",.:*") == _setting_text(s)), None)
+
+        for m in re.finditer(r"(?<![\w.=/<])(\d+\.\d+)(?![\d.]*\s?(?:s\b|M\b|h\b|%|x\b|points?\b))", clause):
+            value, at = m.group(1), m.start()
+            if re.search(r"(p <|lr|alpha|sigma|lam|mu|beta|std|tau|=)\s*$", clause[:at][-8:]):
+                continue
+            method = owner(len(_key_text(clause[:at])))
+            ok = any(_matches(value, x) for t in tabs if method in t["rows"]
+                     for c in [*t["rows"][method]["cells"].values(), (t["rows"][method]["avg"],)] for x in c)
+            if not ok:
+                problems.append(f"{value} for {method}: {clause.strip()[:160]}")
+        for m in re.finditer(r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|"
+                             r"twelfth|\d+(?:st|nd|rd|th)) (?!(?:round|seed|trial|grid|rounds|day|session|table|in the other|"
+                             r"in \w+ settings))", clause):
+            word, at = m.group(1), m.start()
+            want = ORDINALS.get(word) or int(re.match(r"\d+", word).group())
+            method = owner(len(_key_text(clause[:at])))
+            setting = setting_after(len(clause[:at].replace("(", "").replace(")", "")))
+            if setting:
+                ok = any(method in t["rows"] and setting in t["rows"][method]["cells"] and
+                         t["rows"][method]["cells"][setting][2] == want for t in tabs)
+            else:
+                ok = any(method in t["rows"] and position(t, method) == want for t in tabs)
+            if not ok:
+                problems.append(f"'{word}' for {method}{' under ' + setting if setting else ''}: {clause.strip()[:160]}")
+    return problems
+
+
+def _key_text(clause: str) -> str:
+    """A clause with method names written as their registry names (FedETF -> fedetf, Per-FedAvg -> perfedavg)."""
+    return re.sub(r"[A-Za-z][\w-]*", lambda m: _key(m.group(0)), clause)
+
+
+def _setting_text(setting: str) -> str:
+    return setting.replace("(", "").replace(")", "")
+
+
+def test_the_prose_checker_catches_a_wrong_rank_and_a_wrong_number():
+    table = md_tables("global accuracy\n\n| method | S1 | S2 | avg rank | W/T/L vs fedavg |\n|---|---|---|---|---|\n"
+                      "| fedx | 70.00 +- 1.00 (#1) | 60.00 +- 1.00 (#2) | 1.50 | 1/1/0 |\n"
+                      "| fedavg | 50.00 +- 2.00 (#2) | 61.00 +- 1.00 (#1) | 1.50 | - |\n")
+    assert prose_problems("FedX is first under S1 (70.0).", table) == []
+    assert len(prose_problems("FedX is second under S1 (70.0).", table)) == 1
+    assert len(prose_problems("FedX reaches 71.3 under S1.", table)) == 1
+    assert prose_problems("FedAvg's average rank is 1.50.", table) == []
+
+
+def test_the_leaderboard_prose_agrees_with_the_tables_it_cites():
+    """docs/leaderboard.md cites the generated leaderboards between `<!-- NAME: begin -->` and
+    `<!-- NAME: end -->`; every number, rank or position its prose gives a method there must be
+    the one docs/leaderboards/NAME.md shows."""
+    from fedskew.experiments.published import load
+
+    registry = {}  # a published number of the registry, cited beside its method
+    for e in load():
+        registry.setdefault(_key(e.method), []).extend(v for v in (e.value, e.spread) if v is not None)
+    registry_table = {"kind": "published", "settings": [],
+                      "rows": {k: {"cells": {"registry": tuple(v)}, "avg": None} for k, v in registry.items()}}
+    doc = (ROOT / "docs/leaderboard.md").read_text()
+    problems = []
+    for name, body in re.findall(r"<!-- ([\w-]+): begin -->(.*?)<!-- \1: end -->", doc, re.S):
+        tables = md_tables((ROOT / "docs/leaderboards" / f"{name}.md").read_text())
+        assert tables, name
+        tables.append(registry_table)
+        problems += [f"{name}: {p}" for p in prose_problems(body, tables)]
+    assert not problems, "\n".join(problems)

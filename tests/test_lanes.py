@@ -107,13 +107,15 @@ def test_packed_runs_equal_each_run_alone(tmp_path, extra):
     """Every parity case of tests/test_vectorized.py (every vectorisable method): two runs differing
     in seed, learning rate and float options, packed, each as it is alone. A run that amplifies
     round-off past 1e-3 within the case's rounds (FedMR's paper-form intra term: a 1e-6 change of lr
-    moves its seed-1 run by 0.06 after two rounds; FedDBE's BatchNorm case by 0.03 after three,
-    measured) is compared again after one round."""
-    for rounds in ([], ["rounds=1"]):
+    moves its seed-1 run by 0.06 after two rounds and 7e-3 after one; FedDBE's BatchNorm case by
+    0.03 after three, measured) is compared again after one round, then after one round of one
+    epoch."""
+    for rounds in ([], ["rounds=1"], ["rounds=1", "local_epochs=1"]):
         cases = [extra + rounds, other_run(extra) + rounds]
-        pack, results = packed(tmp_path / f"r{len(rounds)}", cases)
-        verdicts = [as_alone(tmp_path / f"r{len(rounds)}", cfg, f"alone{i}", results[i],
-                             alone(tmp_path / f"r{len(rounds)}", cfg, f"alone{i}")) for i, cfg in enumerate(cases)]
+        where = tmp_path / f"r{len(rounds)}"
+        pack, results = packed(where, cases)
+        verdicts = [as_alone(where, cfg, f"alone{i}", results[i], alone(where, cfg, f"alone{i}"))
+                    for i, cfg in enumerate(cases)]
         if "chaotic" not in verdicts:
             break
     assert verdicts == [None, None], verdicts

@@ -340,22 +340,30 @@ def test_a_clone_named_fedskew_beside_a_script_does_not_shadow_the_package(tmp_p
     assert out.stderr.count("\n") == 1 and "is a fedskew source checkout beside your script" in out.stderr
 
 
-@pytest.mark.parametrize("guarded", [False, True])
-def test_an_unguarded_parallel_sweep_in_a_script_is_one_sentence(tmp_path, guarded):
+@pytest.mark.parametrize("guarded, own_method", [(False, False), (False, True), (True, True)])
+def test_an_unguarded_parallel_sweep_in_a_script_runs_once_or_is_one_sentence(tmp_path, guarded, own_method):
     """README's snippet without ``if __name__ == "__main__":`` made every spawned worker start the
-    sweep again (9 min of cascading tracebacks); now the script line is named before any worker."""
+    sweep again (9 min of cascading tracebacks). The workers no longer import the script
+    (sweep.script_hidden), so such a sweep simply runs; only a script that defines a method of its
+    own must be imported by them, and there the unguarded line is named before any worker starts."""
+    method = "fedavg"
+    header = "import fedskew\n\n"
+    if own_method:
+        header += "@fedskew.register_method\nclass Mine(fedskew.Method):\n    name = 'mine'\n\n\n"
+        method = "mine"
     call = ('fedskew.sweep({"name": "g", "base": {"rounds": 1, "partition.num_clients": 4, "clients_per_round": 2, '
-            '"local_epochs": 1}, "methods": ["fedavg"], "seeds": [0, 1]}, jobs=2, out="sw")')
+            f'"local_epochs": 1}}, "methods": ["{method}"], "seeds": [0, 1]}}, jobs=2, out="sw")')
     body = "def main():\n    " + call + "\n\n" + ('if __name__ == "__main__":\n    main()\n' if guarded else "main()\n")
-    (tmp_path / "script.py").write_text("import fedskew\n\n" + body)
+    (tmp_path / "script.py").write_text(header + body)
     out = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if guarded:
+    if guarded or not own_method:
         assert out.returncode == 0, out.stderr
-        assert len(fedskew.load_results(tmp_path / "sw", frame=False)) == 2
+        assert [r["status"] for r in fedskew.load_results(tmp_path / "sw", frame=False)] == ["done", "done"]
     else:
+        line = header.count("\n") + 4  # main() at the end
         assert out.returncode == 1 and out.stderr.count("Traceback") == 1
-        assert (f"{tmp_path / 'script.py'}, line 6, calls fedskew.sweep(jobs=2) outside `if __name__ == "
+        assert (f"{tmp_path / 'script.py'}, line {line}, calls fedskew.sweep(jobs=2) outside `if __name__ == "
                 f"\"__main__\":`") in out.stderr
         assert not (tmp_path / "sw").exists()
 

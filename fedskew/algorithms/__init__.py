@@ -208,6 +208,15 @@ def allowed_values(field, markdown: bool = True) -> str:
     return text + (" or none" if type(None) in typing.get_args(ann) else "")
 
 
+def plain_text(text: str) -> str:
+    """A docstring's text for users: Sphinx roles (``:class:`~a.b.C```) as their names, double
+    backticks as single ones."""
+    import re
+
+    text = re.sub(r":(?:class|func|meth|attr|data|mod|obj):`~?([^`]+)`", lambda m: f"`{m.group(1).split('.')[-1]}`", text)
+    return text.replace("``", "`")
+
+
 def options_reference() -> str:
     """Markdown: every registered method's and component's options with their defaults, allowed
     values and meanings, from the ``Options`` classes (docs/methods.md, "Options reference", is
@@ -216,7 +225,10 @@ def options_reference() -> str:
     for kind, table in (("method", METHODS), ("component", COMPONENTS)):
         for name, cls in table.items():
             key = "method." if kind == "method" else f"method.{name}."
-            lines += ["", f"### `{name}` ({kind})", "", "| option | default | allowed | meaning |", "|---|---|---|---|"]
+            lines += ["", f"### `{name}` ({kind})", ""]
+            if cls.source is not None:
+                lines += [f"Paper: {cls.source.text()}", ""]
+            lines += ["| option | default | allowed | meaning |", "|---|---|---|---|"]
             for opt, field in cls.Options.model_fields.items():
                 default = field.get_default(call_default_factory=True)
                 lines.append(f"| `{key}{opt}` | `{default!r}` | {allowed_values(field)} | "

@@ -85,6 +85,8 @@ class FederationInfo:
     # the model's fixed architecture tensors (``model.fixed_keys``: the ETF head), built from the
     # seed by every party and never sent; a personalised state may override them (FedGELA's head)
     fixed_state: dict = field(default_factory=dict, compare=False, repr=False)
+    # floats in the model's trainable tensors (a method that allocates in proportion checks it first)
+    param_numel: int = 0
 
 
 @dataclass(frozen=True)
@@ -240,6 +242,18 @@ def weighted_mean(states: list[State], weights: torch.Tensor) -> State:
     return out
 
 
+# floats a method may allocate for one structure of its own (pFedHN's heads, FedFed's VAE) before
+# anything is built: 2^30 floats = 4 GiB of float32; larger options are refused in one sentence
+MAX_METHOD_FLOATS = 1 << 30
+
+
+def check_size(method: str, what: str, floats: int) -> None:
+    """One sentence when ``floats`` (the size of ``what``) exceeds :data:`MAX_METHOD_FLOATS`."""
+    if floats > MAX_METHOD_FLOATS:
+        raise ValueError(f"method {method}'s {what} would hold {floats:,} floats ({4 * floats / 2 ** 30:,.1f} GiB), more "
+                         f"than the {MAX_METHOD_FLOATS:,} a method may allocate; choose smaller options")
+
+
 class StrictOptions(BaseModel):
     """Options of a method, a component or a config section: unknown keys are errors. ``renamed``
     maps an option's former name to its name now; the former name still works for one release, with
@@ -278,6 +292,28 @@ def search_space(options: type[BaseModel]) -> dict[str, list]:
     return out
 
 
+@dataclass(frozen=True)
+class Source:
+    """Where a method or component comes from: its paper (authors, title, venue, year, arXiv id when
+    it has one), the official code it was checked against (or what stood in for it), and the
+    equations or algorithm it implements. ``fedskew methods NAME`` prints it; every registered
+    method and component has one (tests/test_docs.py)."""
+
+    authors: str
+    title: str
+    venue: str
+    year: int | None
+    implements: str
+    code: str
+    arxiv: str | None = None
+
+    def text(self) -> str:
+        arxiv = f", arXiv {self.arxiv}" if self.arxiv else ""
+        year = f" {self.year}" if self.year else ""
+        return (f"{self.authors}, \"{self.title}\", {self.venue}{year}{arxiv}. Implements: {self.implements}. "
+                f"Checked against: {self.code}.")
+
+
 class FedAvgOptions(StrictOptions):
     weighting: Literal["samples", "batches", "uniform"] = Field(
         "samples", description="aggregation weights p_k: by local samples n_k (McMahan et al.), by local batches, "
@@ -285,10 +321,22 @@ class FedAvgOptions(StrictOptions):
 
 
 class Method:
-    """FedAvg. Subclasses override the pieces they change."""
+    """FedAvg: every selected client trains the received global model for E local epochs of SGD,
+    and the server averages the uploaded models weighted by the clients' sample counts.
+
+    The base of every method: a subclass overrides the pieces it changes (docs/design.md)."""
 
     name = "fedavg"
     Options: type[BaseModel] = FedAvgOptions
+    # the paper, official code and equations: every registered class sets its own (tests/test_docs.py)
+    source: Source | None = Source(
+        authors="McMahan et al.",
+        title="Communication-Efficient Learning of Deep Networks from Decentralized Data",
+        venue="AISTATS",
+        year=2017,
+        arxiv="1602.05629",
+        implements="Algorithm 1 (FederatedAveraging: E local epochs of minibatch SGD, the n_k-weighted average)",
+        code="no official code; the paper's Algorithm 1")
     # "linear": the method trains or edits the classifier (refuses model.classifier=etf);
     # "etf": the method needs the fixed ETF head; None: either.
     requires_classifier: str | None = None

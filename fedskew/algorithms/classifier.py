@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import (HEAD, FedAvgOptions, Method, as_model_part, head_names, model_part,
-                                  reference_tensor, strip_prefix,
-                                  weighted_mean)
+from fedskew.algorithms.base import (HEAD, FedAvgOptions, Method, Source, as_model_part, head_names, model_part,
+                                     reference_tensor, strip_prefix, weighted_mean)
 from fedskew.algorithms.tensors import aggregate_prototypes, class_feature_means
 from fedskew.streams import torch_seed
 
@@ -96,6 +95,14 @@ class CCVR(Method):
 
     name = "ccvr"
     Options = CCVROptions
+    source = Source(
+        authors="Luo et al.",
+        title="No Fear of Heterogeneity: Classifier Calibration for Federated Learning with Non-IID Data",
+        venue="NeurIPS",
+        year=2021,
+        arxiv="2106.05001",
+        implements="Algorithm 1 (feature statistics, virtual representations, classifier calibration)",
+        code="no official code; the paper's Algorithm 1")
     per_sample_loss = True  # Method.padding_exact (FedAvg's loss)
     requires_classifier = "linear"
 
@@ -178,6 +185,14 @@ class FedNH(Method):
 
     name = "fednh"
     Options = FedNHOptions
+    source = Source(
+        authors="Dai et al.",
+        title="Tackling Data Heterogeneity in Federated Learning with Class Prototypes",
+        venue="AAAI",
+        year=2023,
+        arxiv="2212.02758",
+        implements="Eq. 5-6 (prototype initialisation and smoothed aggregation) and Algorithm 1",
+        code="Yutong-Dai/FedNH")
     requires_classifier = "linear"
     model_defaults = {"classifier_bias": False}
     per_sample_loss = True  # Method.padding_exact
@@ -288,6 +303,14 @@ class FedPAC(Method):
 
     name = "fedpac"
     Options = FedPACOptions
+    source = Source(
+        authors="Xu, Tong, Huang",
+        title="Personalized Federated Learning with Feature Alignment and Classifier Collaboration",
+        venue="ICLR",
+        year=2023,
+        arxiv="2306.11867",
+        implements="the feature alignment and the classifier combination weights (the paper's Section 4)",
+        code="JianXu95/FedPAC")
     requires_classifier = "linear"
     has_global_model = False
     personal_first = True

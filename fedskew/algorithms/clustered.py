@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import Method, StrictOptions, as_model_part, model_part, strip_prefix, weighted_mean
+from fedskew.algorithms.base import (Method, Source, StrictOptions, as_model_part, model_part, strip_prefix,
+                                     weighted_mean)
 from fedskew.streams import stream_key
 
 BRANCH = "backbone.branches."
@@ -87,6 +88,13 @@ class FedConcat(Method):
 
     name = "fedconcat"
     Options = FedConcatOptions
+    source = Source(
+        authors="Diao, Li, He",
+        title="Exploiting Label Skews in Federated Learning with Model Concatenation",
+        venue="AAAI",
+        year=2024,
+        implements="Algorithm 1",
+        code="sjtudyq/FedConcat")
     requires_classifier = "linear"
     owns_model_options = frozenset({"branches"})
     fedavg_weighted = False  # per-cluster means, then an unweighted mean (Method.fedavg_weighted)

@@ -5,7 +5,7 @@
 =================  =======================  ====================================================
 config key         component                from
 =================  =======================  ====================================================
-``decorrelation``  IntraDecorrelation       FedMR's L_intra (Huang et al., TMLR 2023, Eq. 3)
+``decorrelation``  IntraDecorrelation       FedMR's L_intra (Fan et al., TMLR 2023, Eq. 3)
 ``prototypes``     PrototypeMargin          FedMR's global prototypes and L_inter (Eq. 4-5)
 ``rs``             RestrictedSoftmax        FedRS (Li & Zhan, KDD 2021; MAP paper Eq. 8)
 ``hpm``            InheritedPrivateModel    FedPHP (Li et al., ECML-PKDD 2021; MAP Algorithm 1)
@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedskew.algorithms.base import ClientReport, Forward, State, StrictOptions, reference_tensor, strip_prefix
+from fedskew.algorithms.base import ClientReport, Forward, Source, State, StrictOptions, reference_tensor, strip_prefix
 from fedskew.algorithms.compose import Component
 from fedskew.algorithms.tensors import (aggregate_prototypes, class_feature_means, decorrelation_loss,
                                         disco_weights, hpm_momentum, inter_class_margin, intra_class_loss, kd_loss,
@@ -62,6 +62,13 @@ class IntraDecorrelation(Component):
 
     prefix = "decorr."
     Options = DecorrelationOptions
+    source = Source(
+        authors="Fan, Yao, Zhang, Lyu, Zhang, Wang",
+        title="Federated Learning under Partially Class-Disjoint Data via Manifold Reshaping (FedMR's L_intra)",
+        venue="TMLR",
+        year=2023,
+        implements="Eq. 3",
+        code="MediaBrain-SJTU/FedMR")
 
     def loss(self, fwd, params, x, y, payload, client_state):
         z, logits = fwd(x)
@@ -80,6 +87,13 @@ class PrototypeMargin(Component):
 
     prefix = "proto."
     Options = PrototypeOptions
+    source = Source(
+        authors="Fan, Yao, Zhang, Lyu, Zhang, Wang",
+        title="Federated Learning under Partially Class-Disjoint Data via Manifold Reshaping (FedMR's L_inter)",
+        venue="TMLR",
+        year=2023,
+        implements="Eq. 4-5",
+        code="MediaBrain-SJTU/FedMR")
 
     def server_init(self, global_state, info):
         ref = reference_tensor(global_state)
@@ -164,6 +178,13 @@ class RestrictedSoftmax(Component):
 
     prefix = "rs."
     Options = RSOptions
+    source = Source(
+        authors="Li, Zhan",
+        title="FedRS: Federated Learning with Restricted Softmax for Label Distribution Non-IID Data",
+        venue="KDD",
+        year=2021,
+        implements="MAP paper Eq. 8",
+        code="lxcnju/FedRepo")
     per_sample_loss = True  # logits scaled per sample (Component.padding_exact)
 
     def client_init(self, client_id, global_state, info):
@@ -210,6 +231,13 @@ class InheritedPrivateModel(Component):
 
     prefix = "hpm."
     Options = HPMOptions
+    source = Source(
+        authors="Li, Zhan, Shao, Li, Song",
+        title="FedPHP: Federated Personalization with Inherited Private Models",
+        venue="ECML PKDD",
+        year=2021,
+        implements="MAP paper Eq. 9-10",
+        code="lxcnju/FedRepo")
     personalizes = True
     per_sample_loss = True  # with kt=kd; MMD compares batch feature distributions
 
@@ -305,6 +333,14 @@ class Decorrelation(Component):
 
     prefix = "feddecorr."
     Options = FedDecorrOptions
+    source = Source(
+        authors="Shi et al.",
+        title="Towards Understanding and Mitigating Dimensional Collapse in Heterogeneous Federated Learning",
+        venue="ICLR",
+        year=2023,
+        arxiv="2210.00226",
+        implements="Eq. 4",
+        code="bytedance/FedDecorr")
 
     def loss(self, fwd, params, x, y, payload, client_state):
         z, _ = fwd(x)
@@ -331,6 +367,13 @@ class UniformityVariance(Component):
 
     prefix = "uv."
     Options = UVOptions
+    source = Source(
+        authors="Son et al.",
+        title="FedUV: Uniformity and Variance for Heterogeneous Federated Learning",
+        venue="CVPR",
+        year=2024,
+        implements="the official UVReg's two regularisers",
+        code="sonhamin/FedUV")
 
     def loss(self, fwd, params, x, y, payload, client_state):
         z, logits = fwd(x)
@@ -361,6 +404,13 @@ class Discrepancy(Component):
 
     prefix = "disco."
     Options = DiscoOptions
+    source = Source(
+        authors="Ye et al.",
+        title="FedDisco: Federated Learning with Discrepancy-Aware Collaboration",
+        venue="ICML",
+        year=2023,
+        implements="Eq. 3-4",
+        code="MediaBrain-SJTU/FedDisco")
 
     def server_init(self, global_state, info):
         return {"disco.counts": info.class_counts.double().clone()}
@@ -398,6 +448,14 @@ class SharpnessAware(Component):
 
     prefix = "sam."
     Options = SAMOptions
+    source = Source(
+        authors="Caldarola, Caputo, Ciccone; Qu et al.",
+        title="Improving Generalization in Federated Learning by Seeking Flat Minima (ECCV 2022); Generalized "
+              "Federated Learning via Sharpness Aware Minimization (ICML 2022)",
+        venue="ECCV / ICML",
+        year=2022,
+        implements="SAM and ASAM local steps",
+        code="debcaldarola/fedsam")
     sharpness_aware = True
 
 

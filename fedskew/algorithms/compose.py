@@ -45,6 +45,7 @@ class Component:
 
     prefix = ""
     Options: type[BaseModel]
+    source = None  # a base.Source: the paper, official code and equations (set on every registered component)
     personalizes = False
     personal_first = False
     per_sample_loss = True  # no loss term, logits as they are (Method.padding_exact)

@@ -12,6 +12,8 @@ uploaded classifiers, and the clients use its samples as a regulariser.
 
 from __future__ import annotations
 
+import math
+
 import functools
 import warnings
 from typing import Literal
@@ -21,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, field_validator
 
-from fedskew.algorithms.base import (HEAD, FedAvgOptions, Method, State, add_prefix, as_model_part, model_part,
-                                  reference_tensor, strip_prefix, weighted_mean)
+from fedskew.algorithms.base import (HEAD, FedAvgOptions, Method, Source, State, add_prefix, as_model_part, check_size,
+                                     model_part, reference_tensor, strip_prefix, weighted_mean)
 from fedskew.streams import numpy_rng, seeded_torch, torch_seed
 
 
@@ -77,6 +79,14 @@ class FedDF(Method):
 
     name = "feddf"
     Options = FedDFOptions
+    source = Source(
+        authors="Lin, Kong, Stich, Jaggi",
+        title="Ensemble Distillation for Robust Model Fusion in Federated Learning",
+        venue="NeurIPS",
+        year=2020,
+        arxiv="2006.07242",
+        implements="Algorithm 1 (ensemble distillation on an unlabelled public set)",
+        code="no official code; the paper's Algorithm 1")
     per_sample_loss = True  # Method.padding_exact (FedAvg's loss)
 
     def __init__(self, options=None, info=None):
@@ -222,6 +232,14 @@ class FedGen(Method):
 
     name = "fedgen"
     Options = FedGenOptions
+    source = Source(
+        authors="Zhu, Hong, Zhou",
+        title="Data-Free Knowledge Distillation for Heterogeneous Federated Learning",
+        venue="ICML",
+        year=2021,
+        arxiv="2105.10056",
+        implements="Eq. 4-6 and Algorithm 1",
+        code="zhuangdizhu/FedGen")
     requires_classifier = "linear"
     per_sample_loss = True  # the batch terms use fwd.mean / fwd.cross_entropy; the bank term is batch-free
 
@@ -333,9 +351,9 @@ class FedFedOptions(FedAvgOptions):
     search = {"distill_rounds": [5, 15]}  # the bench's search space (fedskew bench)
     distill_rounds: int = Field(15, ge=1, description="feature-distillation rounds, the first of the run, in which the "
                                                        "selected clients also train the VAE (official VAE_comm_round 15)")
-    vae_epochs: int = Field(1, ge=1, description="local VAE epochs per distillation round (VAE_local_epoch 1)")
-    vae_width: int = Field(32, ge=2, description="channels d of the VAE (VAE_d 32); its latent has d H W / 16 units "
-                                                 "(2,048 on 32 x 32 images, VAE_z)")
+    vae_epochs: int = Field(1, ge=1, le=1000, description="local VAE epochs per distillation round (VAE_local_epoch 1)")
+    vae_width: int = Field(32, ge=2, le=4096, description="channels d of the VAE (VAE_d 32); its latent has d H W / 16 "
+                                                          "units (2,048 on 32 x 32 images, VAE_z)")
     vae_lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the VAE and its classifier (official 1e-3)")
     vae_weight_decay: float = Field(1e-6, ge=0, description="AdamW weight decay (official 1e-6)")
     vae_batch_size: int = Field(32, ge=2, description="batch size of the distillation steps (the official loaders' 32)")
@@ -429,6 +447,33 @@ VAE, CLS, POOL = "fedfed.vae.", "fedfed.cls.", "fedfed.pool."
 PAIR_X, PAIR_Y, SHARED = "fedfed.pair.x", "fedfed.pair.y", "fedfed.shared"
 
 
+class FedFedAdamW(torch.optim.Optimizer):
+    """The AdamW of FedFed's official client (``optim/AdamW.py``): Adam's moments m, v, then
+    p <- p - s (wd p + m / (sqrt(v) + eps)) with s = lr sqrt(1 - beta2^t) / (1 - beta1^t). It differs
+    from torch.optim.AdamW (decay lr wd p, eps added after the bias correction) by 4.4e-3 relative
+    after one distillation round (measured), so the official form is the one used."""
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st.update(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                st["step"] += 1
+                st["m"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                st["v"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                size = group["lr"] * math.sqrt(1 - beta2 ** st["step"]) / (1 - beta1 ** st["step"])
+                p.add_(torch.mul(p, group["weight_decay"]).addcdiv_(st["m"], st["v"].sqrt().add_(group["eps"])),
+                       alpha=-size)
+
+
 class FedFed(Method):
     """FedFed (Yang et al., NeurIPS 2023, "FedFed: Feature Distillation against Data Heterogeneity in
     Federated Learning"; official code visitworld123/FedFed, read with FL-bench's
@@ -463,6 +508,13 @@ class FedFed(Method):
 
     name = "fedfed"
     Options = FedFedOptions
+    source = Source(
+        authors="Yang et al.",
+        title="FedFed: Feature Distillation against Data Heterogeneity in Federated Learning",
+        venue="NeurIPS",
+        year=2023,
+        implements="Eq. 8 (the VAE's feature distillation objective) and the shared noised features",
+        code="visitworld123/FedFed")
     per_sample_loss = True  # Method.padding_exact (FedAvg's loss)
 
     def __init__(self, options=None, info=None):
@@ -473,6 +525,9 @@ class FedFed(Method):
                 raise ValueError(f"method fedfed's VAE needs images [C, H, W] with H and W multiples of 4, not inputs "
                                  f"of shape {list(shape)}")
             self.shape = shape
+            with torch.device("meta"):  # counted before anything is allocated
+                floats = sum(p.numel() for p in FedFedVAE(shape, self.opt.vae_width).parameters())
+            check_size("fedfed", f"VAE (method.vae_width = {self.opt.vae_width})", floats)
 
     def _vae(self, state: State | None = None) -> FedFedVAE:
         vae = FedFedVAE(self.shape, self.opt.vae_width)
@@ -543,7 +598,7 @@ class FedFed(Method):
         vae.to(x.device).train()
         cls = {k: v.detach().clone().requires_grad_(k in self.info.param_names) for k, v in cls.items()}
         trained = [v for v in cls.values() if v.requires_grad]
-        opt = torch.optim.AdamW([*vae.parameters(), *trained], lr=o.vae_lr, weight_decay=o.vae_weight_decay)
+        opt = FedFedAdamW([*vae.parameters(), *trained], lr=o.vae_lr, weight_decay=o.vae_weight_decay)
         rng = numpy_rng(self.info.seed, "fedfed_distill", round_idx, client_id)
         gen = torch.Generator(x.device).manual_seed(torch_seed(self.info.seed, "fedfed_noise", round_idx, client_id))
         rec, ce, kl, x_ce, vae_pass = self.loss_weights(client_id)

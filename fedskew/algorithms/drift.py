@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedskew.algorithms.base import FedAvgOptions, Method, as_model_part, model_part, weighted_mean
+from fedskew.algorithms.base import FedAvgOptions, Method, Source, as_model_part, model_part, weighted_mean
 from fedskew.algorithms.components import SAMOptions, SharpnessAware
 from fedskew.algorithms.compose import Composed, options_of
 
@@ -35,6 +35,14 @@ class FedProx(Method):
 
     name = "fedprox"
     Options = FedProxOptions
+    source = Source(
+        authors="Li et al.",
+        title="Federated Optimization in Heterogeneous Networks",
+        venue="MLSys",
+        year=2020,
+        arxiv="1812.06127",
+        implements="Eq. 2 (the proximal local objective)",
+        code="litian96/FedProx")
     per_sample_loss = True  # Method.padding_exact
 
     def local_loss(self, fwd, params, x, y, payload, client_state):
@@ -94,6 +102,14 @@ class Scaffold(Method):
 
     name = "scaffold"
     Options = ScaffoldOptions
+    source = Source(
+        authors="Karimireddy et al.",
+        title="SCAFFOLD: Stochastic Controlled Averaging for Federated Learning",
+        venue="ICML",
+        year=2020,
+        arxiv="1910.06378",
+        implements="Algorithm 1 with option II control variates",
+        code="no official code; the paper's Algorithm 1")
     per_sample_loss = True  # Method.padding_exact
 
     def server_init(self, global_state, info):
@@ -160,6 +176,14 @@ class FedDyn(Method):
 
     name = "feddyn"
     Options = FedDynOptions
+    source = Source(
+        authors="Acar et al.",
+        title="Federated Learning Based on Dynamic Regularization",
+        venue="ICLR",
+        year=2021,
+        arxiv="2111.04263",
+        implements="Algorithm 1 (the dynamic regulariser and the server's h state)",
+        code="alpemreacar/FedDyn")
     per_sample_loss = True  # Method.padding_exact
 
     def server_init(self, global_state, info):
@@ -211,6 +235,14 @@ class FedNova(Method):
 
     name = "fednova"
     Options = FedAvgOptions
+    source = Source(
+        authors="Wang, Liu, Liang, Joshi, Poor",
+        title="Tackling the Objective Inconsistency Problem in Heterogeneous Federated Optimization",
+        venue="NeurIPS",
+        year=2020,
+        arxiv="2007.07481",
+        implements="normalised averaging of the local updates (Eq. 6-7)",
+        code="JYWa/FedNova")
 
     a_i = staticmethod(effective_steps)
 
@@ -272,6 +304,14 @@ class FedDC(Method):
 
     name = "feddc"
     Options = FedDCOptions
+    source = Source(
+        authors="Gao et al.",
+        title="FedDC: Federated Learning with Non-IID Data via Local Drift Decoupling and Correction",
+        venue="CVPR",
+        year=2022,
+        arxiv="2203.11751",
+        implements="Eq. 6-9 and Algorithm 1 (drift variable, penalised local objective, corrected upload)",
+        code="gaoliang13/FedDC")
     per_sample_loss = True  # Method.padding_exact
 
     def server_init(self, global_state, info):
@@ -365,6 +405,13 @@ class FedSAM(Composed):
 
     name = "fedsam"
     Options = FedSAMOptions
+    source = Source(
+        authors="Caldarola, Caputo, Ciccone; Qu et al. (ICML 2022) named it too",
+        title="Improving Generalization in Federated Learning by Seeking Flat Minima",
+        venue="ECCV",
+        year=2022,
+        implements="SAM local steps (the paper's Section 4)",
+        code="debcaldarola/fedsam")
 
     def parts(self, opt):
         return [SharpnessAware(options_of(SAMOptions, opt))]
@@ -376,3 +423,10 @@ class FedASAM(FedSAM):
 
     name = "fedasam"
     Options = FedASAMOptions
+    source = Source(
+        authors="Caldarola, Caputo, Ciccone",
+        title="Improving Generalization in Federated Learning by Seeking Flat Minima",
+        venue="ECCV",
+        year=2022,
+        implements="ASAM local steps (adaptive radius, the paper's Section 4)",
+        code="debcaldarola/fedsam")

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import ClientData, FedAvgOptions, Method, model_part, reference_tensor
+from fedskew.algorithms.base import ClientData, FedAvgOptions, Method, Source, model_part, reference_tensor
 from fedskew.metrics import class_roles
 from fedskew.streams import numpy_rng
 
@@ -58,6 +58,14 @@ class FedNTD(Method):
 
     name = "fedntd"
     Options = FedNTDOptions
+    source = Source(
+        authors="Lee et al.",
+        title="Preservation of the Global Knowledge by Not-True Distillation in Federated Learning",
+        venue="NeurIPS",
+        year=2022,
+        arxiv="2106.03097",
+        implements="Eq. 4-5 (not-true distillation)",
+        code="Lee-Gihun/FedNTD")
     per_sample_loss = True  # Method.padding_exact
 
     def local_loss(self, fwd, params, x, y, payload, client_state):
@@ -105,6 +113,13 @@ class FedLMD(Method):
 
     name = "fedlmd"
     Options = FedLMDOptions
+    source = Source(
+        authors="Lu et al.",
+        title="Federated Learning with Label-Masking Distillation",
+        venue="ACM MM",
+        year=2023,
+        implements="the label-masking distillation loss (the paper's Section 3)",
+        code="wnma3mz/FedLMD")
     per_sample_loss = True  # Method.padding_exact
 
     def client_init(self, client_id, global_state, info):
@@ -168,6 +183,13 @@ class FedVLS(Method):
 
     name = "fedvls"
     Options = FedVLSOptions
+    source = Source(
+        authors="Guo et al.",
+        title="Exploring Vacant Classes in Label-Skewed Federated Learning",
+        venue="AAAI",
+        year=2025,
+        implements="logit suppression and vacant-class distillation (the paper's Section 4)",
+        code="krumpguo/FedVLS")
 
     def client_init(self, client_id, global_state, info):
         device = reference_tensor(global_state).device
@@ -251,6 +273,15 @@ class FedKA(Method):
 
     name = "fedka"
     Options = FedKAOptions
+    source = Source(
+        authors="Chen, Zhu, Zheng",
+        title="Towards Fast and Stable Federated Learning: Confronting Heterogeneity via Knowledge Anchor",
+        venue="arXiv preprint",
+        year=2023,
+        arxiv="2312.02416",
+        implements="Eq. 1 (forgetting degree), Eq. 2 (knowledge anchors) and Eq. 3 (the local objective), Algorithm "
+                   "1",
+        code="no official code found; the paper's text")
     per_sample_loss = True  # CE per sample; the anchor term does not depend on the batch
 
     def __init__(self, options=None, info=None):

@@ -1,4 +1,5 @@
-"""FedMR: federated manifold reshaping (Huang et al., TMLR 2023); docs/methods.md, "FedMR".
+"""FedMR: federated manifold reshaping (Fan, Yao, Zhang, Lyu, Zhang and Wang, "Federated Learning under
+Partially Class-Disjoint Data via Manifold Reshaping", TMLR 10/2023); docs/methods.md, "FedMR".
 
 Local objective L = CE + mu1 * L_intra + mu2 * L_inter (Eq. 6), as two components
 (:mod:`fedskew.algorithms.components`):
@@ -15,7 +16,7 @@ Local objective L = CE + mu1 * L_intra + mu2 * L_inter (Eq. 6), as two component
 
 from __future__ import annotations
 
-from fedskew.algorithms.base import FedAvgOptions
+from fedskew.algorithms.base import FedAvgOptions, Source
 from fedskew.algorithms.components import (DecorrelationOptions, IntraDecorrelation, PrototypeMargin,
                                            PrototypeOptions)
 from fedskew.algorithms.compose import Composed, options_of
@@ -30,6 +31,14 @@ class FedMR(Composed):
 
     name = "fedmr"
     Options = FedMROptions
+    source = Source(
+        authors="Fan, Yao, Zhang, Lyu, Zhang, Wang",
+        title="Federated Learning under Partially Class-Disjoint Data via Manifold Reshaping",
+        venue="TMLR",
+        year=2023,
+        implements="Eq. 3 (intra-class decorrelation), Eq. 4-5 (inter-class prototype margin), Eq. 6 (the local "
+                   "objective)",
+        code="MediaBrain-SJTU/FedMR")
 
     def parts(self, opt):
         return [IntraDecorrelation(options_of(DecorrelationOptions, opt)),

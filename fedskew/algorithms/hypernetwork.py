@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from fedskew.algorithms.base import Method, StrictOptions
+from fedskew.algorithms.base import Method, Source, StrictOptions, check_size
 from fedskew.streams import seeded_torch
 
 PHI, MOMENTUM, SHAPE, SENT, DELTA = "hn.phi.", "hn.mom.", "hn.shape.", "hn.w.", "hn.delta."
@@ -41,10 +41,10 @@ def generate(phi: dict, client_id: int, shapes: dict, n_hidden: int) -> dict:
 
 class PFedHNOptions(StrictOptions):
     search = {"server_lr": [0.003, 0.01, 0.03]}  # the bench's search space (fedskew bench)
-    embed_dim: int | None = Field(None, ge=1, description=
+    embed_dim: int | None = Field(None, ge=1, le=1 << 14, description=
         "size of the client embeddings v_k; None: 1 + num_clients / 4 (the authors' --embed-dim -1)")
-    hidden: int = Field(100, ge=1, description="width of the hypernetwork's MLP (--hyper-hid 100)")
-    n_hidden: int = Field(3, ge=0, description="hidden layers of that MLP after its first (--n-hidden 3)")
+    hidden: int = Field(100, ge=1, le=1 << 14, description="width of the hypernetwork's MLP (--hyper-hid 100)")
+    n_hidden: int = Field(3, ge=0, le=64, description="hidden layers of that MLP after its first (--n-hidden 3)")
     server_lr: float = Field(0.01, gt=0, description="the hypernetwork's SGD learning rate (--lr 1e-2)")
     server_momentum: float = Field(0.9, ge=0, lt=1, description="its momentum (the authors' 0.9)")
     server_wd: float = Field(1e-3, ge=0, description="its weight decay (--wd 1e-3)")
@@ -77,6 +77,14 @@ class PFedHN(Method):
 
     name = "pfedhn"
     Options = PFedHNOptions
+    source = Source(
+        authors="Shamsian, Navon, Fetaya, Chechik",
+        title="Personalized Federated Learning using Hypernetworks",
+        venue="ICML",
+        year=2021,
+        arxiv="2103.04628",
+        implements="Algorithm 1",
+        code="AvivSham/pFedHN")
     # the authors' inner optimiser (trainer.py: --inner-lr 5e-3, --inner-wd 5e-5, clip_grad_norm_ 50),
     # where the config leaves the run's lr, weight_decay and grad_clip unset
     run_defaults = {"lr": 5e-3, "weight_decay": 5e-5, "grad_clip": 50.0}
@@ -89,6 +97,11 @@ class PFedHN(Method):
         if info is not None and any(n.endswith("running_mean") for n in info.norm_names):
             raise ValueError("method pfedhn generates a model's parameters, not BatchNorm statistics; use a model "
                              "without BatchNorm (mlp, lenet, simplecnn, tfcnn, ...)")
+        if info is not None:  # phi (with its momentum): embeddings, the MLP and one head per model tensor
+            e, h = self.opt.embed_dim or int(1 + info.num_clients / 4), self.opt.hidden
+            heads = (h + 1) * info.param_numel
+            check_size("pfedhn", f"hypernetwork (method.hidden = {h}, method.embed_dim = {e})",
+                       2 * (info.num_clients * e + (e + 1) * h + self.opt.n_hidden * (h + 1) * h + heads))
 
     @staticmethod
     def _shapes(server_state) -> dict:

@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from fedskew.algorithms.base import FedAvgOptions
+from fedskew.algorithms.base import FedAvgOptions, Source
 from fedskew.algorithms.components import (BIAS_FREE, HPMOptions, InheritedPrivateModel, RestrictedSoftmax,
                                            RSOptions)
 from fedskew.algorithms.compose import Composed, options_of
@@ -48,6 +48,13 @@ class FedRS(Composed):
 
     name = "fedrs"
     Options = FedRSOptions
+    source = Source(
+        authors="Li, Zhan",
+        title="FedRS: Federated Learning with Restricted Softmax for Label Distribution Non-IID Data",
+        venue="KDD",
+        year=2021,
+        implements="MAP paper Eq. 8 (restricted softmax)",
+        code="lxcnju/FedRepo (the MAP authors' code)")
     model_defaults = BIAS_FREE
 
     def parts(self, opt):
@@ -60,6 +67,13 @@ class FedPHP(Composed):
 
     name = "fedphp"
     Options = FedPHPOptions
+    source = Source(
+        authors="Li, Zhan, Shao, Li, Song",
+        title="FedPHP: Federated Personalization with Inherited Private Models",
+        venue="ECML PKDD",
+        year=2021,
+        implements="MAP paper Eq. 9-10 (the inherited private model and its knowledge transfer)",
+        code="lxcnju/FedRepo (the MAP authors' code)")
     model_defaults = BIAS_FREE
 
     def parts(self, opt):
@@ -72,6 +86,13 @@ class MAP(Composed):
 
     name = "map"
     Options = MAPOptions
+    source = Source(
+        authors="Li, Song, Li, Li, Shao, Yang, Zhan",
+        title="MAP: Model Aggregation and Personalization in Federated Learning with Incomplete Classes",
+        venue="IEEE TKDE (the text in ../shared/papers)",
+        year=2024,
+        implements="Eq. 8 (RS on the uploaded model) with Eq. 9-10 (HPM personalisation), Algorithm 1",
+        code="lxcnju/FedRepo (the authors' code)")
     model_defaults = BIAS_FREE
 
     def parts(self, opt):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.func import grad_and_value
 
-from fedskew.algorithms.base import FedAvgOptions, Method, State, add_prefix, model_part, strip_prefix
+from fedskew.algorithms.base import FedAvgOptions, Method, Source, State, add_prefix, model_part, strip_prefix
 
 
 def ce_grad(fwd, params: State, x: torch.Tensor, y: torch.Tensor) -> tuple[State, torch.Tensor]:
@@ -62,6 +62,14 @@ class PFedMe(Method):
 
     name = "pfedme"
     Options = PFedMeOptions
+    source = Source(
+        authors="T. Dinh, Tran, Nguyen",
+        title="Personalized Federated Learning with Moreau Envelopes",
+        venue="NeurIPS",
+        year=2020,
+        arxiv="2006.08848",
+        implements="Algorithm 1",
+        code="CharlieDinh/pFedMe")
 
     def client_init(self, client_id, global_state, info):
         state = {"pfedme.theta." + k: v.clone() for k, v in global_state.items()}
@@ -124,6 +132,14 @@ class PerFedAvg(Method):
 
     name = "perfedavg"
     Options = PerFedAvgOptions
+    source = Source(
+        authors="Fallah, Mokhtari, Ozdaglar",
+        title="Personalized Federated Learning with Theoretical Guarantees: A Model-Agnostic Meta-Learning Approach",
+        venue="NeurIPS",
+        year=2020,
+        arxiv="2002.07948",
+        implements="Algorithm 1 with Eq. 8's first-order gradient",
+        code="no official code; the paper's Algorithm 1")
 
     def client_init(self, client_id, global_state, info):
         return add_prefix({k: v.clone() for k, v in global_state.items()}, "perfedavg.")

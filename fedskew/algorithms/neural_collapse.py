@@ -14,8 +14,8 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedskew.algorithms.base import (ClientReport, FedAvgOptions, Method, add_prefix, fraction_steps, head_names,
-                                  reference_tensor, strip_prefix)
+from fedskew.algorithms.base import (ClientReport, FedAvgOptions, Method, Source, add_prefix, fraction_steps,
+                                     head_names, reference_tensor, strip_prefix)
 from fedskew.algorithms.tensors import aggregate_prototypes, balanced_softmax_loss, class_feature_means
 
 
@@ -55,6 +55,13 @@ class EtfGmv(Method):
 
     name = "etf_gmv"
     Options = EtfGmvOptions
+    source = Source(
+        authors="Huang, Xie, Yang, Wang, Lin, Cai",
+        title="Neural Collapse Inspired Federated Learning with Non-iid Data",
+        venue="preprint (no venue or arXiv id in its text)",
+        year=2023,
+        implements="the fixed simplex-ETF head (Eq. 2) and the global memory vectors with warm-up (Eq. 6-8)",
+        code="no official code found; the paper's text")
     requires_classifier = "etf"
     model_defaults = {"classifier": "etf"}
     per_sample_loss = True  # Method.padding_exact
@@ -127,6 +134,15 @@ class FedETF(Method):
 
     name = "fedetf"
     Options = FedETFOptions
+    source = Source(
+        authors="Li et al.",
+        title="No Fear of Classifier Biases: Neural Collapse Inspired Federated Learning with Synthetic and Fixed "
+              "Classifier",
+        venue="ICCV",
+        year=2023,
+        implements="the projector, the fixed ETF classifier with a learnable temperature, and the local fine-tuning "
+                   "(Section 4)",
+        code="ZexiLee/ICCV-2023-FedETF")
     requires_classifier = "etf"
     model_defaults = {"classifier": "etf", "etf_projector": True, "etf_normalize": True, "etf_learn_scale": True,
                       "etf_scale": 10.0}
@@ -176,8 +192,7 @@ class FedGELAOptions(FedAvgOptions):
     weighting: Literal["samples", "batches", "uniform"] = Field(
         "batches", description="aggregation weights p_k; batches: the official code's len(dataloader)")
     gela_temperature: float = Field(0.2, gt=0, description="T in the local logits z E_w M / T; 0.2 is the official "
-                                                           "argparse default (its README's command uses 1e-5 "
-                                                           "with gradients clipped at norm 20)")
+                                                           "argparse default (its README's command uses 1e-5)")
 
 
 class FedGELA(Method):
@@ -191,6 +206,16 @@ class FedGELA(Method):
 
     name = "fedgela"
     Options = FedGELAOptions
+    # the official train_net clips every step's gradient at norm 20 (FedGELA.py, clip_grad_norm_(..., 20)),
+    # whatever the command; where the config leaves grad_clip unset (digits' first gradient norms reach 45)
+    run_defaults = {"grad_clip": 20.0}
+    source = Source(
+        authors="Fan et al.",
+        title="Federated Learning with Bilateral Curation for Partially Class-Disjoint Data",
+        venue="NeurIPS",
+        year=2023,
+        implements="the global ETF classifier and each client's locally adapted one (the paper's Section 4)",
+        code="MediaBrain-SJTU/FedGELA")
     requires_classifier = "etf"
     model_defaults = {"classifier": "etf"}
     per_sample_loss = True  # Method.padding_exact

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import (HEAD, MODEL, ClientReport, FedAvgOptions, Method, add_prefix, as_model_part, body_names,
-                                  fraction_steps, head_names, model_part, reference_tensor, strip_prefix,
-                                  weighted_mean)
+from fedskew.algorithms.base import (HEAD, MODEL, ClientReport, FedAvgOptions, Method, Source, add_prefix,
+                                     as_model_part, body_names, fraction_steps, head_names, model_part,
+                                     reference_tensor, strip_prefix, weighted_mean)
 from fedskew.algorithms.components import BIAS_FREE, RestrictedSoftmax, RSOptions
 from fedskew.algorithms.compose import Composed, PartialSharing, options_of
 from fedskew.algorithms.tensors import aggregate_prototypes, balanced_softmax_loss, class_feature_means
@@ -60,6 +60,14 @@ class Ditto(Method):
 
     name = "ditto"
     Options = DittoOptions
+    source = Source(
+        authors="Li, Hu, Beirami, Smith",
+        title="Ditto: Fair and Robust Federated Learning Through Personalization",
+        venue="ICML",
+        year=2021,
+        arxiv="2012.04221",
+        implements="Algorithm 1",
+        code="litian96/ditto")
     per_sample_loss = True  # Method.padding_exact
 
     def client_init(self, client_id, global_state, info):
@@ -93,6 +101,14 @@ class DittoRS(Composed):
 
     name = "dittors"
     Options = DittoRSOptions
+    source = Source(
+        authors="Li, Song, Li, Li, Shao, Yang, Zhan",
+        title="MAP: Model Aggregation and Personalization in Federated Learning with Incomplete Classes (DittoRS, a "
+              "Table II baseline)",
+        venue="IEEE TKDE (the text in ../shared/papers)",
+        year=2024,
+        implements="Ditto's Algorithm 1 with MAP Eq. 8 (restricted softmax) on the global update",
+        code="lxcnju/FedRepo")
     base_method = Ditto
     model_defaults = BIAS_FREE
 
@@ -121,6 +137,14 @@ class FedRep(PartialSharing):
 
     name = "fedrep"
     Options = FedRepOptions
+    source = Source(
+        authors="Collins, Hassani, Mokhtari, Shakkottai",
+        title="Exploiting Shared Representations for Personalized Federated Learning",
+        venue="ICML",
+        year=2021,
+        arxiv="2102.07078",
+        implements="Algorithm 1",
+        code="lgcollins/FedRep")
     requires_classifier = "linear"
     has_global_model = False
     personal_first = True
@@ -161,6 +185,14 @@ class FedBABU(Method):
 
     name = "fedbabu"
     Options = FedBABUOptions
+    source = Source(
+        authors="Oh, Kim, Yun",
+        title="FedBABU: Towards Enhanced Representation for Federated Image Classification",
+        venue="ICLR",
+        year=2022,
+        arxiv="2106.06042",
+        implements="Algorithm 1 (body-only training and aggregation, head fine-tuned for personalisation)",
+        code="jhoon-oh/FedBABU")
     requires_classifier = "linear"
 
     def client_init(self, client_id, global_state, info):
@@ -213,6 +245,14 @@ class FedROD(Method):
 
     name = "fedrod"
     Options = FedAvgOptions
+    source = Source(
+        authors="Chen, Chao",
+        title="On Bridging Generic and Personalized Federated Learning for Image Classification",
+        venue="ICLR",
+        year=2022,
+        arxiv="2107.00778",
+        implements="Eq. 3 (balanced softmax for the generic head) and the personal head (Section 4)",
+        code="hongyouc/Fed-RoD")
     per_sample_loss = True  # Method.padding_exact
     requires_classifier = "linear"
 
@@ -300,6 +340,14 @@ class FedProto(Method):
 
     name = "fedproto"
     Options = FedProtoOptions
+    source = Source(
+        authors="Tan et al.",
+        title="FedProto: Federated Prototype Learning across Heterogeneous Clients",
+        venue="AAAI",
+        year=2022,
+        arxiv="2105.00243",
+        implements="Eq. 5-7 and Algorithm 1",
+        code="yuetan031/fedproto")
     requires_classifier = "linear"
     has_global_model = False
     per_sample_loss = True  # Method.padding_exact
@@ -374,6 +422,13 @@ class FedLC(Method):
 
     name = "fedlc"
     Options = FedLCOptions
+    source = Source(
+        authors="Zhang et al.",
+        title="Federated Learning with Label Distribution Skew via Logits Calibration",
+        venue="ICML",
+        year=2022,
+        implements="Eq. 9 (the calibrated cross-entropy)",
+        code="no official code; the paper's Eq. 9")
     per_sample_loss = True  # Method.padding_exact
 
     def client_init(self, client_id, global_state, info):
@@ -424,6 +479,14 @@ class GPFL(PartialSharing):
 
     name = "gpfl"
     Options = GPFLOptions
+    source = Source(
+        authors="Zhang et al.",
+        title="GPFL: Simultaneously Learning Global and Personalized Feature Information for Personalized Federated "
+              "Learning",
+        venue="ICCV",
+        year=2023,
+        implements="the conditional valve and the global category embeddings (the paper's Section 4)",
+        code="TsingZ0/GPFL")
     requires_classifier = "linear"
     has_global_model = False
     keep = "gpfl.own."
@@ -523,6 +586,13 @@ class FedCP(PartialSharing):
 
     name = "fedcp"
     Options = FedCPOptions
+    source = Source(
+        authors="Zhang et al.",
+        title="FedCP: Separating Feature Information for Personalized Federated Learning via Conditional Policy",
+        venue="KDD",
+        year=2023,
+        implements="the conditional policy network and its feature split (the paper's Section 4)",
+        code="TsingZ0/FedCP")
     requires_classifier = "linear"
     has_global_model = False
     vectorizable = False  # Gumbel noise (random masks under vmap cannot match the sequential executor's)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import FedAvgOptions, Method, model_part
+from fedskew.algorithms.base import FedAvgOptions, Method, Source, model_part
 from fedskew.algorithms.components import (Decorrelation, FedDecorrOptions, PrototypeMargin, PrototypeOptions,
                                          UniformityVariance, UVOptions)
 from fedskew.algorithms.compose import Composed, options_of
@@ -44,6 +44,14 @@ class Moon(Method):
 
     name = "moon"
     Options = MoonOptions
+    source = Source(
+        authors="Li, He, Song",
+        title="Model-Contrastive Federated Learning",
+        venue="CVPR",
+        year=2021,
+        arxiv="2103.16257",
+        implements="Eq. 2-3 (the model-contrastive loss) and Algorithm 1",
+        code="QinbinLi/MOON")
     per_sample_loss = True  # Method.padding_exact
 
     def client_init(self, client_id, global_state, info):
@@ -79,6 +87,13 @@ class FedMMD(Method):
 
     name = "fedmmd"
     Options = FedMMDOptions
+    source = Source(
+        authors="Yao et al.",
+        title="Two-Stream Federated Learning: Reduce the Communication Costs",
+        venue="IEEE VCIP",
+        year=2018,
+        implements="the MMD-regularised local objective (Section 3)",
+        code="no official code; the paper's MMD objective")
 
     def local_loss(self, fwd, params, x, y, payload, client_state):
         z, logits = fwd(x)
@@ -140,6 +155,14 @@ class FedProc(Composed):
 
     name = "fedproc"
     Options = FedProcOptions
+    source = Source(
+        authors="Mu et al.",
+        title="FedProc: Prototypical Contrastive Federated Learning on Non-IID Data",
+        venue="Future Generation Computer Systems",
+        year=2023,
+        arxiv="2109.12273",
+        implements="Eq. 5 (prototypical contrastive loss) and Eq. 6 (its weight schedule)",
+        code="no official code; the paper's Eq. 5-6")
     base_method = FedProcBase
 
     def parts(self, opt):
@@ -160,6 +183,14 @@ class FedDecorr(Composed):
 
     name = "feddecorr"
     Options = FedDecorrMethodOptions
+    source = Source(
+        authors="Shi et al.",
+        title="Towards Understanding and Mitigating Dimensional Collapse in Heterogeneous Federated Learning",
+        venue="ICLR",
+        year=2023,
+        arxiv="2210.00226",
+        implements="Eq. 4 (the decorrelation regulariser)",
+        code="bytedance/FedDecorr")
 
     def parts(self, opt):
         return [Decorrelation(options_of(FedDecorrOptions, opt))]
@@ -180,6 +211,13 @@ class FedUV(Composed):
 
     name = "feduv"
     Options = FedUVOptions
+    source = Source(
+        authors="Son et al.",
+        title="FedUV: Uniformity and Variance for Heterogeneous Federated Learning",
+        venue="CVPR",
+        year=2024,
+        implements="the classifier-variance and hyperspherical-uniformity regularisers (the paper's Section 4)",
+        code="sonhamin/FedUV")
 
     def parts(self, opt):
         return [UniformityVariance(options_of(UVOptions, opt))]

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedskew.algorithms.base import FedAvgOptions, Method, model_part, weighted_mean
+from fedskew.algorithms.base import FedAvgOptions, Method, Source, model_part, weighted_mean
 from fedskew.algorithms.components import DiscoOptions, Discrepancy
 from fedskew.algorithms.compose import Composed, options_of
 
@@ -91,24 +91,56 @@ class ServerOpt(Method):
 
 class FedAvgM(ServerOpt):
     """FedAvgM (Hsu et al., 2019): server momentum over the pseudo-gradient, m <- beta m + Delta."""
+    source = Source(
+        authors="Hsu, Qi, Brown",
+        title="Measuring the Effects of Non-Identical Data Distribution for Federated Visual Classification",
+        venue="arXiv preprint",
+        year=2019,
+        arxiv="1909.06335",
+        implements="server momentum on the pseudo-gradient (Section 3)",
+        code="no official code; the paper's server momentum")
 
     name, kind = "fedavgm", "avgm"
 
 
 class FedAdagrad(ServerOpt):
     """FedAdagrad (Reddi et al., 2021, Algorithm 2): Adagrad on the server, v <- v + Delta^2."""
+    source = Source(
+        authors="Reddi et al.",
+        title="Adaptive Federated Optimization",
+        venue="ICLR",
+        year=2021,
+        arxiv="2003.00295",
+        implements="Algorithm 2 (FedAdagrad)",
+        code="google-research/federated (the paper's reference)")
 
     name, kind, Options = "fedadagrad", "adagrad", AdagradOptions
 
 
 class FedAdam(ServerOpt):
     """FedAdam (Reddi et al., 2021, Algorithm 2): Adam on the server, no bias correction."""
+    source = Source(
+        authors="Reddi et al.",
+        title="Adaptive Federated Optimization",
+        venue="ICLR",
+        year=2021,
+        arxiv="2003.00295",
+        implements="Algorithm 2 (FedAdam)",
+        code="google-research/federated (the paper's reference)")
 
     name, kind, Options = "fedadam", "adam", AdaptiveOptions
 
 
 class FedYogi(ServerOpt):
     """FedYogi (Reddi et al., 2021, Algorithm 2): Yogi's additive second-moment update on the server."""
+    source = Source(
+        authors="Reddi et al.",
+        title="Adaptive Federated Optimization",
+        venue="ICLR",
+        year=2021,
+        arxiv="2003.00295",
+        implements="Algorithm 2 (FedYogi)",
+        code="google-research/federated (the paper's reference)")
 
     name, kind, Options = "fedyogi", "yogi", AdaptiveOptions
 
@@ -137,6 +169,14 @@ class FedAwS(Method):
 
     name = "fedaws"
     Options = FedAwSOptions
+    source = Source(
+        authors="Yu, Rawat, Menon, Kumar",
+        title="Federated Learning with Only Positive Labels",
+        venue="ICML",
+        year=2020,
+        arxiv="2004.10342",
+        implements="Algorithm 1 (the server's spreadout regulariser on the classifier)",
+        code="no official code; the paper's Algorithm 1")
     requires_classifier = "linear"  # it edits the classifier rows on the server
 
     def aggregate(self, server_state, global_state, uploads, reports):
@@ -166,6 +206,13 @@ class FedDisco(Composed):
 
     name = "feddisco"
     Options = FedDiscoOptions
+    source = Source(
+        authors="Ye et al.",
+        title="FedDisco: Federated Learning with Discrepancy-Aware Collaboration",
+        venue="ICML",
+        year=2023,
+        implements="Eq. 3-4 (discrepancy-aware aggregation weights)",
+        code="MediaBrain-SJTU/FedDisco")
 
     def parts(self, opt):
         return [Discrepancy(options_of(DiscoOptions, opt))]

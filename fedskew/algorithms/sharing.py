@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
-from fedskew.algorithms.base import (HEAD, ClientData, FedAvgOptions, Method, State, add_prefix, as_model_part,
+from fedskew.algorithms.base import (HEAD, ClientData, FedAvgOptions, Method, Source, State, add_prefix, as_model_part,
                                      body_names, model_part, reference_tensor, strip_prefix, weighted_mean)
 from fedskew.algorithms.compose import PartialSharing
 from fedskew.algorithms.tensors import class_feature_means
@@ -51,6 +51,14 @@ class FedBN(PartialSharing):
     Down and up: the model without its normalisation tensors. Keeps those per client."""
 
     name = "fedbn"
+    source = Source(
+        authors="Li et al.",
+        title="FedBN: Federated Learning on Non-IID Features via Local Batch Normalization",
+        venue="ICLR",
+        year=2021,
+        arxiv="2102.07623",
+        implements="Algorithm 1",
+        code="med-air/FedBN")
     keep = "bn."
 
     def __init__(self, options=None, info=None):
@@ -70,6 +78,14 @@ class FedPer(PartialSharing):  # FedRep (personalized.py) is the same sharing wi
     Down and up: the body (BatchNorm statistics included). Keeps the head per client."""
 
     name = "fedper"
+    source = Source(
+        authors="Arivazhagan et al.",
+        title="Federated Learning with Personalization Layers",
+        venue="arXiv preprint",
+        year=2019,
+        arxiv="1912.00818",
+        implements="Algorithm 1 (base layers shared, personalisation layers kept)",
+        code="no official code; the paper's Algorithm 1")
     keep = "per."
     requires_classifier = "linear"
     has_global_model = False
@@ -89,6 +105,14 @@ class Local(PartialSharing):
     fedavg_weighted = False  # nothing aggregated (Method.fedavg_weighted)
 
     name = "local"
+    source = Source(
+        authors="(none)",
+        title="local training only: each client's own model, nothing shared; the lower bound of personalised tables "
+              "(MAP Table II's 'Local')",
+        venue="no paper",
+        year=None,
+        implements="local SGD on the client's data",
+        code="no reference code: plain local SGD")
     keep = "own."
     has_global_model = False
 
@@ -125,6 +149,14 @@ class LGFedAvg(PartialSharing):
 
     name = "lgfedavg"
     Options = LGFedAvgOptions
+    source = Source(
+        authors="Liang et al.",
+        title="Think Locally, Act Globally: Federated Learning with Local and Global Representations",
+        venue="arXiv preprint",
+        year=2020,
+        arxiv="2001.01523",
+        implements="Algorithm 1",
+        code="pliang279/LG-FedAvg")
     keep = "lg."
     has_global_model = False
 
@@ -189,6 +221,14 @@ class APFL(Method):
 
     name = "apfl"
     Options = APFLOptions
+    source = Source(
+        authors="Deng, Kamani, Mahdavi",
+        title="Adaptive Personalized Federated Learning",
+        venue="arXiv preprint",
+        year=2020,
+        arxiv="2003.13461",
+        implements="Algorithm 1 (the mixture of personal and global models with adaptive alpha)",
+        code="MLOPTPSU/FedTorch")
     per_sample_loss = True  # Method.padding_exact (FedAvg's loss in both stages)
 
     def client_init(self, client_id, global_state, info):
@@ -281,6 +321,14 @@ class FedALA(Method):
 
     name = "fedala"
     Options = FedALAOptions
+    source = Source(
+        authors="Zhang et al.",
+        title="FedALA: Adaptive Local Aggregation for Personalized Federated Learning",
+        venue="AAAI",
+        year=2023,
+        arxiv="2212.01197",
+        implements="Eq. 4-6 (adaptive local aggregation)",
+        code="TsingZ0/FedALA")
 
     def _ala_names(self) -> list[str]:
         names = list(self.info.param_names)
@@ -371,6 +419,14 @@ class FedFOMO(Method):
 
     name = "fedfomo"
     Options = FedFOMOOptions
+    source = Source(
+        authors="Zhang et al.",
+        title="Personalized Federated Learning with First Order Model Optimization",
+        venue="ICLR",
+        year=2021,
+        arxiv="2012.08565",
+        implements="Eq. 5-7",
+        code="NVlabs/FedFomo")
     has_global_model = False
     per_sample_loss = True  # Method.padding_exact (FedAvg's loss)
 
@@ -492,6 +548,14 @@ class FedAMP(Method):
 
     name = "fedamp"
     Options = FedAMPOptions
+    source = Source(
+        authors="Huang et al.",
+        title="Personalized Cross-Silo Federated Learning on Non-IID Data",
+        venue="AAAI",
+        year=2021,
+        arxiv="2007.03797",
+        implements="Eq. 5-7",
+        code="no official code; PFLlib's serveramp.py and fluke's fedamp.py read")
     has_global_model = False
     per_sample_loss = True  # Method.padding_exact: CE + a term of the parameters alone
 
@@ -568,7 +632,8 @@ class FedDBE(PartialSharing):
     ``serverDBE.py``, ``run_me.sh``, the same code as PFLlib's ``clientdbe.py``). Each client keeps
     a personalised representation bias (PRBM) mu_k, a trainable vector added to the features before
     the classifier (``model.feature_shift``, set by default: logits = W (z + mu_k) + b), and trains
-    it with the model on CE(W (z + mu_k) + b, y) + kappa * 0.5 mean_j (zbar_j - zbar^g_j)^2, the
+    it with the model on CE(W (z + mu_k) + b, y) + kappa * 0.5 mean_j (zbar_j - zbar^g_j)^2 (the run's
+    SGD; the authors' client steps mu_k with its own plain SGD at the same lr, no momentum), the
     mean regularisation (MR) pulling the batch's mean feature zbar (before mu_k) to the global
     mean zbar^g. The model without mu_k is sent and averaged as FedAvg's; mu_k never leaves the
     client (zeros at first). Personalised model: the trained model with mu_k; global model: without.
@@ -576,7 +641,8 @@ class FedDBE(PartialSharing):
     The global mean: the authors compute it once, before round 0, from an extra local-training
     pass of every client (an "initialization period" whose models are discarded), as the clients'
     sample-weighted last-batch feature means. fedskew folds that period into round 0: round 0
-    trains without MR, each client also sends its mean feature over its local training data (d
+    trains head(z) without MR and without mu_k (which stays 0, as the authors' client leaves it
+    out until a global mean exists), each client also sends its mean feature over its local training data (d
     floats, eval mode, after training), the server keeps their sample-weighted mean, and MR is on
     from round 1 (only round 0's clients contribute when clients are sampled). Their running mean
     with ``-mo 1`` (their script's) is the batch mean used here; an EMA across steps (mo < 1) is not
@@ -587,6 +653,13 @@ class FedDBE(PartialSharing):
 
     name = "feddbe"
     Options = FedDBEOptions
+    source = Source(
+        authors="Zhang et al.",
+        title="Eliminating Domain Bias for Federated Learning in Representation Space",
+        venue="NeurIPS",
+        year=2023,
+        implements="the personalised representation bias memory and the mean regulariser (the paper's Section 4)",
+        code="TsingZ0/DBE")
     keep = "dbe."
     model_defaults = {"feature_shift": True}
     owns_model_options = frozenset({"feature_shift"})
@@ -605,9 +678,10 @@ class FedDBE(PartialSharing):
         """CE(W (z + mu_k) + b, y) + kappa * 0.5 mean_j (zbar_j - zbar^g_j)^2 (DBE's MR; from the
         round after the global mean is known: the phase is in the payload's keys)."""
         z, logits = fwd(x)
-        loss = fwd.cross_entropy(logits, y)
         if "dbe.global_mean" not in payload:
-            return loss, {}
+            # the authors' initialisation period: head(rep), mu_k left out (clientDBE.train), so it stays 0
+            return fwd.cross_entropy(fwd.head(z), y), {}
+        loss = fwd.cross_entropy(logits, y)
         mr = 0.5 * (z.mean(0) - payload["dbe.global_mean"]).pow(2).mean()
         return loss + self.opt.kl_weight * mr, {"dbe/mr": mr.detach()}
 
@@ -652,6 +726,13 @@ class FLDA(PartialSharing):
 
     name = "flda"
     Options = FLDAOptions
+    source = Source(
+        authors="Peterson, Kanani, Marathe",
+        title="Private Federated Learning with Domain Adaptation",
+        venue="NeurIPS 2019 workshop on federated learning",
+        year=2019,
+        implements="the gated mixture of the global and a private model",
+        code="lxcnju/FedRepo (the MAP authors' FLDA, the implementation behind MAP Table II)")
     keep = "flda."
     model_defaults = {"private_expert": True}
     # the private model and the gate stay on the clients; any other method would send and average them
@@ -723,6 +804,13 @@ class FedAS(Method):
 
     name = "fedas"
     Options = FedASOptions
+    source = Source(
+        authors="Yang et al.",
+        title="FedAS: Bridging Inconsistency in Personalized Federated Learning",
+        venue="CVPR",
+        year=2024,
+        implements="parameter alignment and Fisher-weighted aggregation (the paper's Section 4)",
+        code="PFLlib's clientas.py and serveras.py (no official code found)")
     has_global_model = False  # the Fisher-weighted mean's head is nobody's: its body is what clients use
     per_sample_loss = True  # Method.padding_exact (FedAvg's loss)
 

@@ -290,7 +290,9 @@ def load_dataset(cfg, seed: int) -> Dataset:
     elif cfg.name == "synthetic":
         data = make_synthetic(seed, cfg.num_classes, cfg.dim, cfg.train_per_class, cfg.test_per_class, cfg.separation)
     else:
-        data = _decoded(cfg.name, cfg.root, cfg.download, _stamp(cfg.root or os.environ.get("FEDSKEW_DATA")))
+        root = cfg.root or os.environ.get("FEDSKEW_DATA")
+        stamp = _stamp(root) if root else None  # (files found elsewhere, or downloaded: not kept)
+        data = (_decoded if stamp is not None else _decoded.__wrapped__)(cfg.name, cfg.root, cfg.download, stamp)
     if not getattr(cfg, "normalize", True):
         data = unnormalised(data)
     data = subsample(data, cfg.train_subsample, cfg.test_subsample, seed)
@@ -300,20 +302,24 @@ def load_dataset(cfg, seed: int) -> Dataset:
 DECODED_KEPT = 2
 
 
-def _stamp(root: str | None) -> tuple:
-    """The names, sizes and modification times of the files in ``root`` and its sub-folders, two
-    levels down: a changed or replaced file is decoded again."""
+STAMP_FILES = 20_000  # a folder with more files (CINIC-10, Tiny ImageNet) is decoded every time instead
+
+
+def _stamp(root: str | None) -> tuple | None:
+    """The names, sizes and modification times of every file under ``root``: a changed or replaced
+    file is decoded again. None (decode, do not keep) past :data:`STAMP_FILES` files."""
     out = []
-    for folder in [Path(root)] if root else []:
-        try:
-            for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-                st = entry.stat()
-                out.append((entry.name, st.st_size, st.st_mtime_ns))
-                if entry.is_dir() and len(out) < 10_000:
-                    out += [(f"{entry.name}/{e.name}", e.stat().st_size, e.stat().st_mtime_ns)
-                            for e in os.scandir(entry.path) if e.is_file()]
-        except OSError:
-            pass
+    if root:
+        for folder, dirs, files in os.walk(root):
+            dirs.sort()
+            for name in sorted(files):
+                try:
+                    st = os.stat(os.path.join(folder, name))
+                except OSError:
+                    continue
+                out.append((os.path.join(folder, name), st.st_size, st.st_mtime_ns))
+                if len(out) > STAMP_FILES:
+                    return None
     return tuple(out)
 
 

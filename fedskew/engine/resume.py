@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from fedskew.config import ConfigError, did_you_mean, parse_override, read_config_file, set_key, validate_config
-from fedskew.engine.rundir import RunResult
+from fedskew.engine.rundir import RESUMABLE, RunResult
 from fedskew.engine.runner import Experiment
-
-# Settings a run may change when resumed (`fedskew resume DIR lr=0.005`): how it is optimised from now
-# on, evaluated and recorded; not what it is (data, partition, model, method, seed).
-RESUMABLE = ("lr", "lr_decay", "grad_clip", "rounds", "eval_every", "checkpoint_every", "fail_fast", "logger",
-             "final_personalization", "device", "executor", "distributed", "max_parallel_clients", "pad_batches",
-             "precision", "feature_stats", "classifier_stats", "forgetting_stats", "forgetting_test_samples")
 
 
 def resume(run_dir: str | Path, on_round=None, changes: dict | list[str] | None = None) -> RunResult:
@@ -25,6 +20,12 @@ def resume(run_dir: str | Path, on_round=None, changes: dict | list[str] | None 
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"'{run_dir}' is not a run directory (it holds no config.yaml).")
     data = read_config_file(run_dir / "config.yaml")
+    if not written_by_fedskew(run_dir / "config.yaml"):
+        # only what fedskew wrote resumes: a config.yaml of the user's is not a run, and training in
+        # its folder would overwrite the files beside it
+        raise ConfigError(f"'{run_dir}' holds a config.yaml that no fedskew run wrote (it has no fedskew_version and "
+                          f"environment record), so it is not resumed; `fedskew run {run_dir / 'config.yaml'} "
+                          f"out_dir=DIR` starts a run from it elsewhere.")
     if isinstance(changes, list):
         changes = {".".join(k): v for k, v in map(parse_override, changes)}
     changes = dict(changes or {})
@@ -38,8 +39,13 @@ def resume(run_dir: str | Path, on_round=None, changes: dict | list[str] | None 
         exp = Experiment(validate_config(data), run_dir, resume=True)
         result = exp.finished_result()
         if result is not None:
+            print(f"fedskew: run '{run_dir}' finished its {done} rounds: nothing runs, its results are read back "
+                  f"(`fedskew resume {run_dir} rounds=N` with N > {done} extends it).", file=sys.stderr)
             return result
-        return exp.run(on_round)  # its last checkpoint was unreadable: the last rounds again, exactly
+        # its last checkpoint was unreadable: the last rounds again, exactly, from the one before
+        print(f"fedskew: run '{run_dir}' finished its {done} rounds but its last checkpoint cannot be read: the rounds "
+              f"after the one before run again (the same results).", file=sys.stderr)
+        return exp.run(on_round)
     if done is not None:  # a finished run is read-only; only more rounds extend it
         try:
             extends = int(str(changes.get("rounds"))) > done
@@ -55,6 +61,18 @@ def resume(run_dir: str | Path, on_round=None, changes: dict | list[str] | None 
     exp = Experiment(validate_config(data), run_dir, resume=True)
     exp.changes = changes
     return exp.run(on_round)
+
+
+def written_by_fedskew(path: Path) -> bool:
+    """Whether a run's ``config.yaml`` is fedskew's record (its version and the environment beside the
+    config), not a file of the user's."""
+    import yaml
+
+    try:
+        record = yaml.safe_load(path.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    return isinstance(record, dict) and "fedskew_version" in record and isinstance(record.get("environment"), dict)
 
 
 def finished_rounds(run_dir: Path, data: dict) -> int | None:

@@ -39,6 +39,19 @@ def default_run_dir(cfg: RunConfig) -> Path:
     return Path(cfg.out_dir) / name
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; else what ``platform`` says)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def environment(device: torch.device) -> dict:
     """What a result depends on beyond its config: library versions, the torch thread count (CPU
     kernels sum in another order with another count: the last digits move), the device and, in a
@@ -50,6 +63,7 @@ def environment(device: torch.device) -> dict:
            "numpy": str(np.__version__), "torch_threads": torch.get_num_threads(), "device": str(device)}
     if device.type == "cuda":
         env["device_name"] = torch.cuda.get_device_name(device)
+    env["cpu"] = cpu_model()
     source = Path(__file__).resolve().parents[2]
     if (source / ".git").exists():
         try:
@@ -110,6 +124,23 @@ def _check_inflated_size(path: Path) -> None:
     if inflated > size:
         raise ValueError(f"its zip entries inflate to {inflated:,} bytes from a {size:,}-byte file (torch.save never "
                          f"compresses)")
+
+
+# Settings a run may change when resumed (`fedskew resume DIR lr=0.005`): how it is optimised from now
+# on, evaluated and recorded; not what it is (data, partition, model, method, seed).
+RESUMABLE = ("lr", "lr_decay", "grad_clip", "rounds", "eval_every", "checkpoint_every", "fail_fast", "logger",
+             "final_personalization", "device", "executor", "distributed", "max_parallel_clients", "pad_batches",
+             "precision", "feature_stats", "classifier_stats", "forgetting_stats", "forgetting_test_samples")
+
+
+def run_identity(cfg: RunConfig) -> str:
+    """What a run is (its config but the :data:`RESUMABLE` settings), as a hash a checkpoint
+    carries: a checkpoint of another run (another method, data or model) is never taken."""
+    what = {k: v for k, v in cfg.model_dump(mode="json").items()
+            if k not in RESUMABLE and k not in ("out_dir", "run_name", "logger_group")}
+    if isinstance(what.get("dataset"), dict):  # where the data set's files lie is not what the run is
+        what["dataset"] = {k: v for k, v in what["dataset"].items() if k not in ("root", "download")}
+    return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 _HEATMAPS: dict[str, bytes] = {}  # partition heatmaps drawn in this process (RunDir.write_partition)
@@ -181,9 +212,11 @@ class RunDir:
                     f"lr=<smaller>` (or grad_clip=<norm>) continues from it.")
         return "no checkpoint was written yet: start again with a smaller lr or with grad_clip set."
 
-    def load_checkpoint(self, shapes: dict, device: torch.device) -> dict | None:
-        """The newest readable checkpoint whose global state has ``shapes``: ``checkpoint.pt``, else
-        (truncated or corrupt, with a notice) ``checkpoint.prev.pt``; None when the run never wrote one."""
+    def load_checkpoint(self, shapes: dict, device: torch.device, identity: str | None = None) -> dict | None:
+        """The newest readable checkpoint whose global state has ``shapes`` (and, when it records
+        one, whose run ``identity`` is this run's: :func:`run_identity`): ``checkpoint.pt``, else
+        (truncated, corrupt or another run's, with a notice) ``checkpoint.prev.pt``; None when the
+        run never wrote one."""
         paths = [p for p in (self.path / "checkpoint.pt", self.path / "checkpoint.prev.pt") if p.exists()]
         errors = []
         for path in paths:
@@ -196,6 +229,8 @@ class RunDir:
                     raise ValueError(f"its next_round is {ckpt['next_round']!r}, not a round count")
                 if any(shapes.get(k) != v.shape for k, v in ckpt["global_state"].items()):
                     raise ValueError("it holds another model's tensors")
+                if identity is not None and ckpt.get("run", identity) != identity:
+                    raise ValueError("it belongs to another run (another method, data, partition or model)")
             except Exception as exc:  # empty, truncated, corrupt or foreign file: try the previous one
                 reason = (str(exc).splitlines() or [""])[0][:120] or type(exc).__name__
                 errors.append(f"{path.name}: {reason}")
@@ -226,4 +261,5 @@ class RunDir:
         return history
 
 
-__all__ = ["RunDir", "RunResult", "STORAGE_ERRNOS", "StorageError", "default_run_dir", "environment"]
+__all__ = ["RESUMABLE", "RunDir", "RunResult", "STORAGE_ERRNOS", "StorageError", "default_run_dir", "environment",
+           "run_identity"]

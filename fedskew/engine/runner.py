@@ -31,7 +31,8 @@ from fedskew.data.federated import load_federation, public_pool, public_samples
 from fedskew.engine.durable import LOCK_NAME, STOP, FolderLock, RunInterrupted, append_line, atomic_write_text, blocking_file
 from fedskew.engine.local import federated_state, load_state
 from fedskew.engine.protocol import dispatch, make_executor, to_device
-from fedskew.engine.rundir import STORAGE_ERRNOS, RunDir, RunResult, StorageError, default_run_dir, environment
+from fedskew.engine.rundir import (STORAGE_ERRNOS, RunDir, RunResult, StorageError, default_run_dir, environment,
+                                   run_identity)
 from fedskew.engine.tracking import Trackers, check_available
 from fedskew.metrics import (client_means, communication, feature_stats, forgetting_record, global_metrics, mean_std,
                              proxy_record, run_summary)
@@ -77,7 +78,8 @@ class Experiment:
                                    norm_names(self.model), model_caller(self.model),
                                    public_pool(self.fed, cfg.seed, self.device),
                                    {k: v for k, v in self.model.state_dict().items()
-                                    if k in getattr(self.model, "fixed_keys", ())})
+                                    if k in getattr(self.model, "fixed_keys", ())},
+                                   sum(p.numel() for p in self.model.parameters()))
         try:
             self.method = build_method(cfg.method, self.info)
         except ValueError as exc:  # a method's own check of the federation or model (one sentence)
@@ -129,7 +131,7 @@ class Experiment:
                               f"`fedskew resume {self.run_dir}` or choose another run_name.")
 
     def _checkpoint(self, state: dict) -> None:
-        self.files.checkpoint(state)
+        self.files.checkpoint({**state, "run": run_identity(self.cfg)})
 
     # -- the loop ------------------------------------------------------------------------------
     @property
@@ -205,7 +207,8 @@ class Experiment:
         return self._result(summary, history, global_state)
 
     def _load_checkpoint(self) -> dict | None:
-        return self.files.load_checkpoint({k: v.shape for k, v in federated_state(self.model).items()}, self.device)
+        return self.files.load_checkpoint({k: v.shape for k, v in federated_state(self.model).items()}, self.device,
+                                          run_identity(self.cfg))
 
     def _result(self, summary: dict, history: list[dict], global_state: dict) -> RunResult:
         """The result, with the final global state loaded into ``self.model`` (eval mode)."""

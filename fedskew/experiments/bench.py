@@ -35,6 +35,8 @@ from pathlib import Path
 
 from fedskew.config import ConfigError, did_you_mean
 from fedskew.experiments.published import Entry, load
+from fedskew.experiments.report import BOLD_RULE, SIGNIFICANCE, bold_labels, chance_of, paired_test
+from fedskew.experiments.sweep import PERSONAL_VALIDATION
 
 SCALES = {"smoke": "smoke", "lite": "small", "paper": "paper"}  # bench scale -> preset scale
 # the registry files of each part of a suite, and the data set whose published numbers a scale is
@@ -48,7 +50,7 @@ PAPERS = {
     "fedka": {"files": ("fedka_table1.yaml",), "reference": {"paper": "cifar10"}},
     "niid-fmnist": {"files": ("niid_bench_flower.yaml",),
                     "reference": {"smoke": "fmnist", "lite": "fmnist", "paper": "fmnist"}},
-    "niid-cifar10": {"files": ("niid_bench_flower.yaml",),
+    "niid-cifar10": {"files": ("niid_bench_flower.yaml", "niid_bench_repo.yaml"),
                      "reference": {"smoke": "cifar10", "lite": "cifar10", "paper": "cifar10"}},
     # our own suite: no paper ran these methods on these settings, so nothing is linked
     "label-skew-fmnist": {"files": (), "reference": {}},
@@ -77,7 +79,8 @@ def niid_bench(dataset: str, scale: str, data_root: str | None) -> dict | None:
     (None otherwise: the lite suite is what a CPU finishes)."""
     if dataset == "cifar10" and scale != "paper":
         return None
-    data = {"name": dataset, "normalize": False, **({"root": data_root} if data_root else {})}
+    data = {"name": dataset, "normalize": False, **({"root": data_root} if data_root else {}),
+            **({"augment": True} if dataset == "cifar10" else {})}  # NIID-Bench's crop and flip (registry: differs)
     base = {"dataset": data, "model": "simplecnn", "partition": {"num_clients": 10, "local_test_fraction": 0.0},
             "clients_per_round": 10, "rounds": 50, "local_epochs": 10, "batch_size": 64, "lr": 0.01, "momentum": 0.9,
             "final_personalization": False}
@@ -228,12 +231,12 @@ def sweeps(name: str, scale: str, data_root: str | None = None, methods: list[st
 
 
 def restrict(parts: dict[str, dict], name: str, keep: list[str] | None = None, seeds: list[str] | None = None,
-             execution: dict[str, str | None] | None = None) -> dict[str, dict]:
-    """``parts`` (from :func:`sweeps`) cut to the parts named in ``keep`` and the seeds in ``seeds``,
-    with execution keys (``device``, ``executor``, ``checkpoint_every``: where and how the runs
-    train, never the setting; the executors agree to float round-off) set in every part's base
-    config. A name or seed the
-    suite does not have is one sentence."""
+             execution: dict[str, str | None] | None = None, settings: list[str] | None = None) -> dict[str, dict]:
+    """``parts`` (from :func:`sweeps`) cut to the parts named in ``keep``, the seeds in ``seeds``
+    and the settings (the sweeps' partition labels, e.g. ``#C=2``) in ``settings``, with execution
+    keys (``device``, ``executor``, ``checkpoint_every``: where and how the runs train, never the
+    setting; the executors agree to float round-off) set in every part's base config. A name,
+    seed or setting the suite does not have is one sentence."""
     from fedskew.config import ConfigError
 
     if keep is not None:
@@ -245,6 +248,14 @@ def restrict(parts: dict[str, dict], name: str, keep: list[str] | None = None, s
         if not parts:
             raise ConfigError(f"bench --parts {','.join(keep)}: none of these parts has a run with the methods asked "
                               f"for at this scale.")
+    if settings is not None:
+        known = sorted({label for spec in parts.values() for label in spec.get("partitions", {})})
+        unknown = [x for x in settings if x not in known]
+        if unknown:
+            raise ConfigError(f"bench --settings names {unknown[0]!r}, which is not a setting of suite '{name}'"
+                              f"{did_you_mean(unknown[0], known)}; its settings: {', '.join(known)}.")
+        parts = {k: {**v, "partitions": {p: c for p, c in v["partitions"].items() if p in settings}}
+                 for k, v in parts.items() if any(p in settings for p in v.get("partitions", {}))}
     out = {}
     for paper, spec in parts.items():
         spec = {**spec, "base": {**spec["base"], **{k: v for k, v in (execution or {}).items() if v is not None}}}
@@ -265,6 +276,48 @@ def restrict(parts: dict[str, dict], name: str, keep: list[str] | None = None, s
 
 def suite_dir(name: str, scale: str, out: str | Path | None = None) -> Path:
     return Path(out) if out is not None else Path("runs") / f"bench-{name}-{scale}"
+
+
+MARKER = "bench.yaml"
+
+
+def claim_folder(folder: Path, name: str, scale: str, write: bool = True) -> None:
+    """A suite folder holds one suite at one scale (``bench.yaml`` says which): running or
+    rebuilding another there is one sentence, never a replaced leaderboard; ``write``: mark an
+    unmarked folder as this suite's (when its runs start)."""
+    import yaml
+
+    from fedskew.engine.durable import atomic_write_text
+
+    from fedskew.engine.durable import blocking_file
+
+    blocked = blocking_file(Path(folder))
+    if blocked is not None:
+        raise ConfigError(f"bench --out '{folder}' cannot be a suite folder: '{blocked}' is a file, not a folder; "
+                          f"give another --out.")
+    marker = Path(folder) / MARKER
+    if marker.is_file():
+        try:
+            held = yaml.safe_load(marker.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            held = {}
+        if (held.get("suite"), held.get("scale")) != (name, scale):
+            raise ConfigError(f"folder '{folder}' holds bench suite '{held.get('suite')}' at scale "
+                              f"'{held.get('scale')}', not '{name}' at '{scale}'; give another --out.")
+        return
+    if Path(folder).is_dir() and any(Path(folder).iterdir()):
+        parts = set(SUITES[name]["papers"])
+        other = [p.name for p in Path(folder).iterdir() if p.is_dir() and p.name not in parts]
+        if other or not any((Path(folder) / p).is_dir() for p in parts):
+            raise ConfigError(f"folder '{folder}' already holds files that are not bench suite '{name}''s "
+                              f"({', '.join(sorted(p.name for p in Path(folder).iterdir())[:3])}); give another --out.")
+    if not write:
+        return
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        atomic_write_text(yaml.safe_dump({"suite": name, "scale": scale}), marker)
+    except OSError:  # a read-only folder: the rebuild says so itself
+        pass
 
 
 def listing(data_root: str | None = None) -> list[dict]:
@@ -380,12 +433,12 @@ def _fmt(x: float | None, digits: int = 2) -> str:
 BOARD_METRICS = {"global/test_acc_mean_last10": "global accuracy (test set, mean of the last 10 rounds)",
                  "personal/final_acc_after": "personalised accuracy (each client's local test split, after one "
                                              "final local pass from the last global model)"}
-SIGNIFICANCE = 0.05
-
-
 @dataclass
 class Board:
-    """One part of a suite for one metric: the selected point's value per method, setting and seed."""
+    """One part of a suite for one metric: the selected point's value per method, setting and seed.
+    A cell without a value is "none" (the method has no such model: it is not ranked there), or
+    failed or not run: it ranks last in its setting, tied with the other such cells, so that a
+    failure never improves a method's average rank."""
 
     part: str
     metric: str
@@ -396,6 +449,11 @@ class Board:
     tried: dict[tuple[str, str], int]
     failed: dict[tuple[str, str], int]
     ran: set[tuple[str, str]]  # (method, setting) with finished runs of the chosen point
+    seeds: int = 0  # the seeds a cell should have (the sweep's)
+    chance: float | None = None  # chance accuracy (a fraction): never bold at it
+    wall_s: float = 0.0  # seconds the finished runs of this part trained (their rounds' times)
+    runs: int = 0  # finished runs of this part, every trial included
+    rounds: int = 0  # the runs' rounds (the sweep's base)
 
     def mean(self, label: str, setting: str) -> float | None:
         v = list(self.values.get((label, setting), {}).values())
@@ -405,10 +463,16 @@ class Board:
         v = list(self.values.get((label, setting), {}).values())
         return 100 * statistics.stdev(v) if len(v) > 1 else None
 
+    def none(self, label: str, setting: str) -> bool:
+        """The method has finished runs here but no such value (no global model): not ranked."""
+        return self.mean(label, setting) is None and (label, setting) in self.ran and \
+            not self.failed.get((label, setting))
+
     def ranks(self, setting: str) -> dict[str, float]:
-        """Rank of every method with a value in ``setting`` (1 = best; ties share the mean rank)."""
-        means = {m: self.mean(m, setting) for m in self.labels}
-        return average_ranks({m: v for m, v in means.items() if v is not None})
+        """Rank in ``setting`` of every method but the "none" ones (1 = best; ties share the mean
+        rank); a failed or missing cell ranks last, tied with the others."""
+        means = {m: self.mean(m, setting) for m in self.labels if not self.none(m, setting)}
+        return average_ranks({m: (-math.inf if v is None else v) for m, v in means.items()})
 
     def average_rank(self, label: str) -> float | None:
         r = [self.ranks(s)[label] for s in self.settings if label in self.ranks(s)]
@@ -431,26 +495,6 @@ def average_ranks(values: dict[str, float]) -> dict[str, float]:
             out[k] = (i + j) / 2 + 1
         i = j + 1
     return out
-
-
-def paired_test(ours: dict[int, float], base: dict[int, float], level: float = SIGNIFICANCE) -> str | None:
-    """Win, tie or loss of ``ours`` against ``base``, paired by seed (same seed: same partition and
-    initialisation): a two-sided paired t-test over the common seeds; 'W' or 'L' when p < ``level``,
-    else 'T'. None with fewer than two common seeds. (Three seeds give the test little power: most
-    differences under a point are ties.)"""
-    from scipy.stats import ttest_rel
-
-    seeds = sorted(set(ours) & set(base))
-    if len(seeds) < 2:
-        return None
-    a, b = [ours[s] for s in seeds], [base[s] for s in seeds]
-    diffs = [x - y for x, y in zip(a, b)]
-    if all(d == diffs[0] for d in diffs):  # no spread: the t statistic is undefined
-        return "T" if diffs[0] == 0 else ("W" if diffs[0] > 0 else "L")
-    p = float(ttest_rel(a, b).pvalue)
-    if p >= level:
-        return "T"
-    return "W" if statistics.fmean(diffs) > 0 else "L"
 
 
 def boards(name: str, scale: str, out: str | Path | None = None) -> list[Board]:
@@ -477,15 +521,21 @@ def boards(name: str, scale: str, out: str | Path | None = None) -> list[Board]:
                 if planned is None or (r["label"], r["params"]) in planned:  # not a trial of an earlier grid
                     points.setdefault((r["label"], r["partition"]), set()).add(r["params"])
             tried = {k: len(v) for k, v in points.items()}
+            done = [json.loads(r["summary"]) for r in db.execute("SELECT summary FROM runs WHERE status='done'")]
         finally:
             db.close()
         chosen = {k: json.loads(v["params"]) for k, v in res.selections.items()}
+        base = (spec.get("base") or {}).get("dataset")
+        dataset = base.get("name") if isinstance(base, dict) else base
+        wall = sum((d.get("time/round_s_mean") or 0.0) * (d.get("rounds") or 0) for d in done)
         for metric in BOARD_METRICS:
             values = {k: {r.seed: float(r.summary[metric]) for r in runs if _number(r.summary.get(metric))}
                       for k, runs in res.runs.items()}
             if any(values.values()):
                 out_boards.append(Board(paper, metric, res.labels, res.partitions, values, chosen, tried, res.failed,
-                                        {k for k, runs in res.runs.items() if runs}))
+                                        {k for k, runs in res.runs.items() if runs}, len(spec.get("seeds") or []),
+                                        chance_of(dataset, metric), wall, len(done),
+                                        int((spec.get("base") or {}).get("rounds") or 0)))
     return out_boards
 
 
@@ -497,45 +547,99 @@ def _params_text(params: dict) -> str:
     return ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(params.items())) or "-"
 
 
-def board_sections(board: Board, baseline: str = "fedavg") -> list:
-    """A board as report sections: the methods x settings table, then the budget and choices."""
-    from fedskew.experiments.report import Section
-
-    base = baseline if baseline in board.labels else None
+def board_rows(board: Board, baseline: str | None) -> tuple[list[list[str]], dict[str, list[int]]]:
+    """The table's rows (methods by average rank) and each method's wins/ties/losses against
+    ``baseline``."""
     ranks = {s: board.ranks(s) for s in board.settings}
-    rows = []
+    bold = {s: bold_labels({m: board.values.get((m, s), {}) for m in board.labels}, board.chance)
+            for s in board.settings}
+    rows, record = [], {}
     for label in sorted(board.labels, key=lambda m: (board.average_rank(m) is None, board.average_rank(m) or 0, m)):
         cells, wtl = [label], [0, 0, 0]
         for s in board.settings:
-            mean, std = board.mean(label, s), board.std(label, s)
+            mean, std, n = board.mean(label, s), board.std(label, s), len(board.values.get((label, s), {}))
+            rank = f" (#{ranks[s][label]:g})" if label in ranks[s] else ""
             if mean is None:
                 failed = board.failed.get((label, s), 0)
-                cells.append(f"failed ({failed})" if failed else "none" if (label, s) in board.ran else "not run")
+                cells.append((f"failed ({failed})" if failed else "none" if board.none(label, s) else "not run") + rank)
                 continue
-            text = f"{mean:.2f}" + (f" +- {std:.2f}" if std is not None else "") + f" (#{ranks[s][label]:g})"
-            cells.append(f"**{text}**" if ranks[s][label] == min(ranks[s].values()) else text)
-            outcome = board.versus(label, s, base) if base and label != base else None
+            text = f"{mean:.2f}" + (f" +- {std:.2f}" if std is not None else "") + rank
+            if board.seeds and n < board.seeds:
+                text += f" ({n}/{board.seeds} seeds)"
+            cells.append(f"**{text}**" if label in bold[s] else text)
+            outcome = board.versus(label, s, baseline) if baseline and label != baseline else None
             if outcome:
                 wtl["WTL".index(outcome)] += 1
         avg = board.average_rank(label)
         cells.append("-" if avg is None else f"{avg:.2f}")
-        cells.append("/".join(map(str, wtl)) if base and label != base and sum(wtl) else "-")
+        cells.append("/".join(map(str, wtl)) if baseline and label != baseline and sum(wtl) else "-")
         rows.append(cells)
+        record[label] = wtl
+    return rows, record
+
+
+def board_summary(board: Board, baseline: str | None, record: dict[str, list[int]]) -> str:
+    """The facts of a board in one generated paragraph (prose cites these, never restates them):
+    leader and last by average rank, significant wins and losses against ``baseline``, the cells
+    that failed or lack seeds, runs and the time they trained."""
+    ranked = sorted((r, m) for m in board.labels if (r := board.average_rank(m)) is not None)
+    if not ranked:
+        return "Summary (generated): no method has a value yet."
+    firsts = [m for r, m in ranked if r == ranked[0][0]]
+    lasts = [m for r, m in ranked if r == ranked[-1][0]]
+    wins = sorted((m, w[0]) for m, w in record.items() if w[0])
+    losses = sorted((m, w[2]) for m, w in record.items() if w[2])
+    failed = sorted((m, s) for (m, s), n in board.failed.items() if n and board.mean(m, s) is None)
+    partial = sorted((m, s) for (m, s), v in board.values.items() if v and board.seeds and len(v) < board.seeds)
+    listing = (lambda pairs: ", ".join(f"{m} ({n})" for m, n in pairs) or "none")
+    text = (f"Summary (generated): {len(board.labels)} methods, {len(board.settings)} "
+            f"setting{'s' if len(board.settings) != 1 else ''}. First by average "
+            f"rank: {', '.join(firsts)} ({ranked[0][0]:.2f}); last: {', '.join(lasts)} ({ranked[-1][0]:.2f}).")
+    if baseline:
+        text += (f" Significant wins against {baseline} (settings): {listing(wins)}; significant losses: "
+                 f"{listing(losses)}.")
+    text += (f" Cells whose every run failed: {len(failed)}" + (f" ({', '.join(f'{m} {s}' for m, s in failed)})"
+                                                                 if failed else "") +
+             f"; cells missing seeds: {len(partial)}" +
+             (f" ({', '.join(f'{m} {s}' for m, s in partial)})" if partial else "") + ".")
+    if board.runs:
+        took = f"{board.wall_s / 3600:.1f} h" if board.wall_s >= 3600 else f"{board.wall_s / 60:.1f} min"
+        text += f" {board.runs:,} finished runs trained for {took} in all."
+    return text
+
+
+def board_sections(board: Board, baseline: str = "fedavg") -> list:
+    """A board as report sections: the methods x settings table with its generated summary, then
+    the budget and choices."""
+    from fedskew.experiments.report import Section
+
+    base = baseline if baseline in board.labels else None
+    rows, record = board_rows(board, base)
     what = BOARD_METRICS[board.metric]
+    if board.rounds and board.rounds < 10:  # (the mean of the last 10 is of every round when there are fewer)
+        what = what.replace("mean of the last 10 rounds", f"mean of its {board.rounds} rounds")
+    one_seed = board.seeds == 1
     table = Section(f"{board.part}: {what}",
-                    f"`{board.metric}`, percent: mean +- std over seeds of the configuration the selection chose, "
-                    f"(#k) its rank in the setting (1 = best; the best in bold), average rank over the settings it "
-                    f"has, and "
+                    f"`{board.metric}`, percent: " + ("one seed (no spread, nothing bold, no paired test)"
+                                                      if one_seed else "mean +- std over seeds")
+                    + " of the configuration the selection chose, (#k) its rank in the setting (1 = best; a cell "
+                    "whose every run failed, or that has not run, ranks last, tied with the others), average rank "
+                    "over the settings it is ranked in, and "
                     f"wins/ties/losses against {base or '-'} by a two-sided paired t-test over seeds "
-                    f"(p < {SIGNIFICANCE}). 'none': the method has no such model; 'failed (n)': n runs failed; "
-                    f"'not run': no finished run yet.",
+                    f"(p < {SIGNIFICANCE}). {'' if one_seed else BOLD_RULE} 'none': the method has no such model "
+                    "(not ranked); 'failed (n)': n runs failed; 'not run': no finished run yet; (k/n seeds): the "
+                    "mean of the k seeds that finished, ranked by it.\n\n" + board_summary(board, base, record),
                     ["method", *board.settings, "avg rank", f"W/T/L vs {base or '-'}"], rows)
     if board.metric != next(iter(BOARD_METRICS)):
         return [table]
+    many = max(board.tried.values(), default=1) > 1
     budget = Section(f"{board.part}: budget and the configuration each method's selection chose",
                      "Trials: configurations tried per setting on the tuning seed (the same budget for every "
-                     "method; a method with no global model runs its defaults only: no validation accuracy can "
-                     "choose). Chosen: by the mean validation accuracy of the last 10 rounds, never by test data.",
+                     "method). " + ("Chosen: by the mean validation accuracy of the last 10 rounds (a method with no "
+                                    "global model: by its clients' personal models on the validation hold-out, "
+                                    f"`{PERSONAL_VALIDATION}`), never by test data; ties within float round-off go "
+                                    "to the earlier trial (the defaults first)." if many else
+                                    "One trial each: the defaults, nothing chosen."),
                      ["method", "trials", *board.settings],
                      [[m, "/".join(sorted({str(board.tried.get((m, s), 0)) for s in board.settings})),
                        *(_params_text(board.chosen[(m, s)]) if (m, s) in board.chosen else "-"
@@ -569,6 +673,25 @@ def published_sections(cells: list[Cell]) -> list:
     return out
 
 
+def measured_where(name: str, scale: str, folder: Path) -> str:
+    """Where the suite's finished runs ran, from their recorded environments: fedskew commit, torch,
+    CPU or GPU and torch threads, with the number of runs of each."""
+    from collections import Counter
+
+    from fedskew.experiments.store import results_table
+
+    seen = Counter()
+    for paper in SUITES[name]["papers"]:
+        if (folder / paper / "results.sqlite").is_file():
+            for r in results_table(folder / paper):
+                if r.get("status") == "done":
+                    seen[(r.get("env/git_commit", "no git commit"), r.get("env/torch", "?"),
+                          r.get("env/device_name") or r.get("env/cpu") or r.get("env/device", "?"),
+                          r.get("env/torch_threads", "?"))] += 1
+    return "; ".join(f"fedskew {commit}, torch {torch}, {device}, {threads} torch thread(s) ({n:,} runs)"
+                     for (commit, torch, device, threads), n in seen.most_common())
+
+
 def write_leaderboard(name: str, scale: str, command: str, out: str | Path | None = None) -> tuple[Path, Path, list[Cell]]:
     """``leaderboard.md`` and ``leaderboard.html`` in the suite folder from the runs it has; returns
     both paths and the published cells (for the console)."""
@@ -584,16 +707,29 @@ def write_leaderboard(name: str, scale: str, command: str, out: str | Path | Non
                     f"method had more than one."
                     + (" Published: the paper's value (its spread, see each table); delta = ours - published; "
                        "'within' = |delta| <= the published spread." if cells else ""))
+    where = measured_where(name, scale, folder)
+    if where:
+        intro.text += f" Measured with {where}; CPU results are exact to the last digit only with the same torch, " \
+                      f"CPU and thread count."
     sections = [intro]
     for board in boards(name, scale, folder):
         sections += board_sections(board)
     sections += published_sections(cells)
     title = f"fedskew bench {name} ({scale})"
     md, page = folder / "leaderboard.md", folder / "leaderboard.html"
-    md.write_text(to_markdown(title, sections, folder))
-    page.write_text(to_html(title, sections))
+    from fedskew.engine.durable import atomic_write_text
+    from fedskew.engine.rundir import STORAGE_ERRNOS, StorageError
+
+    try:  # whole files or none: a full disk never leaves a leaderboard cut short
+        atomic_write_text(to_markdown(title, sections, folder), md)
+        atomic_write_text(to_html(title, sections), page)
+    except OSError as exc:
+        if exc.errno not in STORAGE_ERRNOS:
+            raise
+        raise StorageError(f"the leaderboard cannot be written in '{folder}' ({exc.strerror or exc}); free space or "
+                           f"give a writable --out, then `--report` rebuilds it from the runs.") from None
     return md, page, cells
 
 
-__all__ = ["Board", "Cell", "PAPERS", "SCALES", "SUITES", "average_ranks", "boards", "estimate", "leaderboard", "listing",
+__all__ = ["Board", "Cell", "claim_folder", "PAPERS", "SCALES", "SUITES", "average_ranks", "boards", "estimate", "leaderboard", "listing",
            "paired_test", "suite_dir", "sweeps", "trials", "write_leaderboard"]

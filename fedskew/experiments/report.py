@@ -37,11 +37,52 @@ def mean_std(values: list[float | None]) -> tuple[float | None, float | None, in
     return statistics.mean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0), len(vals)
 
 
+SIGNIFICANCE = 0.05  # the paired t-test's level, in every table fedskew prints
+CHANCE_MARGIN = 0.01  # a mean within this of chance (1 / classes; one point of accuracy) is never bold
+BOLD_RULE = ("Bold: the best mean and every mean not significantly worse than it (two-sided paired t-test over "
+             f"seeds, p < {SIGNIFICANCE}); nothing is bold with fewer than two seeds, or within one point of "
+             f"chance (100 / classes %).")
+
+
+def paired_test(ours: dict[int, float], base: dict[int, float], level: float = SIGNIFICANCE) -> str | None:
+    """Win, tie or loss of ``ours`` against ``base``, paired by seed (same seed: same partition and
+    initialisation): a two-sided paired t-test over the common seeds; 'W' or 'L' when p < ``level``,
+    else 'T'. None with fewer than two common seeds. (Three seeds give the test little power: most
+    differences under a point are ties.)"""
+    from scipy.stats import ttest_rel
+
+    seeds = sorted(set(ours) & set(base))
+    if len(seeds) < 2:
+        return None
+    a, b = [ours[s] for s in seeds], [base[s] for s in seeds]
+    diffs = [x - y for x, y in zip(a, b)]
+    if all(d == diffs[0] for d in diffs):  # no spread: the t statistic is undefined
+        return "T" if diffs[0] == 0 else ("W" if diffs[0] > 0 else "L")
+    p = float(ttest_rel(a, b).pvalue)
+    if p >= level:
+        return "T"
+    return "W" if statistics.fmean(diffs) > 0 else "L"
+
+
+def bold_labels(values: dict[str, dict[int, float]], chance: float | None = None, scale: float = 1.0) -> set[str]:
+    """The one bold rule of every table fedskew prints (:data:`BOLD_RULE`): among the entries with
+    two or more seeds (``values``: entry -> {seed: value}), the best mean and every entry that the
+    paired test does not find worse than it; none when the best is within :data:`CHANCE_MARGIN`
+    (times ``scale``: 100 for percent) of ``chance``, and no entry that is."""
+    means = {k: statistics.fmean(v.values()) for k, v in values.items() if len(v) >= 2}
+    if chance is not None:
+        means = {k: m for k, m in means.items() if m > chance + CHANCE_MARGIN * scale}
+    if not means:
+        return set()
+    best = max(means, key=means.get)
+    return {k for k in means if k == best or paired_test(values[k], values[best]) in ("T", "W")}
+
+
 def build_table(cells: dict[tuple[str, str], list[float | None]], rows: list[str], cols: list[str],
-                baseline: str | None = "fedavg") -> dict[str, dict[str, dict]]:
+                baseline: str | None = "fedavg", chance: float | None = None) -> dict[str, dict[str, dict]]:
     """Per row and column: mean, std, n, ``best`` (the row's highest mean, ties all marked),
-    ``top`` (the best, and every mean within the seed spread of it: closer to the best mean than
-    the larger of the two standard deviations; what a report bolds; never with one seed), ``gain_baseline`` (mean minus
+    ``top`` (what a table bolds: :func:`bold_labels`, the values of a cell paired with another's by
+    position, the selected runs' seed order; ``chance`` a fraction), ``gain_baseline`` (mean minus
     the baseline's mean in the row) and ``gain_best_other`` (mean minus the best mean of the other
     columns of the row)."""
     out: dict[str, dict[str, dict]] = {}
@@ -49,14 +90,14 @@ def build_table(cells: dict[tuple[str, str], list[float | None]], rows: list[str
         stats = {c: dict(zip(("mean", "std", "n"), mean_std(cells.get((r, c), [])))) for c in cols}
         means = {c: s["mean"] for c, s in stats.items() if s["mean"] is not None}
         top = max(means.values()) if means else None
-        top_std = max((stats[c]["std"] for c, m in means.items() if m == top), default=0.0)
         base = means.get(baseline) if baseline else None
+        bold = bold_labels({c: {i: float(v) for i, v in enumerate(cells.get((r, c), [])) if v is not None}
+                            for c in cols}, chance)
         for c, s in stats.items():
             m = s["mean"]
             others = [v for k, v in means.items() if k != c]
             s["best"] = m is not None and m == top
-            # (one seed has no spread to compare within: nothing is bolded)
-            s["top"] = m is not None and s["n"] > 1 and top - m <= max(top_std, s["std"]) + 1e-12
+            s["top"] = c in bold
             s["gain_baseline"] = None if m is None or base is None or c == baseline else m - base
             s["gain_best_other"] = None if m is None or not others else m - max(others)
         out[r] = stats
@@ -133,14 +174,27 @@ def _values(res: Results, key: str) -> dict[tuple[str, str], list]:
     return {(p, c): [r.summary.get(key) for r in runs] for (c, p), runs in res.runs.items()}
 
 
+# classes of the data sets whose accuracy a table may bold (chance = 1 / classes); others: no chance rule
+CLASSES = {"digits": 10, "mnist": 10, "fmnist": 10, "cifar10": 10, "svhn": 10, "cinic10": 10, "cifar100": 100,
+           "femnist": 62, "tinyimagenet": 200}
+
+
+def chance_of(dataset: str | None, metric: str) -> float | None:
+    """Chance accuracy (a fraction) of ``metric`` on ``dataset``; None for other metrics or data sets."""
+    if "acc" not in metric or dataset not in CLASSES:
+        return None
+    return 1.0 / CLASSES[dataset]
+
+
 def metric_sections(res: Results, metric: str, baseline: str | None) -> list[Section]:
     title, scale, unit = metric_title(metric)
-    table = build_table(_values(res, metric), res.partitions, res.labels, baseline)
+    dataset = next((r.summary.get("dataset") for runs in res.runs.values() for r in runs), None)
+    table = build_table(_values(res, metric), res.partitions, res.labels, baseline, chance_of(dataset, metric))
     n_seeds = max((len(v) for v in res.runs.values()), default=0)
     failed = {(p, c): n for (c, p), n in res.failed.items()}
-    main = Section(f"{title}{unit}: `{metric}`, mean +- std over {n_seeds} seeds",
-                   "Rows: partitions; columns: methods. Bold: the row's best mean and every mean within the seed "
-                   "spread of it (closer than the larger standard deviation: not distinguishable with these seeds). "
+    spread = f"mean +- std over {n_seeds} seeds" if n_seeds > 1 else "one seed (no spread, nothing bold)"
+    main = Section(f"{title}{unit}: `{metric}`, {spread}",
+                   f"Rows: partitions; columns: methods. {BOLD_RULE} "
                    "`none`: the method has no model for this metric (e.g. no global model); `failed (n)`: every run "
                    "of the cell failed (n runs; the errors are in the results database).",
                    ["partition", *res.labels],
@@ -211,12 +265,17 @@ def time_section(res: Results, metric: str) -> Section:
         for c in res.labels:
             runs = res.runs.get((c, p), [])
             if runs:
-                t, _, _ = mean_std([r.summary.get("time/round_s_mean") for r in runs])
-                acc, sd, _ = mean_std([r.summary.get(metric) for r in runs])
-                rows.append([p, c, f"{t:.3f}", "none" if acc is None else f"{scale * acc:.2f} +- {scale * sd:.2f}"])
-    return Section(f"Time per round and {metric}", "Wall time per round (mean over seeds; same machine, same "
-                   "sweep) next to the main metric: the cost/accuracy trade-off (FedMR-Lite: FedMR with its inter-class "
-                   "loss on n samples of each batch, option lite_n).",
+                # the median round of each run: round 0 pays the warm-up (first calls, padding checks)
+                t, _, _ = mean_std([statistics.median(h["time/round_s"] for h in r.history if "time/round_s" in h)
+                                    if any("time/round_s" in h for h in r.history) else r.summary.get("time/round_s_mean")
+                                    for r in runs])
+                acc, sd, n = mean_std([r.summary.get(metric) for r in runs])
+                shown = "none" if acc is None else f"{scale * acc:.2f}" + (f" +- {scale * sd:.2f}" if n > 1 else "")
+                rows.append([p, c, "-" if t is None else f"{t:.3f}", shown])
+    lite = " (FedMR-Lite: FedMR with its inter-class loss on n samples of each batch, option lite_n)" \
+        if any(r.summary.get("method") == "fedmr" for runs in res.runs.values() for r in runs) else ""
+    return Section(f"Time per round and {metric}", "Wall time per round (each run's median round, then the mean over "
+                   "seeds; same machine, same sweep) next to the main metric: the cost/accuracy trade-off" + lite + ".",
                    ["partition", "method", "time per round (s)", f"{metric}{unit}"], rows)
 
 
@@ -379,4 +438,4 @@ def write_report(sweep_dir: str | Path, out: str | Path | None = None, metric: s
     return out / "report.md", out / "report.html"
 
 
-__all__ = ["build_table", "default_metric", "mean_curve", "mean_std", "rounds_to_target", "write_report"]
+__all__ = ["BOLD_RULE", "bold_labels", "build_table", "default_metric", "paired_test", "mean_curve", "mean_std", "rounds_to_target", "write_report"]

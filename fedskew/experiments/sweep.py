@@ -44,6 +44,7 @@ import os
 import signal
 import sqlite3
 import time
+from contextlib import contextmanager
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -389,8 +390,8 @@ def _execute_pack(configs: list[dict], run_dirs: list[str], report: Callable[[tu
 class SweepProgress:
     """A sweep's progress from its events ("skipped", "started", "round", "done", "failed"): runs
     and rounds done, the runs running, elapsed seconds and an ETA from the round rate measured in
-    this process (every worker's rounds together, so parallelism is in it; resumed and skipped
-    rounds are not)."""
+    this process from its first round report on (every worker's rounds together, so parallelism is
+    in it; resumed and skipped rounds, and the workers' start-up, are not)."""
 
     def __init__(self, runs: int, rounds_per_run: float):
         self.runs, self.rounds = runs, round(runs * rounds_per_run)
@@ -399,6 +400,7 @@ class SweepProgress:
         self.running: dict[str, int | None] = {}  # run_id -> rounds done (None: none reported yet)
         self.finished_rounds = 0
         self.trained = 0  # rounds trained since this process started
+        self.first_round: tuple[float, int] | None = None  # (time, trained) at the first round reported
         self.last_line = self.t0
 
     def update(self, kind: str, r: dict) -> dict:
@@ -409,6 +411,8 @@ class SweepProgress:
             before = self.running[rid]
             self.trained += 1 if before is None else max(0, r["round"] - before)
             self.running[rid] = r["round"]
+            if self.first_round is None:
+                self.first_round = (time.perf_counter(), self.trained)
         elif kind in self.counts:
             self.counts[kind] += 1
             rounds = int(r["config"].get("rounds", 0) or 0)
@@ -428,9 +432,15 @@ class SweepProgress:
         return False
 
     def snapshot(self) -> dict:
-        elapsed = time.perf_counter() - self.t0
+        now = time.perf_counter()
+        elapsed = now - self.t0
         rounds_done = min(self.rounds, self.finished_rounds + sum(v or 0 for v in self.running.values()))
-        rate = self.trained / elapsed if self.trained and elapsed > 0 else None
+        # the round rate from the first round on: the workers' start-up (importing torch, loading data)
+        # is not round time, and counted in, it made the first ETAs 10-40x too long
+        if self.first_round is not None and self.trained > self.first_round[1] and now > self.first_round[0]:
+            rate = (self.trained - self.first_round[1]) / (now - self.first_round[0])
+        else:
+            rate = self.trained / elapsed if self.trained and elapsed > 0 and self.first_round is None else None
         return {"runs_done": sum(self.counts.values()), "runs_failed": self.counts["failed"],
                 "runs_running": len(self.running), "runs_total": self.runs, "rounds_done": rounds_done,
                 "rounds_total": self.rounds, "elapsed_s": elapsed,
@@ -517,6 +527,35 @@ def interactive_methods(external: dict[str, tuple[str, str]]) -> bool:
     return any(module == "__main__" and not getattr(main, "__file__", None) for module, _ in external.values())
 
 
+def script_methods(external: dict[str, tuple[str, str]]) -> bool:
+    """Whether a method registered from outside the package is defined in the running script
+    (``__main__``): then a sweep's workers must import that script to have it."""
+    return any(module in ("__main__", "__mp_main__") for module, _ in external.values())
+
+
+@contextmanager
+def script_hidden(external: dict[str, tuple[str, str]]):
+    """Within the block, workers that ``multiprocessing`` spawns do not import the running script
+    again (its ``__file__`` and ``__spec__`` hidden from the spawn's preparation), unless a
+    registered method lives in it: so a script's top-level code (``fedskew.run`` calls, a sweep
+    without ``if __name__ == "__main__":``, a script read from stdin or without a .py suffix) never
+    runs again in the workers, which import only fedskew and the methods' modules."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    if main is None or script_methods(external):
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
 def unguarded_script_line(frame) -> int | None:
     """The line of the running script (``__main__``, a file) from which ``frame`` was reached, when
     that line is not under ``if __name__ == "__main__":``. Worker processes start by importing the
@@ -537,9 +576,11 @@ def unguarded_script_line(frame) -> int | None:
     line = frame.f_lineno
     for node in tree.body:
         if node.lineno <= line <= (node.end_lineno or node.lineno):
-            guarded = isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and {
-                getattr(n, "id", None) or getattr(n, "value", None) for n in (node.test.left, *node.test.comparators)
-            } == {"__name__", "__main__"}
+            tests = node.test.values if isinstance(getattr(node, "test", None), ast.BoolOp) and \
+                isinstance(node.test.op, ast.And) else [getattr(node, "test", None)]  # `if __name__ == "__main__" and x:`
+            guarded = isinstance(node, ast.If) and any(isinstance(t, ast.Compare) and {
+                getattr(n, "id", None) or getattr(n, "value", None) for n in (t.left, *t.comparators)
+            } == {"__name__", "__main__"} for t in tests)
             return None if guarded else line
     return None
 
@@ -742,9 +783,11 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
                 return True
 
             def submit(pool, unit):
-                if len(unit) > 1:
-                    return pool.submit(_execute_pack, [r["config"] for r in unit], [run_dir[r["run_id"]] for r in unit])
-                return pool.submit(_execute, unit[0]["config"], run_dir[unit[0]["run_id"]])
+                with script_hidden(external):  # (a worker may start here)
+                    if len(unit) > 1:
+                        return pool.submit(_execute_pack, [r["config"] for r in unit],
+                                           [run_dir[r["run_id"]] for r in unit])
+                    return pool.submit(_execute, unit[0]["config"], run_dir[unit[0]["run_id"]])
 
             # A run in flight when a worker died is a suspect: it runs again alone (out of any pack), so
             # a run that kills its worker (out of memory, a crash in native code) fails by itself and no
@@ -836,12 +879,18 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
 PERSONAL_VALIDATION = "personal/final_val_acc_after"
 
 
+# Selection means closer than this (relative) are a tie: sums of the same accuracies in another order
+# differ in the last bits, and a choice must not depend on that
+TIE_TOLERANCE = 1e-9
+
+
 def select(db: sqlite3.Connection, spec: SweepSpec, record: bool = True) -> dict[tuple[str, str], dict]:
     """Per (method label, partition): the grid point with the best mean over seeds of the
     selection metric among finished runs at the points of the sweep's current grid (the runs of
     an earlier grid stay in the database and out of the choice); on a validation split, a method
-    whose runs have no global model is chosen by :data:`PERSONAL_VALIDATION`. Recorded in
-    ``selections`` unless ``record`` is False."""
+    whose runs have no global model is chosen by :data:`PERSONAL_VALIDATION`. Means within
+    :data:`TIE_TOLERANCE` of the best are a tie, won by the earliest point of the grid (the method's
+    defaults come first in a bench's trials). Recorded in ``selections`` unless ``record`` is False."""
     metric = spec.selection.key
     chosen = {}
     rows = db.execute("SELECT label, partition, params, seed, summary FROM runs WHERE status='done'").fetchall()
@@ -863,11 +912,18 @@ def select(db: sqlite3.Connection, spec: SweepSpec, record: bool = True) -> dict
             bucket = groups.setdefault(group, {}).setdefault(params, [])
             if s.get(key) is not None:
                 bucket.append(float(s[key]))
+    order = {(m.column, json.dumps(p, sort_keys=True)): i for m in spec.methods
+             for i, p in enumerate(grid_points(m.options, m.trials))}
     rows = []
     for (label, partition), candidates in groups.items():
         means = {p: (sum(v) / len(v) if v else None) for p, v in candidates.items()}
         scored = [p for p, m in means.items() if m is not None]
-        best = max(scored, key=lambda p: means[p]) if scored else sorted(means)[0]
+        if scored:  # the best mean; a tie within float round-off goes to the earlier trial (the defaults first)
+            top = max(means[p] for p in scored)
+            tied = [p for p in scored if means[p] >= top - TIE_TOLERANCE * max(1.0, abs(top))]
+            best = min(tied, key=lambda p: (order.get((label, p), len(order)), p))
+        else:
+            best = sorted(means)[0]
         chosen[(label, partition)] = {"params": json.loads(best), "value": means[best], "row": dict(
             label=label, partition=partition, params=best, metric=used[(label, partition)],
             split=spec.selection.split, value=means[best], means=json.dumps(means))}

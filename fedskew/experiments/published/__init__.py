@@ -111,17 +111,37 @@ def load(folder: Path = HERE) -> list[Entry]:
     """Every entry of every registry file, validated (a bad file is one sentence naming it)."""
     from fedskew.config import ConfigError
 
-    out = []
+    import math
+
+    from pydantic import ValidationError
+
+    from fedskew.algorithms import did_you_mean, registered
+
+    out, seen = [], {}
     for path in sorted(folder.glob("*.yaml")):
         try:
             spec = PublishedFile.model_validate(yaml.safe_load(path.read_text()))
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(x) for x in err["loc"])
+            raise ConfigError(f"published-results file '{path.name}': key '{where}' is not valid ({err['msg']}).") \
+                from None
         except Exception as exc:
             raise ConfigError(f"published-results file '{path.name}' is not valid ({str(exc).splitlines()[0][:200]}).") \
                 from None
-        for e in spec.entries:
+        for i, e in enumerate(spec.entries):
+            where = f"published-results file '{path.name}': entries.{i} ({e.row} / {e.column})"
             if e.setting not in spec.settings:
-                raise ConfigError(f"published-results file '{path.name}': entry {e.row} / {e.column} names setting "
-                                  f"'{e.setting}', which the file does not define.")
+                raise ConfigError(f"{where} names setting '{e.setting}', which the file does not define.")
+            if not math.isfinite(e.value) or (e.spread is not None and not math.isfinite(e.spread)):
+                raise ConfigError(f"{where} has value {e.value} and spread {e.spread}; both must be finite numbers.")
+            if e.method not in registered():
+                raise ConfigError(f"{where} names method '{e.method}', which is not registered"
+                                  f"{did_you_mean(e.method, registered())}.")
+            key = (e.setting, e.row, e.column, e.label)
+            if key in seen.setdefault(path.name, set()):
+                raise ConfigError(f"{where} appears twice in the file (setting {e.setting}); keep one.")
+            seen[path.name].add(key)
             out.append(Entry(path.name, spec.source, spec.metric, spec.spread, e.setting, spec.settings[e.setting],
                              e.row, e.column, e.method, e.options, e.value, e.spread, e.label, e.config))
     return out
