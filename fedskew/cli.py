@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import re
 import sys
 import time
@@ -505,6 +506,15 @@ def cmd_bench(args, console: Console) -> int:
         console.print("`fedskew bench SUITE --scale smoke|lite|paper [--data DIR] [--jobs N | --ray ADDRESS]` runs a "
                       "suite; `--report` rebuilds its leaderboard from the runs it has.", highlight=False)
         return 0 if args.list or args.suite is None else 2
+    bench.check_suite(args.suite, args.scale or "smoke")  # the suite's name first
+    if args.methods:
+        from fedskew.algorithms import did_you_mean, registered
+
+        unknown = [m for m in _csv(args.methods) or [] if m not in registered()]
+        if unknown:
+            raise ConfigError(f"bench --methods names {unknown[0]!r}, which is not a registered method"
+                              f"{did_you_mean(unknown[0], registered())}; `fedskew methods` lists them (a method of "
+                              f"your own: --import MODULE, the module that registers it).")
     if args.scale is None:
         raise ConfigError(f"bench {args.suite} needs --scale smoke, lite or paper (`fedskew bench --list` gives the "
                           f"runs and the time of each).")
@@ -546,8 +556,8 @@ def cmd_bench(args, console: Console) -> int:
     command = f"fedskew bench {args.suite} --scale {args.scale}" + (f" --data {args.data}" if args.data else "") + \
         "".join(f" --import {m}" for m in getattr(args, "imports", None) or []) + \
         (f" --methods {','.join(methods)}" if methods else "") + \
-        "".join(f" --{k} '{v}'" for k, v in (("parts", args.parts), ("seeds", args.seeds), ("settings", args.settings))
-                if v)
+        "".join(f" --{k} {shlex.quote(v)}" for k, v in (("parts", args.parts), ("seeds", args.seeds),
+                                                        ("settings", args.settings)) if v)
     md, page, cells = bench.write_leaderboard(args.suite, args.scale, command, folder)
     if cells:
         table = Table("paper", "table", "setting", "method", "ours", "published", "delta", "within",

@@ -238,6 +238,13 @@ class RunConfig(_Strict):
         from fedskew.algorithms import (method_model_defaults, method_run_defaults, model_option_owners,
                                         validate_method_config)
 
+        method = validate_method_config(self.method)
+        # the model options the method's papers use, where the config leaves them unset: before the
+        # sections are checked, so that a key the method's architecture reads (model.etf_scale with
+        # method=fedetf, whose classifier is the ETF head) is not refused as not applying
+        for key, value in method_model_defaults(self.method).items():
+            if key not in self.model.model_fields_set:
+                setattr(self.model, key, value)
         problems = []
         for section in ("dataset", "partition", "model"):
             part = getattr(self, section)
@@ -249,7 +256,6 @@ class RunConfig(_Strict):
                                 f" not apply to {what}, which reads {sorted(part.applies() - {'name'})}")
         if problems:
             raise ValueError("; ".join(problems))
-        method = validate_method_config(self.method)
         if self.precision == "fp16" and method.sam is not None:
             raise ValueError(f"method {self.method.name}'s sharpness-aware steps (method.sam) run in fp32 or bf16, "
                              f"not precision = fp16 (no loss scaling across the two passes)")
@@ -260,10 +266,6 @@ class RunConfig(_Strict):
                                  f"extra parts only {owner} trains and aggregates as they must be; method "
                                  f"'{self.method.name}' would send and average them: use method={owner} or "
                                  f"model.{option}={str(default).lower()}")
-        # the model options the method's papers use, where the config leaves them unset
-        for key, value in method_model_defaults(self.method).items():
-            if key not in self.model.model_fields_set:
-                setattr(self.model, key, value)
         # the local-training settings of the method's official code, where the config leaves them unset
         for key, value in method_run_defaults(self.method).items():
             if key not in RUN_DEFAULT_KEYS:

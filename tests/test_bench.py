@@ -44,7 +44,7 @@ def test_every_registry_entry_validates_and_names_its_source():
 
 def test_a_broken_registry_file_is_one_sentence(tmp_path):
     (tmp_path / "bad.yaml").write_text("source: {paper: x}\n")
-    with pytest.raises(ConfigError, match="published-results file 'bad.yaml' is not valid"):
+    with pytest.raises(ConfigError, match="published-results file 'bad.yaml': key 'source.paper' is not valid"):
         load(tmp_path)
 
 
@@ -357,7 +357,7 @@ def test_a_failed_setting_ranks_last_instead_of_improving_the_average_rank():
     rows, record = board_rows(board, "a")
     row = next(r for r in rows if r[0] == "c")
     assert row[1] == "failed (3) (#3)"
-    assert "Cells with every run failed: 1 (c s1)" in board_summary(board, "a", record)
+    assert "Cells whose every run failed: 1 (c s1)" in board_summary(board, "a", record)
 
 
 def test_a_cell_with_missing_seeds_is_marked_and_none_is_not_ranked():

@@ -76,3 +76,13 @@ def test_example_configs_validate():
             assert plan(load_spec(path))
         else:
             load_config(path)
+
+
+def test_a_key_of_the_architecture_a_method_chooses_is_not_refused():
+    """Issue 46: the sections were checked before the method's model defaults applied, so a key of
+    the ETF head the method makes its classifier was refused with "classifier 'linear'"."""
+    assert load_config(None, ["method=fedetf", "model.etf_scale=2"]).model.etf_scale == 2.0
+    assert load_config(None, ["method=etf_gmv", "model.etf_scale=2"]).model.classifier == "etf"
+    assert load_config(None, ["method=fedgela", "model.etf_normalize=true"]).model.etf_normalize is True
+    with pytest.raises(ConfigError, match="model.etf_scale does not apply to model 'mlp' with classifier 'linear'"):
+        load_config(None, ["model.etf_scale=2"])

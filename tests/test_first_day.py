@@ -111,7 +111,11 @@ def test_your_own_method_in_the_bench_from_python_and_the_cli(tmp_path, monkeypa
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
+    from fedskew.algorithms import METHODS
+
+    monkeypatch.setitem(METHODS, "doubled", fedskew.Method)  # (removed again after the test)
     __import__("my_methods")
+    monkeypatch.setitem(sys.modules, "my_methods", sys.modules["my_methods"])
     folder = fedskew.bench("label-skew", scale="smoke", methods=["fedavg", "doubled"], settings=["#C=2"], jobs=1,
                            out=tmp_path / "api", progress=False)
     board = (folder / "leaderboard.md").read_text()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "250"}
 SMALL = ["rounds=2", "clients_per_round=6", "local_epochs=2", "final_personalization=false"]
 
 

@@ -385,26 +385,35 @@ def test_a_parallel_sweep_reports_every_workers_rounds_to_python(tmp_path, capsy
     assert snaps[-1] | {"elapsed_s": 0, "eta_s": 0} == {"runs_done": 2, "runs_failed": 0, "runs_running": 0,
                                                        "runs_total": 2, "rounds_done": 6, "rounds_total": 6,
                                                        "elapsed_s": 0, "eta_s": 0}
-    assert snaps[-1]["eta_s"] == 0 and all(s["eta_s"] is not None for s in snaps if s["rounds_done"])
+    # an ETA from the second round report on (the rate from the first round, not from the workers' start)
+    assert snaps[-1]["eta_s"] == 0 and all(s["eta_s"] is not None for s in snaps[-3:])
     err = capsys.readouterr().err
     assert "fedskew sweep: 2/2 runs (0 running, 0 failed), 6/6 rounds; " in err
 
 
-def test_sweep_progress_counts_rounds_by_hand():
+def test_sweep_progress_counts_rounds_by_hand(monkeypatch):
+    import fedskew.experiments.sweep as sweep_module
     from fedskew.experiments.sweep import SweepProgress, progress_line
 
+    clock = [0.0]
+    monkeypatch.setattr(sweep_module.time, "perf_counter", lambda: clock[0])
     p = SweepProgress(4, 10)
     run = lambda rid: {"run_id": rid, "config": {"rounds": 10}}
     p.update("skipped", run("s"))                      # finished earlier: its rounds done, not trained
     p.update("started", run("a"))
-    p.update("round", {**run("a"), "round": 4})        # resumed at round 3: one round trained
+    clock[0] = 100.0                                   # 100 s of worker start-up: no round time
+    snap = p.update("round", {**run("a"), "round": 4})  # resumed at round 3: one round trained
+    assert snap["eta_s"] is None                       # one report: no rate yet ("ETA ?"), not a guess
+    clock[0] = 110.0
     snap = p.update("round", {**run("a"), "round": 6})
     assert (snap["rounds_done"], snap["rounds_total"], p.trained, snap["runs_running"]) == (16, 40, 3, 1)
+    assert snap["eta_s"] == pytest.approx(24 / (2 / 10))  # 2 rounds in the 10 s since the first report
     p.update("done", run("a"))
     p.update("round", {**run("a"), "round": 10})       # a late report of a finished run changes nothing
     p.update("started", run("r"))
+    clock[0] = 120.0
     snap = p.update("done", run("r"))                  # on Ray: no round reports, its rounds count at the end
     assert (snap["runs_done"], snap["rounds_done"], p.trained, snap["runs_running"]) == (3, 30, 13, 0)
-    assert snap["eta_s"] == pytest.approx(10 / (13 / snap["elapsed_s"]), rel=0.05)
+    assert snap["eta_s"] == pytest.approx(10 / (12 / 20))  # 16.7 s; counting the start-up: 10 / (13 / 120) = 92 s
     assert progress_line({**snap, "elapsed_s": 75, "eta_s": 3725}) == \
         "3/4 runs (0 running, 0 failed), 30/40 rounds; 1:15 elapsed, ETA 1:02:05"

@@ -251,7 +251,7 @@ def test_dropout_really_drops_and_vgg11_trains_vectorised(tmp_path):
     for name, n in [(f"data_batch_{i}", 4) for i in range(1, 6)] + [("test_batch", 8)]:
         batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), b"labels": list(range(n))}
         (tmp_path / name).write_bytes(pickle.dumps(batch, protocol=2))
-    tiny = [f"dataset=cifar10", f"dataset.root={tmp_path}", "model=vgg11", "partition=iid", "partition.num_clients=2",
+    tiny = ["dataset=cifar10", f"dataset.root={tmp_path}", "model=vgg11", "partition=iid", "partition.num_clients=2",
             "clients_per_round=2", "rounds=1", "local_epochs=1", "batch_size=4", "partition.local_test_fraction=0.2"]
     a = run(load_config(None, [k for k in BASE if not k.startswith(("partition", "clients"))] + tiny +
                         ["executor=sequential"]), tmp_path / "vgg-seq")

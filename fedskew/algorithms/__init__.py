@@ -95,12 +95,17 @@ def external_methods() -> dict[str, tuple[str, str]]:
 
 
 def import_methods(external: dict[str, tuple[str, str]]) -> None:
-    """Register the methods of :func:`external_methods` in this process (a sweep worker)."""
+    """Register the methods of :func:`external_methods` in this process (a sweep worker). A method
+    whose module this process cannot import is left out (a run that names it then fails with the
+    usual unknown-method sentence); the others are not held back by it."""
     for key, (module, qualname) in external.items():
-        # a spawned worker re-imports the parent's script as __mp_main__, aliased to __main__
-        obj = sys.modules[module] if module in sys.modules else importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
+        try:
+            # a spawned worker re-imports the parent's script as __mp_main__, aliased to __main__
+            obj = sys.modules[module] if module in sys.modules else importlib.import_module(module)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError):
+            continue
         register_method(obj, name=key)
 
 

@@ -24,8 +24,9 @@ Flower's per-node ``context.state``. Which partition a SuperNode serves comes fr
 (``partition-id``; the simulation runtime sets it per node). Built-in Flower strategies are not
 used: they accept one ArrayRecord per reply and know nothing of server state.
 
-Failures. A client whose node does not answer within ``timeout`` seconds, or whose ClientApp
-raises, is reported in the round's ``clients_failed`` and left out of the aggregation, as in
+Failures. A client whose node does not answer within ``timeout`` seconds (a node's first training
+message waits at least ``COLD_START_S``: its ClientApp may still be importing torch on a loaded
+machine), or whose ClientApp raises, is reported in the round's ``clients_failed`` and left out of the aggregation, as in
 ``fedskew run``; a round where every client fails stops the run.
 """
 
@@ -142,6 +143,9 @@ def make_client_app() -> ClientApp:
 # Server side
 
 
+COLD_START_S = 300.0  # the least wait for a node's first training reply (imports, first data decode)
+
+
 class FlowerExecutor:
     """An executor whose clients are SuperNodes: one message per selected client, replies turned
     back into :class:`ClientResult` (client state stays on the node). ``failed`` lists the
@@ -155,6 +159,7 @@ class FlowerExecutor:
         self.cfg_json = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
         self.timeout = timeout
         self.failed: list[dict] = []
+        self.answered: set[int] = set()  # nodes that replied to a training message: past their cold start
         self.node_of = self._discover(cfg.partition.num_clients, wait_for_nodes)
 
     def _discover(self, num_clients: int, wait: float) -> dict[int, int]:
@@ -216,16 +221,18 @@ class FlowerExecutor:
                 content["download"] = to_record(downloads[k])
             messages.append(Message(RecordDict(content), dst_node_id=node, message_type="train"))
             sent[node] = k
-        ids, by_id = self._exchange(messages)
+        wait = self.timeout if set(sent) <= self.answered else max(self.timeout, COLD_START_S)
+        ids, by_id = self._exchange(messages, timeout=wait)
         replies = {}
-        for msg_id, k in zip(ids, sent.values()):
+        for msg_id, (node, k) in zip(ids, sent.items()):
             reply = by_id.get(msg_id)
             if reply is None:
-                self.failed.append({"client": k, "error": f"no reply within {self.timeout:.0f} s"})
+                self.failed.append({"client": k, "error": f"no reply within {wait:.0f} s"})
             elif reply.has_error():
                 self.failed.append({"client": k, "error": f"Flower error {reply.error.code}: {reply.error.reason[:200]}"})
             else:
                 replies[k] = reply
+                self.answered.add(node)
         for f in self.failed:
             print(f"fedskew: round {round_idx}: client {f['client']} failed and is left out of the aggregation "
                   f"({f['error']})", flush=True)
