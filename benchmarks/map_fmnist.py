@@ -30,31 +30,25 @@ from pathlib import Path
 
 from common import mean_std, parser
 
+from fedskew.algorithms import METHODS as REGISTERED
 from fedskew.config import load_config
 from fedskew.engine.runner import run
 
-# label -> options; a label is a method name or "<method>-<variant>".
+# label -> options; a label is a method name or "<method>-<variant>": every registered method at its
+# defaults (fedskew.algorithms.METHODS: a new method is here by being registered), then these.
 # The MAP family at its defaults (alpha 0.9, KD lambda 0.01, MAP on the authors' code schedule,
 # FedPHP one stage, a bias-free classifier); the "-paper" variants are MAP's Algorithm 1 schedule and
 # the alpha 0.5 used before issue 17.
-METHODS = {"fedavg": [], "fedrs": [], "fedphp": [], "map": [],
-           "fedrs-a05": ["method.alpha=0.5"], "map-paper": ["method.alpha=0.5", "method.schedule=paper"],
-           # personalised baselines (MAP paper Table II); defaults unless noted
-           "ditto": ["method.lam=0.1"], "dittors": ["method.lam=0.1"],
-           "fedrep": ["method.head_fraction=0.5"], "fedbabu": ["method.finetune_fraction=1.0"], "fedrod": [],
-           "fedproto": ["method.lam=1.0", "model.classifier_bias=true"], "fedlc": ["method.tau=1.0"],
-           # pFedMe's paper runs plain SGD: with momentum 0.9 its w-step lr * lam (w - theta) is
-           # amplified tenfold
-           "pfedme": ["method.lam=15", "method.personal_lr=0.01", "momentum=0"],
-           "perfedavg": ["method.alpha=0.01"],
-           # issue 22's baselines, each at its defaults (FedBN is FedAvg on this BN-free MLP)
-           "fedper": [], "lgfedavg": [], "apfl": [], "fedala": [], "feddecorr": [], "ccvr": [], "fednh": [],
-           "feddf": [], "fedetf": [], "fedfomo": [], "fedpac": [], "fedgen": [], "flda": [],
-           # issue 33's, at their defaults
-           "local": [], "fedadagrad": [], "feddisco": [], "fedsam": [], "fedasam": [], "feduv": [], "fedlmd": [], "fedvls": [], "fedgela": [],
-           "fedconcat": [],
-           # issue 34's, at their defaults
-           "feddbe": [], "gpfl": [], "pfedhn": [], "fedcp": [], "fedamp": [], "fedas": [], "fedfed": []}
+SETTINGS = {"fedrs-a05": ["method.alpha=0.5"], "map-paper": ["method.alpha=0.5", "method.schedule=paper"],
+            # personalised baselines (MAP paper Table II); defaults unless noted
+            "ditto": ["method.lam=0.1"], "dittors": ["method.lam=0.1"],
+            "fedrep": ["method.head_fraction=0.5"], "fedbabu": ["method.finetune_fraction=1.0"],
+            "fedproto": ["method.lam=1.0", "model.classifier_bias=true"], "fedlc": ["method.tau=1.0"],
+            # pFedMe's paper runs plain SGD: with momentum 0.9 its w-step lr * lam (w - theta) is
+            # amplified tenfold
+            "pfedme": ["method.lam=15", "method.personal_lr=0.01", "momentum=0"],
+            "perfedavg": ["method.alpha=0.01"]}
+METHODS = {**{name: [] for name in sorted(REGISTERED)}, **SETTINGS}
 BASE_METHODS = ["fedavg", "fedrs", "fedphp", "map"]
 
 

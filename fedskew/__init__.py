@@ -162,10 +162,10 @@ def sweep(spec: Mapping | str | Path | Any | None = None, /, jobs: int | None = 
     import warnings
 
     from fedskew.experiments.presets import default_comparison
-    from fedskew.experiments.sweep import (SweepProgress, default_jobs, default_sweep_dir, load_spec, planned_count,
-                                           progress_line, rounds_per_run, run_sweep, unguarded_script_line)
-
-    from fedskew.experiments.sweep import SweepSpec
+    from fedskew.experiments.pool import script_methods, unguarded_script_line
+    from fedskew.experiments.spec import (SweepSpec, default_jobs, default_sweep_dir, load_spec, planned_count,
+                                          rounds_per_run)
+    from fedskew.experiments.sweep import SweepProgress, progress_line, run_sweep
 
     parsed = spec if isinstance(spec, SweepSpec) else \
         load_spec(dict(spec) if isinstance(spec, Mapping) else spec if spec is not None else default_comparison())
@@ -174,9 +174,8 @@ def sweep(spec: Mapping | str | Path | Any | None = None, /, jobs: int | None = 
     sweep_dir = Path(out) if out is not None else default_sweep_dir(parsed)
     jobs = jobs or default_jobs()
     from fedskew.algorithms import external_methods
-    from fedskew.experiments.sweep import script_methods
 
-    # workers import the script only when a method of its own lives in it (sweep.script_hidden)
+    # workers import the script only when a method of its own lives in it (pool.script_hidden)
     line = unguarded_script_line(sys._getframe(1)) if jobs > 1 and ray is None and \
         script_methods(external_methods()) else None
     if line is not None:
@@ -268,7 +267,7 @@ def load_results(sweep_dir: str | Path, *, rounds: bool = False, frame: bool | N
 
     A pandas DataFrame when pandas is installed (``frame=None``), else a list of dicts;
     ``frame=True``/``False`` asks for one of them."""
-    from fedskew.experiments.store import results_table
+    from fedskew.experiments.selection import results_table
 
     rows = results_table(sweep_dir, rounds)
     if frame is False:

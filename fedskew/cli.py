@@ -131,7 +131,7 @@ def cmd_run(args, console: Console) -> int:
             raise ConfigError(f"--print-config shows one config; {', '.join(multi)} list several values.")
         spec = multirun_spec(config, single, multi)
         out = Path(spec["base"].get("out_dir", "runs")) / f"multirun-{time.strftime('%Y%m%d-%H%M%S')}"
-        from fedskew.experiments.sweep import load_spec
+        from fedskew.experiments.spec import load_spec
 
         return _run_and_report(load_spec(spec), str(out), args.jobs, True, console, args)
     cfg = load_config(config, overrides)
@@ -370,7 +370,8 @@ def _sweep_tables(sweep_dir: Path, console: Console) -> None:
     import yaml
 
     from fedskew.experiments.report import build_table, cell_text, chance_of, default_metric, metric_title
-    from fedskew.experiments.store import open_sweep, selected_runs
+    from fedskew.experiments.selection import selected_runs
+    from fedskew.experiments.store import open_sweep
 
     spec = yaml.safe_load((sweep_dir / "sweep.yaml").read_text()) or {}
     opts = spec.get("report") or {}
@@ -408,13 +409,13 @@ def _sweep_tables(sweep_dir: Path, console: Console) -> None:
 
 def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, console: Console, args=None,
                     ray: str | None = None) -> int:
-    from fedskew.experiments.sweep import check_pack
+    from fedskew.experiments.pool import check_pack
 
     pack = check_pack(getattr(args, "pack", None) or "auto")  # (a bad value: one sentence before anything runs)
     from fedskew.experiments.report import write_report
     from fedskew.experiments.store import writable
-    from fedskew.experiments.sweep import (clock, default_jobs, default_sweep_dir, planned_count, rounds_per_run,
-                                           run_sweep)
+    from fedskew.experiments.spec import default_jobs, default_sweep_dir, planned_count, rounds_per_run
+    from fedskew.experiments.sweep import clock, run_sweep
 
     sweep_dir = Path(out) if out else default_sweep_dir(spec)
     check_folder_name(sweep_dir, "--out")
@@ -458,7 +459,7 @@ def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, conso
 def cmd_sweep(args, console: Console) -> int:
     from fedskew.config import ConfigError
     from fedskew.experiments.presets import default_comparison
-    from fedskew.experiments.sweep import load_spec
+    from fedskew.experiments.spec import load_spec
 
     spec = load_spec(args.file if args.file else default_comparison())
     if args.ray_cpus is not None or args.ray_gpus is not None:
@@ -474,7 +475,7 @@ def cmd_sweep(args, console: Console) -> int:
 
 def cmd_reproduce(args, console: Console) -> int:
     from fedskew.experiments.presets import reproduction
-    from fedskew.experiments.sweep import load_spec
+    from fedskew.experiments.spec import load_spec
 
     spec = load_spec(reproduction(args.name, args.scale, args.data))
     out = args.out or str(Path("runs") / f"reproduce-{args.name}-{args.scale}")
@@ -492,7 +493,7 @@ def _csv(value: str | None) -> list[str] | None:
 def cmd_bench(args, console: Console) -> int:
     from fedskew.config import ConfigError
     from fedskew.experiments import bench
-    from fedskew.experiments.sweep import load_spec
+    from fedskew.experiments.spec import load_spec
 
     if args.list or args.suite is None:
         table = Table("suite", "scale", "runs", "published", "time (estimate)", title="fedskew bench suites")

@@ -112,7 +112,8 @@ def test_normalize_false_gives_torchvision_to_tensor_pixels(idx_folder):
     import numpy as np
 
     from fedskew.config import load_config
-    from fedskew.data.datasets import load_dataset, read_idx
+    from fedskew.data.datasets import read_idx
+    from fedskew.data.sources import load_dataset
 
     raw = load_dataset(load_config(None, ["dataset=fmnist", f"dataset.root={idx_folder}",
                                           "dataset.normalize=false"]).dataset, 0)
@@ -242,7 +243,8 @@ def test_a_sweep_killed_before_its_selection_still_reports_its_finished_runs(tmp
     time limit, a SIGKILL) has finished runs and no selection. The leaderboard's rows
     (results_table's ``selected``) and the report (selected_runs) then take the selection its
     finished runs give now: the validation best, not every grid point and not none."""
-    from fedskew.experiments.store import open_sweep, results_table, selected_runs
+    from fedskew.experiments.selection import results_table, selected_runs
+    from fedskew.experiments.store import open_sweep
 
     spec = load_spec({**TINY, "selection": {"split": "validation", "validation_fraction": 0.2}})
     db = run_sweep(spec, tmp_path, jobs=1)
@@ -275,7 +277,7 @@ def test_bench_parts_seeds_and_executor(tmp_path):
                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "b").iterdir() if p.is_dir()) == ["map"]
-    from fedskew.experiments.store import results_table
+    from fedskew.experiments.selection import results_table
 
     rows = results_table(tmp_path / "b" / "map")
     assert sorted((r["label"], r["seed"], r["status"]) for r in rows) == [("fedavg", 0, "done"), ("fedrs", 0, "done")]

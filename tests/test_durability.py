@@ -156,6 +156,7 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow  # sweep processes killed
 def test_workers_die_with_a_killed_sweep(tmp_path):
     spec = {"name": "orphans", "base": {**SMALL, "rounds": 200}, "methods": ["fedavg"], "seeds": [0, 1, 2, 3]}
     (tmp_path / "o.yaml").write_text(yaml.safe_dump(spec))
@@ -170,6 +171,7 @@ def test_workers_die_with_a_killed_sweep(tmp_path):
     assert len(list((tmp_path / "sw" / "runs").glob("*"))) == 2
 
 
+@pytest.mark.slow  # sweep processes killed
 def test_workers_die_with_a_sweep_killed_while_they_start(tmp_path):
     spec = {"name": "early", "base": {**SMALL, "rounds": 200}, "methods": ["fedavg"], "seeds": [0, 1, 2, 3]}
     (tmp_path / "e.yaml").write_text(yaml.safe_dump(spec))
@@ -209,6 +211,7 @@ print("returned", flag.is_set())
 """
 
 
+@pytest.mark.slow  # a worker process signalled twice
 @pytest.mark.parametrize("flag,hangs", [("stop", False), ("event", True)])
 def test_a_second_signal_inside_the_first_handler_cannot_deadlock_a_worker(tmp_path, flag, hangs):
     """A Ctrl-C reaches a sweep's workers (SIGINT, the terminal's group) and the sweep then sends
@@ -227,6 +230,7 @@ def test_a_second_signal_inside_the_first_handler_cannot_deadlock_a_worker(tmp_p
     assert not hangs and done.returncode == 0 and "returned True" in done.stdout, done.stderr
 
 
+@pytest.mark.slow  # sweep processes signalled
 @pytest.mark.parametrize("sig,code,word,group", [(signal.SIGTERM, 143, "terminated", False),
                                                  (signal.SIGINT, 130, "interrupted", True)])
 def test_a_signalled_sweep_stops_its_runs_at_a_round_boundary(tmp_path, sig, code, word, group):
@@ -443,6 +447,7 @@ def errno_enospc():
 '''
 
 
+@pytest.mark.slow  # sweep processes killed
 def test_a_dead_worker_fails_only_its_run(tmp_path, monkeypatch):
     from fedskew.algorithms import METHODS
 
@@ -689,9 +694,11 @@ def test_a_full_disk_under_the_results_database_is_one_sentence_and_the_sweep_co
 
     monkeypatch.setattr(sweep_module, "add_planned", add_then_fill)
     if fails:  # the run fails, and its (long: it needs new pages) error cannot be recorded
-        monkeypatch.setattr(sweep_module, "_execute", lambda config, run_dir: (_ for _ in ()).throw(
+        from fedskew.experiments import pool
+
+        monkeypatch.setattr(pool, "execute_run", lambda config, run_dir, report=None: (_ for _ in ()).throw(
             OSError(errno.ENOSPC, "No space left on device")))
-        monkeypatch.setattr(sweep_module, "_error_text", lambda exc: "x" * 20000)
+        monkeypatch.setattr(pool, "error_text", lambda exc: "x" * 20000)
     with pytest.raises(StorageError, match=r"writing the results database '.*results.sqlite' failed \(database or "
                                            r"disk is full\); free space .* run the same sweep again"):
         fedskew.sweep(spec, jobs=jobs, out=tmp_path / "sw")

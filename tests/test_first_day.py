@@ -65,7 +65,7 @@ def test_a_script_runs_once_whatever_its_workers_do(tmp_path):
 
 
 def test_a_guard_with_more_conditions_is_a_guard(tmp_path):
-    from fedskew.experiments.sweep import unguarded_script_line
+    from fedskew.experiments.pool import unguarded_script_line
 
     script = tmp_path / "g.py"
     script.write_text("import sys\nimport fedskew\nif __name__ == '__main__' and len(sys.argv) > 0:\n"

@@ -15,6 +15,8 @@ import time
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # real SuperLink, SuperNode and ServerApp processes (left out of README's fast subset)
+
 pytest.importorskip("flwr")
 
 from fedskew.config import load_config  # noqa: E402

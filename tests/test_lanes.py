@@ -27,11 +27,9 @@ from fedskew.engine.lanes import Pack, lane_option_plan
 from fedskew.engine.runner import Experiment
 from fedskew.experiments.sweep import pack_key, packs
 from fedskew.algorithms import METHODS, Method, build_method
-from test_vectorized import BASE, CASES, TOL, max_difference
+from test_vectorized import BASE, PARITY, TOL, max_difference
 
 VEC = BASE + ["executor=vectorized"]
-# a handful of cases run in the fast subset (README: `-m "not slow"`); every case in the full suite
-FAST = {0, 1, 2, 5, 13, 15, 20, 35}
 
 
 @pytest.fixture(autouse=True)
@@ -101,8 +99,7 @@ def assert_as_alone(tmp_path, extra, name, got, ref):
     assert verdict is None, verdict
 
 
-@pytest.mark.parametrize("extra", [pytest.param(c, marks=() if i in FAST else pytest.mark.slow, id=f"case{i}")
-                                   for i, c in enumerate(CASES)])
+@pytest.mark.parametrize("extra", PARITY)
 def test_packed_runs_equal_each_run_alone(tmp_path, extra):
     """Every parity case of tests/test_vectorized.py (every vectorisable method): two runs differing
     in seed, learning rate and float options, packed, each as it is alone. A run that amplifies

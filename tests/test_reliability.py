@@ -33,6 +33,7 @@ def _strip(history):
     return [{k: v for k, v in h.items() if not k.startswith("time/")} for h in history]
 
 
+@pytest.mark.slow  # a run process killed
 @pytest.mark.parametrize("extra", [
     ["method=fedavg", "executor=sequential"],
     ["method=map", "model.classifier_bias=false", "executor=vectorized"],   # per-client HPMs

@@ -1,7 +1,7 @@
 """Issue 30: one way to do each thing, and no key accepted and ignored.
 
 Config errors are checked in a real CLI subprocess; the structure (one client-round driver, the
-runner's size, families that do not import each other) by reading the code; the options and
+length of functions, no import circles, families that do not import each other) by reading the code; the options and
 settings that had no test (lr_decay, eval_every, CCVR feedback, FedPAC with several clients and
 collaborate=false, classifier_stats, APFL's adaptive alpha, the SGD kernel fallback) against
 independent replays."""
@@ -244,9 +244,66 @@ def test_every_executor_runs_rounds_through_the_one_driver(tmp_path, monkeypatch
         assert hook not in text, f"{hook} is called outside engine/protocol.py"
 
 
+MAX_FUNCTION_LINES = 100  # a function's lines without its docstring (vectorized._run_stage was 162 before issue 46)
+
+
+def code_lines(node) -> int:
+    body = node.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+        body = body[1:] or body
+    return node.end_lineno - body[0].lineno + 1
+
+
+def test_no_function_is_longer_than_the_limit():
+    """A limit on function length instead of a file's lines (issue 46: runner.py met a 400-line
+    file cap by joining lines and loosening a signature to **kw)."""
+    long = []
+    for path in sorted((ROOT / "fedskew").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and code_lines(node) > MAX_FUNCTION_LINES:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({code_lines(node)} lines)")
+    assert not long, long
+
+
+def module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The fedskew modules ``path`` imports (function-level imports included), each resolved to the
+    longest module name it names; the package facade ``fedskew`` (lazy API) left out."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [f"{node.module}.{a.name}" for a in node.names] + [node.module] \
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != "fedskew":
+                out.add(name)
+    return out
+
+
+def test_no_module_imports_itself_through_others():
+    """No import circles among fedskew's modules (issue 46 found sweep <-> store <-> on_ray,
+    datasets <-> vision/leaf, nets <-> deep/text; lanes added protocol <-> executors): a module's
+    imports, followed, never come back to it."""
+    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (ROOT / "fedskew").rglob("*.py")}
+    graph = {m: module_imports(p, set(paths)) - {m} for m, p in paths.items()}
+    circles = set()
+    for start in graph:
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    circles.add(" -> ".join(path + (start,)))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + (nxt,)))
+    assert not circles, sorted(circles)[:5]
+
+
 def test_runner_holds_the_round_loop_only():
     text = (ROOT / "fedskew/engine/runner.py").read_text()
-    assert len(text.splitlines()) <= 400  # 675 before issue 30
     for moved in ("def public_pool", "def public_samples", "def model_caller", "def _forgetting", "def _proxy_stats",
                   "def resume", "RESUMABLE", "def environment", "class RunResult", "flda"):
         assert moved not in text, moved
@@ -255,8 +312,8 @@ def test_runner_holds_the_round_loop_only():
     assert calls == 0  # a model as a function of its state: models/functional.py only
 
 
-FAMILIES = {"clustered", "hypernetwork", "fedmr", "map", "neural_collapse", "fedka", "drift", "server_opt", "representation", "personalized",
-            "meta", "sharing", "classifier", "distillation"}
+INFRASTRUCTURE = {"__init__", "base", "compose", "components", "tensors"}
+FAMILIES = {p.stem for p in (ROOT / "fedskew/algorithms").glob("*.py")} - INFRASTRUCTURE  # every other module
 
 
 def test_method_families_do_not_import_each_other():

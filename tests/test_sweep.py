@@ -72,7 +72,7 @@ def test_run_ids_survive_new_config_keys():
     run of every sweep a new id and rerun it (adding FedCP's model.conditional_policy did so to a
     1,524-run bench). Keys added later drop out of the identity at their as-before value. The id
     below is the one this run had before model.conditional_policy existed: a new key missing from
-    sweep.ADDED_KEYS changes it, and so does a changed default (then the new id is right: pin it)."""
+    spec.ADDED_KEYS changes it, and so does a changed default (then the new id is right: pin it)."""
     spec = load_spec({**TINY, "methods": ["fedavg"], "partitions": {"P6C3": TINY["partitions"]["P6C3"]},
                       "seeds": [0]})
     assert [r["run_id"] for r in plan(spec)] == ["adbac09082b3"]
@@ -322,7 +322,8 @@ def test_report_plots_tell_methods_apart_and_count_rounds_in_whole_numbers(swept
     """Twelve methods: twelve different line styles, thin bands, integer round ticks; 62 classes
     (FEMNIST) label every fifth class so the labels do not overlap."""
     from fedskew.experiments import plots
-    from fedskew.experiments.store import open_sweep, selected_runs
+    from fedskew.experiments.selection import selected_runs
+    from fedskew.experiments.store import open_sweep
 
     styles = plots.styles(12)
     assert len({(s["color"], s["ls"]) for s in styles}) == 12 and len({s["color"] for s in styles}) == 12

@@ -344,7 +344,7 @@ def test_a_clone_named_fedskew_beside_a_script_does_not_shadow_the_package(tmp_p
 def test_an_unguarded_parallel_sweep_in_a_script_runs_once_or_is_one_sentence(tmp_path, guarded, own_method):
     """README's snippet without ``if __name__ == "__main__":`` made every spawned worker start the
     sweep again (9 min of cascading tracebacks). The workers no longer import the script
-    (sweep.script_hidden), so such a sweep simply runs; only a script that defines a method of its
+    (pool.script_hidden), so such a sweep simply runs; only a script that defines a method of its
     own must be imported by them, and there the unguarded line is named before any worker starts."""
     method = "fedavg"
     header = "import fedskew\n\n"

@@ -228,7 +228,24 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("extra", CASES)
+def registry_cases(cases: list[list[str]]) -> list[list[str]]:
+    """Every registered method that trains on the vectorised executor and has no case above, at its
+    defaults: a new method joins the parity test by being registered (a case above overrides)."""
+    from fedskew.algorithms import build_method
+
+    named = {a.removeprefix("method=") for case in cases for a in case if a.startswith("method=")} | {"fedavg"}
+    return [[f"method={name}"] for name in sorted(METHODS) if name not in named and
+            getattr(build_method(load_config(None, [f"method={name}"]).method), "vectorizable", True)]
+
+
+CASES += registry_cases(CASES)  # (appended: the indices of the cases above stay; test_lanes names some)
+# the cases the fast subset runs (README: `-m "not slow"`; here and in tests/test_lanes.py); the full
+# suite runs every case
+FAST = {0, 1, 2, 5, 13, 15, 20, 35}
+PARITY = [pytest.param(c, marks=() if i in FAST else pytest.mark.slow, id=f"case{i}") for i, c in enumerate(CASES)]
+
+
+@pytest.mark.parametrize("extra", PARITY)
 def test_vectorized_matches_sequential(tmp_path, extra):
     # FedMR's paper form amplifies GEMM rounding (docs/benchmarks.md); FedDF's server Adam divides
     # near-zero gradients by their own size, so rounding-level differences move weights by ~1e-5

@@ -13,46 +13,22 @@ Any method also takes the composable pieces of :data:`COMPONENTS` as sub-options
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import re
 import sys
 
 from pydantic import BaseModel, ValidationError
 
+from fedskew.algorithms import base as _base
 from fedskew.algorithms.base import ClientReport, FederationInfo, Forward, Method, State, search_space
-from fedskew.algorithms.clustered import FedConcat
 from fedskew.algorithms.compose import Composite
-from fedskew.algorithms.drift import FedASAM, FedDC, FedDyn, FedNova, FedProx, FedSAM, Scaffold
 from fedskew.algorithms.components import COMPONENTS
-from fedskew.algorithms.fedmr import FedMR
-from fedskew.algorithms.hypernetwork import PFedHN
-from fedskew.algorithms.map import MAP, FedPHP, FedRS
-from fedskew.algorithms.fedka import FedKA, FedLMD, FedNTD, FedVLS
-from fedskew.algorithms.meta import PerFedAvg, PFedMe
-from fedskew.algorithms.neural_collapse import EtfGmv, FedETF, FedGELA
-from fedskew.algorithms.personalized import GPFL, Ditto, DittoRS, FedBABU, FedCP, FedLC, FedProto, FedRep, FedROD
-from fedskew.algorithms.representation import FedDecorr, FedMMD, FedProc, FedUV, Moon
-from fedskew.algorithms.classifier import CCVR, FedNH, FedPAC
-from fedskew.algorithms.distillation import FedDF, FedFed, FedGen
-from fedskew.algorithms.sharing import (APFL, FLDA, FedALA, FedAMP, FedAS, FedBN, FedDBE, FedFOMO, FedPer, LGFedAvg,
-                                        Local)
-from fedskew.algorithms.server_opt import FedAdagrad, FedAdam, FedAvgM, FedAwS, FedDisco, FedYogi
 
-METHODS: dict[str, type[Method]] = {
-    "fedavg": Method, "fedmr": FedMR, "fedprox": FedProx, "scaffold": Scaffold, "feddyn": FedDyn,
-    "fednova": FedNova, "fedavgm": FedAvgM, "fedadam": FedAdam, "fedyogi": FedYogi, "fedadagrad": FedAdagrad,
-    "fedaws": FedAwS, "feddisco": FedDisco, "fedsam": FedSAM, "fedasam": FedASAM,
-    "moon": Moon, "fedmmd": FedMMD, "feddc": FedDC, "fedproc": FedProc,
-    "fedrs": FedRS, "fedphp": FedPHP, "map": MAP, "etf_gmv": EtfGmv,
-    "fedntd": FedNTD, "fedlmd": FedLMD, "fedvls": FedVLS, "fedka": FedKA,
-    "ditto": Ditto, "dittors": DittoRS, "fedrep": FedRep, "fedbabu": FedBABU, "fedrod": FedROD,
-    "fedproto": FedProto, "fedlc": FedLC, "pfedme": PFedMe, "perfedavg": PerFedAvg,
-    "fedbn": FedBN, "fedper": FedPer, "lgfedavg": LGFedAvg, "local": Local, "apfl": APFL, "fedala": FedALA,
-    "feddecorr": FedDecorr, "feduv": FedUV, "ccvr": CCVR, "fednh": FedNH, "feddf": FedDF, "fedgen": FedGen,
-    "fedetf": FedETF, "fedgela": FedGELA,
-    "fedfomo": FedFOMO, "fedpac": FedPAC, "flda": FLDA, "fedconcat": FedConcat,
-    "feddbe": FedDBE, "gpfl": GPFL, "pfedhn": PFedHN, "fedcp": FedCP, "fedamp": FedAMP, "fedas": FedAS,
-    "fedfed": FedFed,
-}
+# every module of the package: a family module registers its methods where it defines them (@builtin)
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+METHODS: dict[str, type[Method]] = dict(_base.BUILTIN_METHODS)  # FedAvg first, then by family module
 BUILTIN = frozenset(METHODS)
 _BUILTIN_CLASSES = tuple(METHODS.values())
 

@@ -123,6 +123,16 @@ class ClientReport:
     local_data: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, compare=False, repr=False)
 
 
+class Reports(list):
+    """A round's :class:`ClientReport` list with the changes of FedAvg's weights that a composite's
+    components make (``reweight``: (weights, reports) -> weights, in order, e.g. FedDisco's),
+    passed to the base method's ``aggregate`` explicitly and applied by ``client_weights``."""
+
+    def __init__(self, reports, reweight: tuple = ()):
+        super().__init__(reports)
+        self.reweight = tuple(reweight)
+
+
 class Forward:
     """What ``local_loss`` may call: ``fwd(x) -> (z, logits)`` runs the model being trained
     (train mode); ``fwd.frozen(state, x)`` runs the same architecture with another state in eval
@@ -320,6 +330,21 @@ class FedAvgOptions(StrictOptions):
                                "or equal")
 
 
+BUILTIN_METHODS: dict[str, type] = {}  # name -> class, filled where each built-in method is defined
+
+
+def builtin(cls: type) -> type:
+    """Register a built-in method class under its ``name`` where it is defined (the registry,
+    ``fedskew.algorithms.METHODS``, collects every module of the package)."""
+    name = cls.__dict__["name"]
+    if name in BUILTIN_METHODS:
+        raise ValueError(f"built-in method name '{name}' is defined twice ({BUILTIN_METHODS[name].__qualname__}, "
+                         f"{cls.__qualname__})")
+    BUILTIN_METHODS[name] = cls
+    return cls
+
+
+@builtin
 class Method:
     """FedAvg: every selected client trains the received global model for E local epochs of SGD,
     and the server averages the uploaded models weighted by the clients' sample counts.
@@ -362,12 +387,12 @@ class Method:
     # uniform mean, FedNova's, FedProto's per-class counts, ...): a component that reweights the
     # FedAvg weights (``method.disco``) refuses it. tests/test_health.py checks every declaration.
     fedavg_weighted = True
-    # (weights, reports) -> weights, applied in order by ``client_weights``: set by a Composite
-    # for the time of its aggregation (Component.reweight)
-    weight_hooks: tuple = ()
     # sharpness-aware local steps (Component ``sam``: its options rho, adaptive, eta), read by the
     # executors for the uploaded model's training; None: plain SGD
     sam = None
+    # False: the vectorised executor trains this method one client after another (randomness inside
+    # the loss that vmap cannot draw as the sequential executor does: FedCP's Gumbel noise)
+    vectorizable = True
 
     def __init__(self, options: BaseModel | None = None, info: FederationInfo | None = None):
         self.opt = options if options is not None else self.Options()
@@ -397,6 +422,12 @@ class Method:
         """Share of every client's training data held out as its local validation split (never
         trained on; ``ClientData.x_val``) for a method with these options. FedAvg: 0."""
         return 0.0
+
+    def class_role_threshold(self, num_classes: int) -> float:
+        """gamma of the class roles that ``forgetting_stats`` reports (FedKA, Chen et al. 2023, Sec. 3,
+        Eq. 1): a class with less than this share of a client's samples is non-dominant there. 1 / C
+        unless the method sets its own (FedKA's ``gamma``)."""
+        return 1.0 / num_classes
 
     def download(self, server_state: State, client_id: int, round_idx: int) -> State:
         """Entries sent to one selected client only (FedFOMO's chosen models), merged into its
@@ -491,8 +522,8 @@ class Method:
 
     # -- up ------------------------------------------------------------------------------------
     def client_weights(self, reports: list[ClientReport]) -> torch.Tensor:
-        """FedAvg weights p_k: by samples n_k (default), by local batches, or uniform; then any
-        component's reweighting (``weight_hooks``, e.g. FedDisco's)."""
+        """FedAvg weights p_k: by samples n_k (default), by local batches, or uniform; then the
+        reweighting that came with the reports (:class:`Reports`, a component's such as FedDisco's)."""
         if self.opt.weighting == "samples":
             w = torch.tensor([r.num_samples for r in reports], dtype=torch.float64)
         elif self.opt.weighting == "batches":
@@ -500,8 +531,8 @@ class Method:
         else:
             w = torch.ones(len(reports), dtype=torch.float64)
         w = w / w.sum()
-        for hook in self.weight_hooks:
-            w = hook(w, reports)
+        for reweight in getattr(reports, "reweight", ()):
+            w = reweight(w, reports)
         return w
 
     def aggregate(self, server_state: State, global_state: State, uploads: list[State],

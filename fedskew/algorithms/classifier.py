@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import (HEAD, FedAvgOptions, Method, Source, as_model_part, head_names, model_part,
+from fedskew.algorithms.base import (builtin, HEAD, FedAvgOptions, Method, Source, as_model_part, head_names, model_part,
                                      reference_tensor, strip_prefix, weighted_mean)
 from fedskew.algorithms.tensors import aggregate_prototypes, class_feature_means
 from fedskew.streams import torch_seed
@@ -79,6 +79,7 @@ class CCVROptions(FedAvgOptions):
                                               "post-hoc, the clients keep training the averaged head)")
 
 
+@builtin
 class CCVR(Method):
     """CCVR (Luo et al., NeurIPS 2021): FedAvg, then classifier calibration with virtual
     representations. Each selected client also uploads, for each class, the mean, covariance and
@@ -169,6 +170,7 @@ def cosine_logits(z: torch.Tensor, prototypes: torch.Tensor, scale: float) -> to
     return scale * F.normalize(z, dim=-1) @ F.normalize(prototypes, dim=-1).T
 
 
+@builtin
 class FedNH(Method):
     """FedNH (Dai et al., AAAI 2023). The head's rows are class prototypes p_c, fixed during local
     training; at the start they are orthonormal random vectors (uniformity; the official code's
@@ -281,6 +283,7 @@ def head_combination(v: torch.Tensor, h: torch.Tensor, i: int, eps: float = 1e-3
     return torch.where(a > eps, a, torch.zeros_like(a))
 
 
+@builtin
 class FedPAC(Method):
     """FedPAC (Xu et al., ICLR 2023; reference JianXu95/FedPAC). Each client keeps its own head.
     Before training it extracts its feature statistics (v, h; :func:`pac_statistics`) and local

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import (Method, Source, StrictOptions, as_model_part, model_part, strip_prefix,
+from fedskew.algorithms.base import (builtin, Method, Source, StrictOptions, as_model_part, model_part, strip_prefix,
                                      weighted_mean)
 from fedskew.streams import stream_key
 
@@ -67,6 +67,7 @@ class FedConcatOptions(StrictOptions):
         "CIFAR-100 and Tiny-ImageNet, 'to speed up convergence')")
 
 
+@builtin
 class FedConcat(Method):
     """FedConcat (Diao, Li and He, AAAI 2024), Algorithm 1 as the authors' code runs it:
     clients clustered by k-means on their label distributions (:func:`label_clusters`); rounds

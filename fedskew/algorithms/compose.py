@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel
 
 from fedskew.algorithms.base import (ClientReport, FederationInfo, Forward, Method, State, add_prefix, as_model_part,
-                                     declares_per_sample, model_part, strip_prefix, weighted_mean)
+                                     Reports, declares_per_sample, model_part, strip_prefix, weighted_mean)
 
 
 class SharedForward(Forward):
@@ -107,8 +107,33 @@ def _others(d: State, prefixes: list[str]) -> State:
     return {k: v for k, v in d.items() if not any(k.startswith(p) for p in prefixes)}
 
 
+# How a Composite folds each part of the method interface: a part of Method missing here is an error
+# at import, so a new hook or flag is given its rule where it is added.
+FOLD = {
+    # state and payload dicts merge: the base's entries, then each component's own (its prefix)
+    **dict.fromkeys(("server_init", "client_init", "broadcast", "prepare", "after_training", "aggregate"), "merge"),
+    "local_loss": "sum",  # the base's loss plus each component's term
+    "padding_exact": "all",  # exact under padding when the base and every component are
+    "sam": "one",  # at most one sharpness-aware part (the base's or a component's)
+    # the personalisation stage has one owner: the component that personalises, else the base
+    **dict.fromkeys(("split_steps", "trained_params", "personal_start", "personal_loss", "after_personal",
+                     "personal_state", "personal_first"), "personal"),
+    # the rest is the base's (forwarded below where Composite does not filter the client state)
+    **dict.fromkeys(("download", "local_start", "step_correction", "local_steps", "paired_samples", "client_weights", "class_role_threshold",
+                     "has_global_model", "requires_classifier", "fedavg_weighted", "per_sample_loss",
+                     "vectorizable"), "base"),
+    # read from the registered class by the config layer, never from an instance
+    **dict.fromkeys(("Options", "name", "source", "model_defaults", "model_defaults_of", "model_requires",
+                     "owns_model_options", "run_defaults", "validation_fraction"), "class"),
+}
+_unruled = sorted(n for n in vars(Method) if not n.startswith("_") and n not in FOLD)
+if _unruled:
+    raise TypeError(f"compose.FOLD gives no rule for Method.{_unruled[0]}: say how a Composite folds it")
+
+
 class Composite(Method):
-    """A base method plus components. Subclasses set ``base`` and ``components`` in ``__init__``."""
+    """A base method plus components. Subclasses set ``base`` and ``components`` in ``__init__``;
+    each part of the interface folds by its rule in :data:`FOLD`."""
 
     def __init__(self, base: Method, components: list[Component], name: str | None = None):
         self.base = base
@@ -116,9 +141,6 @@ class Composite(Method):
         self.opt = base.opt
         self.info = base.info
         self.name = name or "+".join([base.name, *(c.prefix.rstrip(".") for c in components)])
-        self.vectorizable = getattr(base, "vectorizable", True)
-        self.requires_classifier = base.requires_classifier
-        self.has_global_model = base.has_global_model
         self._prefixes = [c.prefix for c in components]
         owners = [c for c in components if c.personalizes]
         base_owns = (base._personal is not None if isinstance(base, Composite)
@@ -246,18 +268,26 @@ class Composite(Method):
 
     def aggregate(self, server_state, global_state, uploads, reports):
         base_uploads = [_others(u, self._prefixes) for u in uploads]
-        before = self._leaf.weight_hooks
-        self._leaf.weight_hooks = before + tuple(
-            (lambda w, r, c=c: c.reweight(_own(server_state, c.prefix), w, r)) for c in self._reweighting)
-        try:
-            new_global, base_state = self.base.aggregate(_others(server_state, self._prefixes), global_state,
-                                                         base_uploads, reports)
-        finally:
-            self._leaf.weight_hooks = before
+        reweight = tuple((lambda w, r, c=c: c.reweight(_own(server_state, c.prefix), w, r)) for c in self._reweighting)
+        base_reports = Reports(reports, getattr(reports, "reweight", ()) + reweight) if reweight else reports
+        new_global, base_state = self.base.aggregate(_others(server_state, self._prefixes), global_state,
+                                                     base_uploads, base_reports)
         new_state = dict(base_state)
         for c in self.components:
             new_state.update(c.aggregate(_own(server_state, c.prefix), [_own(u, c.prefix) for u in uploads], reports))
         return new_global, new_state
+
+
+def _forward(name: str):
+    """The base's ``name``: a hook called on it, or a flag read from it."""
+    if callable(getattr(Method, name)):
+        return lambda self, *args, **kwargs: getattr(self.base, name)(*args, **kwargs)
+    return property(lambda self: getattr(self.base, name))
+
+
+for _name, _rule in FOLD.items():
+    if _rule == "base" and _name not in vars(Composite):
+        setattr(Composite, _name, _forward(_name))
 
 
 def option_holders(method: Method, path: str = "method") -> list[tuple[str, object]]:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, field_validator
 
-from fedskew.algorithms.base import (HEAD, FedAvgOptions, Method, Source, State, add_prefix, as_model_part, check_size,
+from fedskew.algorithms.base import (builtin, HEAD, FedAvgOptions, Method, Source, State, add_prefix, as_model_part, check_size,
                                      model_part, reference_tensor, strip_prefix, weighted_mean)
 from fedskew.streams import numpy_rng, seeded_torch, torch_seed
 
@@ -62,6 +62,7 @@ def ensemble_distillation_loss(student_logits: torch.Tensor, teacher_logits: tor
                     reduction="batchmean")
 
 
+@builtin
 class FedDF(Method):
     """FedDF (Lin et al., NeurIPS 2020, Algorithm 1). Clients train as in FedAvg; the server
     initialises the new global model as the weighted average of the uploads, then distils the
@@ -198,6 +199,7 @@ def generator_teacher_loss(logits: list[torch.Tensor], y: torch.Tensor, weights:
     return sum((F.cross_entropy(lk, y, reduction="none") * weights[y, k]).mean() for k, lk in enumerate(logits))
 
 
+@builtin
 class FedGen(Method):
     """FedGen (Zhu, Hong and Zhou, ICML 2021), data-free knowledge distillation with a generator of
     features. The server keeps a conditional generator G_w(z | y) of the features z the classifier
@@ -474,6 +476,7 @@ class FedFedAdamW(torch.optim.Optimizer):
                        alpha=-size)
 
 
+@builtin
 class FedFed(Method):
     """FedFed (Yang et al., NeurIPS 2023, "FedFed: Feature Distillation against Data Heterogeneity in
     Federated Learning"; official code visitworld123/FedFed, read with FL-bench's

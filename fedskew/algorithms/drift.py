@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedskew.algorithms.base import FedAvgOptions, Method, Source, as_model_part, model_part, weighted_mean
+from fedskew.algorithms.base import builtin, FedAvgOptions, Method, Source, as_model_part, model_part, weighted_mean
 from fedskew.algorithms.components import SAMOptions, SharpnessAware
 from fedskew.algorithms.compose import Composed, options_of
 
@@ -29,6 +29,7 @@ class FedProxOptions(FedAvgOptions):
     mu: float = Field(0.01, ge=0, description="proximal weight")
 
 
+@builtin
 class FedProx(Method):
     """FedProx (Li et al., 2020, Eq. 2): CE + (mu/2) ||w - w^t||^2 over the trainable parameters,
     every batch. Sends and keeps what FedAvg does."""
@@ -81,6 +82,7 @@ class ScaffoldOptions(FedAvgOptions):
     correction: Correction = Field("after_step", description=CORRECTION_DOC)
 
 
+@builtin
 class Scaffold(Method):
     """SCAFFOLD, option II (Karimireddy et al., 2020, Algorithm 1).
 
@@ -160,6 +162,7 @@ class FedDynOptions(FedAvgOptions):
     alpha_by_data: bool = Field(False, description="reference code: alpha_k = alpha / (n_k / mean n)")
 
 
+@builtin
 class FedDyn(Method):
     """FedDyn (Acar et al., 2021, Algorithm 1).
 
@@ -222,6 +225,7 @@ class FedDyn(Method):
         return new, h
 
 
+@builtin
 class FedNova(Method):
     """FedNova (Wang et al., 2020): normalised averaging.
 
@@ -278,6 +282,7 @@ class FedDCOptions(FedAvgOptions):
     correction: Correction = Field("after_step", description=CORRECTION_DOC)
 
 
+@builtin
 class FedDC(Method):
     """FedDC (Gao et al., CVPR 2022): local drift decoupling and correction; defaults follow the
     official code (gaoliang13/FedDC, ``train_FedDC``), which produced the paper's tables.
@@ -397,6 +402,7 @@ class FedASAMOptions(FedSAMOptions):
     search = {'rho': [0.3, 0.7, 1.0]}  # the bench's search space (fedskew bench)
 
 
+@builtin
 class FedSAM(Composed):
     """FedSAM (Qu et al., ICML 2022; Caldarola et al., ECCV 2022): FedAvg whose local steps are
     SAM steps (:class:`~fedskew.algorithms.components.SharpnessAware`); any other method takes
@@ -417,6 +423,7 @@ class FedSAM(Composed):
         return [SharpnessAware(options_of(SAMOptions, opt))]
 
 
+@builtin
 class FedASAM(FedSAM):
     """FedASAM (Caldarola et al., ECCV 2022): FedSAM with ASAM's adaptive radius (rho 0.7, eta 0.2
     as the official CIFAR-10 script)."""

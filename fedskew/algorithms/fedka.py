@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import ClientData, FedAvgOptions, Method, Source, model_part, reference_tensor
+from fedskew.algorithms.base import builtin, ClientData, FedAvgOptions, Method, Source, model_part, reference_tensor
 from fedskew.metrics import class_roles
 from fedskew.streams import numpy_rng
 
@@ -51,6 +51,7 @@ class FedNTDOptions(FedAvgOptions):
     tau_squared: bool = Field(False, description="multiply the KL by T^2 (not in the official code; same at T = 1)")
 
 
+@builtin
 class FedNTD(Method):
     """L = CE(z, y) + beta * NTD(z, frozen received global model's logits), NTD without the T^2
     factor as in the official code (Lee-Gihun/FedNTD; ``tau_squared=true`` adds it). Communication
@@ -105,6 +106,7 @@ class FedLMDOptions(FedAvgOptions):
     lmd_tau: float = Field(1.0, gt=0, description="distillation temperature T; the official config's 1")
 
 
+@builtin
 class FedLMD(Method):
     """FedLMD (Lu et al., ACM MM 2023; official code wnma3mz/FedLMD): L = CE(z, y) + beta *
     :func:`lmd_loss`(z, frozen received global model's logits): the global model teaches the
@@ -174,6 +176,7 @@ class FedVLSOptions(FedAvgOptions):
                                                               "code's fixed 0.005")
 
 
+@builtin
 class FedVLS(Method):
     """FedVLS (Guo et al., AAAI 2025, "Exploring vacant classes in label-skewed FL"; official
     code krumpguo/FedVLS): L = :func:`prior_ce` + :func:`logit_suppression` + lambda *
@@ -255,6 +258,7 @@ class FedKAOptions(FedAvgOptions):
         "/ smallest (proficient) loss under the received global model")
 
 
+@builtin
 class FedKA(Method):
     """L = CE(batch) + beta * knowledge-anchor loss on every mini-batch.
 
@@ -291,8 +295,11 @@ class FedKA(Method):
             raise ValueError(f"method fedka needs one training sample of every class for its public anchors; "
                              f"the training split has none of classes {missing[:10]}.")
 
+    def class_role_threshold(self, num_classes: int) -> float:
+        return self.opt.gamma if self.opt.gamma is not None else 1.0 / num_classes
+
     def _gamma(self) -> float:
-        return self.opt.gamma if self.opt.gamma is not None else 1.0 / self.info.num_classes
+        return self.class_role_threshold(self.info.num_classes)
 
     def client_init(self, client_id, global_state, info):
         ref = reference_tensor(global_state)

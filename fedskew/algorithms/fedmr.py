@@ -16,7 +16,7 @@ Local objective L = CE + mu1 * L_intra + mu2 * L_inter (Eq. 6), as two component
 
 from __future__ import annotations
 
-from fedskew.algorithms.base import FedAvgOptions, Source
+from fedskew.algorithms.base import builtin, FedAvgOptions, Source
 from fedskew.algorithms.components import (DecorrelationOptions, IntraDecorrelation, PrototypeMargin,
                                            PrototypeOptions)
 from fedskew.algorithms.compose import Composed, options_of
@@ -26,6 +26,7 @@ class FedMROptions(PrototypeOptions, DecorrelationOptions, FedAvgOptions):  # fi
     renamed = {"proto_share_fraction": "share_fraction"}
 
 
+@builtin
 class FedMR(Composed):
     """FedAvg + IntraDecorrelation(mu1) + PrototypeMargin(mu2)."""
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from fedskew.algorithms.base import Method, Source, StrictOptions, check_size
+from fedskew.algorithms.base import builtin, Method, Source, StrictOptions, check_size
 from fedskew.streams import seeded_torch
 
 PHI, MOMENTUM, SHAPE, SENT, DELTA = "hn.phi.", "hn.mom.", "hn.shape.", "hn.w.", "hn.delta."
@@ -55,6 +55,7 @@ class PFedHNOptions(StrictOptions):
         "with the round's mean gradient")
 
 
+@builtin
 class PFedHN(Method):
     """pFedHN (Shamsian et al., ICML 2021, Algorithm 1) as the authors' code runs it: a selected
     client receives theta_k = h(v_k; phi) (``download``), trains it with the run's local SGD, and

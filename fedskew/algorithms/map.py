@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from fedskew.algorithms.base import FedAvgOptions, Source
+from fedskew.algorithms.base import builtin, FedAvgOptions, Source
 from fedskew.algorithms.components import (BIAS_FREE, HPMOptions, InheritedPrivateModel, RestrictedSoftmax,
                                            RSOptions)
 from fedskew.algorithms.compose import Composed, options_of
@@ -43,6 +43,7 @@ class MAPOptions(RSOptions, HPMOptions, FedAvgOptions):
     renamed = {}
 
 
+@builtin
 class FedRS(Composed):
     """FedAvg + restricted softmax."""
 
@@ -61,6 +62,7 @@ class FedRS(Composed):
         return [RestrictedSoftmax(options_of(RSOptions, opt))]
 
 
+@builtin
 class FedPHP(Composed):
     """FedPHP: all E epochs of (1 - lambda) CE + lambda KT from the HPM, uploaded; the HPM then
     takes it with momentum and is the personalised model."""
@@ -80,6 +82,7 @@ class FedPHP(Composed):
         return [InheritedPrivateModel(options_of(HPMOptions, opt))]
 
 
+@builtin
 class MAP(Composed):
     """FedAvg + restricted softmax on the uploaded model + the HPM personalisation stage
     (authors' code schedule by default)."""

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.func import grad_and_value
 
-from fedskew.algorithms.base import FedAvgOptions, Method, Source, State, add_prefix, model_part, strip_prefix
+from fedskew.algorithms.base import builtin, FedAvgOptions, Method, Source, State, add_prefix, model_part, strip_prefix
 
 
 def ce_grad(fwd, params: State, x: torch.Tensor, y: torch.Tensor) -> tuple[State, torch.Tensor]:
@@ -47,6 +47,7 @@ def moreau_solve(fwd, w: State, x, y, lam: float, lr: float, steps: int) -> tupl
     return theta, value
 
 
+@builtin
 class PFedMe(Method):
     """pFedMe (Dinh et al., NeurIPS 2020, Algorithm 1). Each local step on a batch first solves the
     personalised problem theta = argmin CE(theta) + (lam/2) ||theta - w||^2 approximately (K steps
@@ -117,6 +118,7 @@ class PerFedAvgOptions(FedAvgOptions):
     personal_steps: int = Field(1, ge=1, description="adaptation steps of the personalised model (paper: 1)")
 
 
+@builtin
 class PerFedAvg(Method):
     """Per-FedAvg, first-order version (Fallah et al., NeurIPS 2020, Algorithm 1 with Eq. 8's
     first-order gradient). Each local step splits its batch into halves D and D':

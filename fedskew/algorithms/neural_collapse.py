@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedskew.algorithms.base import (ClientReport, FedAvgOptions, Method, Source, add_prefix, fraction_steps,
+from fedskew.algorithms.base import (builtin, ClientReport, FedAvgOptions, Method, Source, add_prefix, fraction_steps,
                                      head_names, reference_tensor, strip_prefix)
 from fedskew.algorithms.tensors import aggregate_prototypes, balanced_softmax_loss, class_feature_means
 
@@ -44,6 +44,7 @@ class EtfGmvOptions(FedAvgOptions):
         "counts; clients: each holding client equally (the paper's formula)")
 
 
+@builtin
 class EtfGmv(Method):
     """Fixed ETF head + global memory vectors.
 
@@ -115,6 +116,7 @@ class FedETFOptions(FedAvgOptions):
                                                                    "the E-epoch step budget (0: none)")
 
 
+@builtin
 class FedETF(Method):
     """FedETF (Li et al., ICCV 2023; reference ZexiLee/ICCV-2023-FedETF). The model's head is a
     trainable linear projector, L2 normalisation, the fixed simplex ETF (shared from the seed, never
@@ -195,6 +197,7 @@ class FedGELAOptions(FedAvgOptions):
                                                            "argparse default (its README's command uses 1e-5)")
 
 
+@builtin
 class FedGELA(Method):
     """FedGELA (Fan et al., NeurIPS 2023, "bilateral curation for partially class-disjoint data";
     official code MediaBrain-SJTU/FedGELA ``FedGELA.py``): the fixed simplex ETF M is the global

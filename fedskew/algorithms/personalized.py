@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import (HEAD, MODEL, ClientReport, FedAvgOptions, Method, Source, add_prefix,
+from fedskew.algorithms.base import (builtin, HEAD, MODEL, ClientReport, FedAvgOptions, Method, Source, add_prefix,
                                      as_model_part, body_names, fraction_steps, head_names, model_part,
                                      reference_tensor, strip_prefix, weighted_mean)
 from fedskew.algorithms.components import BIAS_FREE, RestrictedSoftmax, RSOptions
@@ -49,6 +49,7 @@ class DittoOptions(FedAvgOptions):
                                                                    "E-epoch step budget")
 
 
+@builtin
 class Ditto(Method):
     """Ditto (Li et al., ICML 2021, Algorithm 1). The global update is FedAvg's local training of
     the received model w (uploaded). Then the client's personal model v, kept across rounds
@@ -96,6 +97,7 @@ class DittoRSOptions(RSOptions, DittoOptions):
     renamed = {}
 
 
+@builtin
 class DittoRS(Composed):
     """DittoRS (MAP paper, Table II): Ditto whose global update trains with restricted softmax."""
 
@@ -126,6 +128,7 @@ class FedRepOptions(FedAvgOptions):
                                                               "head (reference code: 9 of 10 epochs)")
 
 
+@builtin
 class FedRep(PartialSharing):
     """FedRep (Collins et al., ICML 2021, Algorithm 1). Each round the client takes the received
     body and its own head; first trains the head with the body frozen (``head_fraction`` of the
@@ -174,6 +177,7 @@ class FedBABUOptions(FedAvgOptions):
                                                                    "E-epoch step budget")
 
 
+@builtin
 class FedBABU(Method):
     """FedBABU (Oh et al., ICLR 2022). During federated training the head stays at its random
     initialisation (never trained, never sent up); clients train and upload the body only. The
@@ -226,6 +230,7 @@ class FedBABU(Method):
 # FedROD
 
 
+@builtin
 class FedROD(Method):
     """FedROD (Chen & Chao, ICLR 2022). Shared body + generic head trained with the balanced
     softmax on the client's label counts (uploaded, FedAvg-aggregated: the global model); a
@@ -318,6 +323,7 @@ def nearest_prototype_head(prototypes: torch.Tensor) -> tuple[torch.Tensor, torc
     return 2 * g, bias
 
 
+@builtin
 class FedProto(Method):
     """FedProto (Tan et al., AAAI 2022). No model is shared: every client trains its own model
     (kept across rounds, all starting from the same initialisation) on CE + lam * R(z, g_y), R the
@@ -416,6 +422,7 @@ def calibrated_loss(logits: torch.Tensor, y: torch.Tensor, class_counts: torch.T
     return ce(logits - shift, y)
 
 
+@builtin
 class FedLC(Method):
     """FedLC: FedAvg whose local loss calibrates each logit by the client's label counts before
     the softmax (training only; evaluation uses plain logits). Sends and keeps what FedAvg does."""
@@ -453,6 +460,7 @@ class GPFLOptions(FedAvgOptions):
         "decay for them; run_me.sh for CNNs and MLPs: 0.1)")
 
 
+@builtin
 class GPFL(PartialSharing):
     """GPFL (Zhang et al., ICCV 2023, "GPFL: Simultaneously Learning Global and Personalized Feature
     Information"; TsingZ0/GPFL ``clientgp.py``, ``servergp.py``, ``run_me.sh``; PFLlib's
@@ -558,6 +566,7 @@ class FedCPOptions(FedAvgOptions):
         "(frozen) (the authors' run_me.sh: 5; main.py's default 0)")
 
 
+@builtin
 class FedCP(PartialSharing):
     """FedCP (Zhang et al., KDD 2023, "FedCP: Separating Feature Information for Personalized
     Federated Learning via Conditional Policy"; TsingZ0/FedCP ``clientcp.py``, ``servercp.py``,

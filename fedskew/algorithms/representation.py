@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import FedAvgOptions, Method, Source, model_part
+from fedskew.algorithms.base import builtin, FedAvgOptions, Method, Source, model_part
 from fedskew.algorithms.components import (Decorrelation, FedDecorrOptions, PrototypeMargin, PrototypeOptions,
                                          UniformityVariance, UVOptions)
 from fedskew.algorithms.compose import Composed, options_of
@@ -34,6 +34,7 @@ class MoonOptions(FedAvgOptions):
     temperature: float = Field(0.5, gt=0, description="tau of the model-contrastive loss")
 
 
+@builtin
 class Moon(Method):
     """MOON: CE + mu * model-contrastive loss between the features of the local model, the frozen
     received global model (positive) and the client's previous local model (negative). In a
@@ -81,6 +82,7 @@ class FedMMDOptions(FedAvgOptions):
     lam: float = Field(0.01, ge=0, description="weight of the MMD term")
 
 
+@builtin
 class FedMMD(Method):
     """FedMMD (Yao et al., 2018): CE + lambda * MMD^2 between the batch features of the local
     model and of the frozen received global model. Sends and keeps what FedAvg does."""
@@ -149,6 +151,7 @@ class FedProcBase(Method):
         return new, {"fedproc.t": server_state["fedproc.t"] + 1}
 
 
+@builtin
 class FedProc(Composed):
     """FedProc = its loss + FedMR's prototype machinery (class means up, count-weighted global
     prototypes down) with no margin term. Down |theta| + C*d + 1, up |theta| + C*d + C."""
@@ -177,6 +180,7 @@ class FedDecorrMethodOptions(FedDecorrOptions, FedAvgOptions):
     pass
 
 
+@builtin
 class FedDecorr(Composed):
     """FedDecorr (Shi et al., ICLR 2023): FedAvg + beta * the decorrelation regulariser; any other
     method takes it as ``method.feddecorr.beta=0.1``. Sends and keeps what FedAvg does."""
@@ -204,6 +208,7 @@ class FedUVOptions(UVOptions, FedAvgOptions):
     pass
 
 
+@builtin
 class FedUV(Composed):
     """FedUV (Son et al., CVPR 2024; sonhamin/FedUV): FedAvg + the classifier-variance and
     hyperspherical-uniformity regularisers (:class:`~fedskew.algorithms.components.UniformityVariance`);

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedskew.algorithms.base import FedAvgOptions, Method, Source, model_part, weighted_mean
+from fedskew.algorithms.base import builtin, FedAvgOptions, Method, Source, model_part, weighted_mean
 from fedskew.algorithms.components import DiscoOptions, Discrepancy
 from fedskew.algorithms.compose import Composed, options_of
 
@@ -89,6 +89,7 @@ class ServerOpt(Method):
         return new, state
 
 
+@builtin
 class FedAvgM(ServerOpt):
     """FedAvgM (Hsu et al., 2019): server momentum over the pseudo-gradient, m <- beta m + Delta."""
     source = Source(
@@ -103,6 +104,7 @@ class FedAvgM(ServerOpt):
     name, kind = "fedavgm", "avgm"
 
 
+@builtin
 class FedAdagrad(ServerOpt):
     """FedAdagrad (Reddi et al., 2021, Algorithm 2): Adagrad on the server, v <- v + Delta^2."""
     source = Source(
@@ -117,6 +119,7 @@ class FedAdagrad(ServerOpt):
     name, kind, Options = "fedadagrad", "adagrad", AdagradOptions
 
 
+@builtin
 class FedAdam(ServerOpt):
     """FedAdam (Reddi et al., 2021, Algorithm 2): Adam on the server, no bias correction."""
     source = Source(
@@ -131,6 +134,7 @@ class FedAdam(ServerOpt):
     name, kind, Options = "fedadam", "adam", AdaptiveOptions
 
 
+@builtin
 class FedYogi(ServerOpt):
     """FedYogi (Reddi et al., 2021, Algorithm 2): Yogi's additive second-moment update on the server."""
     source = Source(
@@ -163,6 +167,7 @@ class FedAwSOptions(FedAvgOptions):
     server_lr: float = Field(0.1, gt=0, description="learning rate of those server steps")
 
 
+@builtin
 class FedAwS(Method):
     """FedAwS (Yu et al., 2020): FedAvg, then ``server_steps`` gradient steps of the spreadout
     regulariser on the aggregated classifier rows (server side only). Communication as FedAvg."""
@@ -198,6 +203,7 @@ class FedDiscoOptions(DiscoOptions, FedAvgOptions):
     pass
 
 
+@builtin
 class FedDisco(Composed):
     """FedDisco (Ye et al., ICML 2023): FedAvg aggregated with discrepancy-aware weights
     ReLU(p_k - a d_k + b) (:class:`~fedskew.algorithms.components.Discrepancy`); any method that

@@ -33,13 +33,14 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
-from fedskew.algorithms.base import (HEAD, ClientData, FedAvgOptions, Method, Source, State, add_prefix, as_model_part,
+from fedskew.algorithms.base import (builtin, HEAD, ClientData, FedAvgOptions, Method, Source, State, add_prefix, as_model_part,
                                      body_names, model_part, reference_tensor, strip_prefix, weighted_mean)
 from fedskew.algorithms.compose import PartialSharing
 from fedskew.algorithms.tensors import class_feature_means
 from fedskew.streams import numpy_rng
 
 
+@builtin
 class FedBN(PartialSharing):
     """FedBN (Li et al., ICLR 2021, Algorithm 1): FedAvg in which every client keeps its own
     normalisation layers (BatchNorm weight, bias and running statistics; also GroupNorm and
@@ -69,6 +70,7 @@ class FedBN(PartialSharing):
         return key not in self.info.norm_names
 
 
+@builtin
 class FedPer(PartialSharing):  # FedRep (personalized.py) is the same sharing with alternating stages
     """FedPer (Arivazhagan et al., 2019): base layers shared, personalisation layers kept. Each
     round the client trains body and its own head together (E epochs, one stage; unlike FedRep's
@@ -94,6 +96,7 @@ class FedPer(PartialSharing):  # FedRep (personalized.py) is the same sharing wi
         return not key.startswith(HEAD)
 
 
+@builtin
 class Local(PartialSharing):
     """Local training only: each client trains its own model (initialised from the first global
     model) on its own data, E epochs in each round it is selected; nothing is sent or averaged.
@@ -136,6 +139,7 @@ class LGFedAvgOptions(FedAvgOptions):
                                                     "(official code's num_layers_keep; 1: the classifier)")
 
 
+@builtin
 class LGFedAvg(PartialSharing):
     """LG-FedAvg (Liang et al., 2020, Algorithm 1): local representations, global head. Each
     client keeps its own lower layers (the representation) and shares the last ``global_layers``
@@ -200,6 +204,7 @@ def apfl_alpha_step(alpha: torch.Tensor, v: State, w: State, grad: State, lr: fl
     return torch.clamp(alpha - lr * g, 0.0, 1.0)
 
 
+@builtin
 class APFL(Method):
     """APFL (Deng et al., 2020, Algorithm 1). Each client keeps a personal model v; its
     personalised model is the mixture v_bar = alpha v + (1 - alpha) w of v and the local version
@@ -302,6 +307,7 @@ class FedALAOptions(FedAvgOptions):
     max_start_epochs: int = Field(100, ge=1, description="cap on the first ALA's epochs (the official code has none)")
 
 
+@builtin
 class FedALA(Method):
     """FedALA (Zhang et al., AAAI 2023): adaptive local aggregation. Before local training a
     client initialises its model from its previous local model theta and the received global
@@ -397,6 +403,7 @@ class FedFOMOOptions(FedAvgOptions):
                                                              "as its validation split D_val")
 
 
+@builtin
 class FedFOMO(Method):
     """FedFOMO (Zhang et al., ICLR 2021, Eq. 5-7). No global model: the server keeps the latest
     model of every client (initially the common initial model) and an affinity matrix P (identity
@@ -516,6 +523,7 @@ class FedAMPOptions(FedAvgOptions):
         "PFLlib's default is 1.0")
 
 
+@builtin
 class FedAMP(Method):
     """FedAMP (Huang et al., AAAI 2021, "Personalized Cross-Silo Federated Learning on Non-IID
     Data", Eq. 5-7). No global model: every client trains its own model w_i; the server keeps the
@@ -626,6 +634,7 @@ class FedDBEOptions(FedAvgOptions):
         "run_me.sh uses 50 (PFLlib's argparse default 0 turns MR off)")
 
 
+@builtin
 class FedDBE(PartialSharing):
     """FedDBE, FedAvg + domain bias eliminator (Zhang et al., NeurIPS 2023, "Eliminating Domain Bias
     for Federated Learning in Representation Space"; TsingZ0/DBE ``clientDBE.py``,
@@ -709,6 +718,7 @@ class FLDAOptions(FedAvgOptions):
                             "mixture + CE of the global model's own logits (the two-output form of that code's template)")
 
 
+@builtin
 class FLDA(PartialSharing):
     """FLDA, federated learning with domain adaptation (Peterson, Kanani and Marathe, 2019), in the
     form of the MAP authors' code (the implementation behind MAP Table II): each client mixes the
@@ -776,6 +786,7 @@ class FedASOptions(FedAvgOptions):
                                "authors' code); class_mean: MSE of the batch's class-mean feature (FL-bench's fedas)")
 
 
+@builtin
 class FedAS(Method):
     """FedAS (Yang et al., CVPR 2024, "FedAS: Bridging Inconsistency in Personalized Federated
     Learning"; reference PFLlib's ``clientas.py`` and ``serveras.py``). Each client keeps its own

@@ -8,7 +8,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from fedskew.data.datasets import Dataset, load_dataset
+from fedskew.data.datasets import Dataset
+from fedskew.data.sources import load_dataset
 from fedskew.data.partitions import local_test_split, partition_labels
 from fedskew.streams import numpy_rng
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fedskew.config import ConfigError
+from fedskew.engine.protocol import Executor
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -130,15 +131,33 @@ def _train_shard(executor, work):
         return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
 
 
-class DistributedExecutor:
-    """Rank 0's executor: the round's clients trained across the ranks (module docstring)."""
+class DistributedExecutor(Executor):
+    """Rank 0's executor: the round's clients trained across the ranks (module docstring); what the
+    runner reads (name, memory peaks, validation) is the executor's it spreads."""
 
-    def __init__(self, inner, group: Group, device: torch.device):
+    def __init__(self, inner: Executor, group: Group, device: torch.device):
         self.inner, self.group, self.device = inner, group, device
-        self.sequential = getattr(inner, "sequential", inner)  # the runner's per-client retry path
+        self.name, self.validates = inner.name, inner.validates
 
-    def __getattr__(self, name):  # name, peak_state_bytes, failed, ... of the executor it spreads
-        return getattr(self.inner, name)
+    @property
+    def sequential(self) -> Executor | None:  # the runner's per-client retry path: rank 0's own
+        return self.inner.sequential
+
+    @property
+    def peak_state_bytes(self) -> int:
+        return self.inner.peak_state_bytes
+
+    @property
+    def round_peak_bytes(self) -> int | None:
+        return self.inner.round_peak_bytes
+
+    @property
+    def score_validation(self) -> bool:
+        return self.inner.score_validation
+
+    @score_validation.setter
+    def score_validation(self, on: bool) -> None:
+        self.inner.score_validation = on
 
     def train_round(self, round_idx, clients, payload, client_states, lr):
         g = self.group

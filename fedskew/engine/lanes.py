@@ -12,7 +12,7 @@ resume, server state, client sampling, ``prepare``, aggregation, evaluation), ex
 thread. The threads take turns (one runs at a time, in a fixed order, so every run's host code
 sees exactly what it would see alone) and each parks when it asks for a stage (``run_stage``);
 when all have parked or ended, the pack trains the parked stages of the same shape as one call of
-:meth:`VectorizedExecutor.train_requests`, then lets them go on.
+:meth:`LaneExecutor.train_requests`, then lets them go on.
 
 Inside that call every lane carries its own run's payload, learning rate (one value per lane
 where they differ), data rows (the runs' data tables side by side; one table when the runs share
@@ -205,7 +205,16 @@ class LaneExecutor(VectorizedExecutor):
     def __init__(self, *args, pack: "Pack", **kwargs):
         self.pack = pack
         super().__init__(*args, **kwargs)
-        self.lane_lr = True
+
+    def train_requests(self, requests: list[StageRequest], check: bool = False) -> list[tuple[State, dict, np.ndarray]]:
+        """Train the requests of several runs (or of this one alone: its arithmetic then is the
+        same as beside others, the learning rate one tensor entry per lane) as one call, each lane
+        with its own run's payload, learning rate, data rows and method option values; ``check``:
+        verify each request's lanes against its run alone on the first step (:class:`LaneCheck`)."""
+        m = merge_requests(self, requests, check)
+        out = self._run_stage(m.stage, m.start, m.cstates, m.schedules, m.rows, m.x, m.y, m.payload, True, m.lr,
+                              m.trainable, m.augs, m.correction, m.padded, m.sam, m.pairs, m.options, m.check, m.gens)
+        return split_result(out, [len(r.rows) for r in requests], m.fixed)
 
     def run_stage(self, stage, starts, states, schedules, clients, payload, lrs, round_idx, pairs=None):
         request = self.stage_request(stage, starts, states, schedules, clients, payload, lrs, round_idx, pairs)

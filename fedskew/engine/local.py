@@ -13,7 +13,7 @@ from fedskew.algorithms.tensors import sam_perturbation
 from fedskew.data.augment import crop_flip
 from fedskew.data.federated import Federation
 from fedskew.engine.batched_sgd import FP16_GROWTH_INTERVAL, FP16_INIT_SCALE
-from fedskew.engine.protocol import ClientResult, LocalSettings, Stage, client_round, make_forward
+from fedskew.engine.protocol import ClientResult, Executor, LocalSettings, Stage, client_round, make_forward
 from fedskew.models.functional import bn_recalibration_fn, feature_fn, frozen_fn, low_precision, predict
 from fedskew.models.nets import DROPOUT_MASKS, GeneratorMasks
 from fedskew.streams import dropout_generator, torch_seed
@@ -63,11 +63,16 @@ def module_forward(model: nn.Module, precision: str = "fp32") -> Forward:
                         low_precision(model, precision), own=True)
 
 
-class SequentialExecutor:
+class SequentialExecutor(Executor):
     """Trains the selected clients one after another with ordinary autograd and torch.optim.SGD."""
 
     name = "sequential"
+    validates = True
     score_validation = False  # client_round also scores the personal models on the hold-out
+
+    @property
+    def sequential(self) -> "SequentialExecutor":  # its own retry path
+        return self
 
     def __init__(self, model: nn.Module, fed: Federation, method: Method, settings: LocalSettings,
                  device: torch.device):

@@ -199,27 +199,32 @@ def dispatch(method: Method, info: FederationInfo, round_idx: int, clients: list
     return payload, on_device, downloads
 
 
-def make_executor(cfg, model, fed, method, device, pack=None):
-    """The run's executor (``cfg`` a RunConfig); with ``pack`` (a :class:`~fedskew.engine.lanes.Pack`) the vectorised one
-    whose stages train as lanes of the pack's stacked program."""
-    settings = LocalSettings(cfg.local_epochs, cfg.batch_size, cfg.momentum, cfg.weight_decay,
-                             cfg.grad_clip, cfg.seed, 4 if cfg.dataset.augment else 0, cfg.precision)
-    if pack is not None:
-        from fedskew.engine.lanes import LaneExecutor
+class Executor(Protocol):
+    """What the runner asks of the executor that trains a round's clients (sequential, vectorised,
+    a pack's lane, torchrun's, Flower's); an executor subclasses this for the defaults below."""
 
-        return LaneExecutor(model, fed, method, settings, device, cfg.max_parallel_clients, cfg.pad_batches, pack=pack)
-    if cfg.executor == "vectorized":
-        from fedskew.engine.vectorized import VectorizedExecutor
+    name: str = "executor"
+    remote_states: bool = False  # client states live elsewhere (Flower's nodes): downloads passed apart
+    failed: tuple | list = ()  # clients of the last round that did not answer (Flower), left out
+    peak_state_bytes: int = 0  # the largest stacked training state (bytes), recorded per round
+    round_peak_bytes: int | None = None  # the device allocator's peak in the last round (CUDA)
+    validates: bool = False  # can score personal models on a validation hold-out (val_accuracies)
+    score_validation: bool = False  # set by the runner for the final personalisation pass
 
-        return VectorizedExecutor(model, fed, method, settings, device, cfg.max_parallel_clients, cfg.pad_batches)
-    from fedskew.engine.local import SequentialExecutor
+    @property
+    def sequential(self):
+        """The executor that retries a failed round client by client (``train_client``); None: none."""
+        return None
 
-    return SequentialExecutor(model, fed, method, settings, device)
+    def train_round(self, round_idx: int, clients: list[int], payload: State, client_states: dict, lr: float,
+                    **kw) -> list[ClientResult]:
+        """Train ``clients`` from ``payload`` and their states; their results in the order given."""
+        ...
 
 
 def to_device(state: State, device: torch.device) -> State:
     return {k: v.to(device) for k, v in state.items()}
 
 
-__all__ = ["ClientResult", "LocalSettings", "StageRunner", "batch_schedule", "client_round", "dispatch",
-           "make_executor", "make_forward", "stage_schedules", "to_device"]
+__all__ = ["ClientResult", "Executor", "LocalSettings", "StageRunner", "batch_schedule", "client_round", "dispatch",
+           "make_forward", "stage_schedules", "to_device"]

@@ -29,11 +29,13 @@ from fedskew.algorithms.base import model_part
 from fedskew.config import ConfigError, RunConfig
 from fedskew.data.federated import load_federation, public_pool, public_samples
 from fedskew.engine.durable import LOCK_NAME, STOP, FolderLock, RunInterrupted, append_line, atomic_write_text, blocking_file
-from fedskew.engine.local import federated_state, load_state
-from fedskew.engine.protocol import dispatch, make_executor, to_device
+from fedskew.engine.lanes import LaneExecutor
+from fedskew.engine.local import SequentialExecutor, federated_state, load_state
+from fedskew.engine.protocol import LocalSettings, dispatch, to_device
 from fedskew.engine.rundir import (STORAGE_ERRNOS, RunDir, RunResult, StorageError, default_run_dir, environment,
                                    run_identity)
 from fedskew.engine.tracking import Trackers, check_available
+from fedskew.engine.vectorized import VectorizedExecutor
 from fedskew.metrics import (client_means, communication, feature_stats, forgetting_record, global_metrics, mean_std,
                              proxy_record, run_summary)
 from fedskew.models import build_model
@@ -70,16 +72,16 @@ class Experiment:
         with seeded_torch(cfg.seed, "model_init"):
             self.model = build_model(cfg.model, self.fed.data.input_shape, self.fed.num_classes, cfg.seed)
         self.model.to(self.device)
-        self.info = FederationInfo(self.fed.num_clients, self.fed.num_classes,
-                                   torch.from_numpy(self.fed.counts("train")), cfg.rounds,
-                                   cfg.clients_per_round, cfg.seed,
-                                   tuple(n for n, _ in self.model.named_parameters()), self.model.feature_dim,
-                                   public_samples(self.fed, cfg.seed, self.device), cfg.local_epochs, cfg.batch_size,
-                                   norm_names(self.model), model_caller(self.model),
-                                   public_pool(self.fed, cfg.seed, self.device),
-                                   {k: v for k, v in self.model.state_dict().items()
-                                    if k in getattr(self.model, "fixed_keys", ())},
-                                   sum(p.numel() for p in self.model.parameters()))
+        self.info = FederationInfo(
+            num_clients=self.fed.num_clients, num_classes=self.fed.num_classes,
+            class_counts=torch.from_numpy(self.fed.counts("train")), rounds=cfg.rounds,
+            clients_per_round=cfg.clients_per_round, seed=cfg.seed,
+            param_names=tuple(n for n, _ in self.model.named_parameters()), feature_dim=self.model.feature_dim,
+            public_samples=public_samples(self.fed, cfg.seed, self.device), local_epochs=cfg.local_epochs,
+            batch_size=cfg.batch_size, norm_names=norm_names(self.model), model_call=model_caller(self.model),
+            public_pool=public_pool(self.fed, cfg.seed, self.device),
+            fixed_state={k: v for k, v in self.model.state_dict().items() if k in self.model.fixed_keys},
+            param_numel=sum(p.numel() for p in self.model.parameters()))
         try:
             self.method = build_method(cfg.method, self.info)
         except ValueError as exc:  # a method's own check of the federation or model (one sentence)
@@ -306,13 +308,12 @@ class Experiment:
             m = cfg.forgetting_test_samples
             record.update(forgetting_record(self.model, model_part(payload),
                                             {r.client_id: model_part(r.upload) for r in results},
-                                            self.info.class_counts, getattr(method.opt, "gamma", None) or 1.0 /
-                                            self.fed.num_classes, self.x_test[:m], self.y_test[:m],
+                                            self.info.class_counts, method.class_role_threshold(self.fed.num_classes),
+                                            self.x_test[:m], self.y_test[:m],
                                             self.fed.num_classes))
-        peak = getattr(self.executor, "peak_state_bytes", 0)
-        if peak:
-            record["memory/peak_state_bytes"] = peak
-        if getattr(self.executor, "round_peak_bytes", None) is not None:  # the device allocator's peak (CUDA)
+        if self.executor.peak_state_bytes:
+            record["memory/peak_state_bytes"] = self.executor.peak_state_bytes
+        if self.executor.round_peak_bytes is not None:  # the device allocator's peak (CUDA)
             record["memory/peak_device_bytes"] = self.executor.round_peak_bytes
         record["time/round_s"] = time.perf_counter() - t0
         record["_global"], record["_server"] = new_global, new_server
@@ -325,14 +326,13 @@ class Experiment:
         try:
             # an executor that loses clients itself (Flower: a node that does not answer) lists them
             # in ``failed`` and returns the others
-            return self.executor.train_round(t, selected, payload, states, lr, **kw), list(getattr(self.executor, "failed", []))
+            return self.executor.train_round(t, selected, payload, states, lr, **kw), list(self.executor.failed)
         except ClientFailure:
             raise
         except Exception:
-            can_retry = hasattr(self.executor, "train_client") or hasattr(self.executor, "sequential")
-            if self.cfg.fail_fast or not can_retry:
+            if self.cfg.fail_fast or self.executor.sequential is None:
                 raise
-        sequential = getattr(self.executor, "sequential", self.executor)
+        sequential = self.executor.sequential
         results, failed = [], []
         for k in selected:
             try:
@@ -349,7 +349,7 @@ class Experiment:
 
     def _downloads_for(self, downloads: dict) -> dict:
         """Flower's executor (``remote_states``: client states on the nodes) takes the downloads apart."""
-        return {"downloads": downloads} if getattr(self.executor, "remote_states", False) else {}
+        return {"downloads": downloads} if self.executor.remote_states else {}
 
     def _final_personalization(self, global_state, server_state, client_states) -> dict:
         """Every client receives the final global model and trains once (no aggregation, no state
@@ -361,7 +361,7 @@ class Experiment:
         # (a copy: the states of clients never selected are made for this pass and not kept)
         payload, states, downloads = dispatch(self.method, self.info, cfg.rounds, clients, global_state, server_state,
                                               dict(client_states), self.device)
-        validate = self.fed.data.x_val is not None and hasattr(self.executor, "val_accuracies")
+        validate = self.fed.data.x_val is not None and self.executor.validates
         self.executor.score_validation = validate
         try:
             results = self.executor.train_round(cfg.rounds, clients, payload, states,
@@ -384,6 +384,18 @@ class Experiment:
         if c.final_personalization and c.partition.local_test_fraction > 0:
             summary.update(self._final_personalization(global_state, server_state, client_states))
         return summary
+
+
+def make_executor(cfg, model, fed, method, device, pack=None):
+    """The run's executor (``cfg`` a RunConfig); with ``pack`` (a :class:`~fedskew.engine.lanes.Pack`) the vectorised one
+    whose stages train as lanes of the pack's stacked program."""
+    settings = LocalSettings(cfg.local_epochs, cfg.batch_size, cfg.momentum, cfg.weight_decay,
+                             cfg.grad_clip, cfg.seed, 4 if cfg.dataset.augment else 0, cfg.precision)
+    if pack is not None:
+        return LaneExecutor(model, fed, method, settings, device, cfg.max_parallel_clients, cfg.pad_batches, pack=pack)
+    if cfg.executor == "vectorized":
+        return VectorizedExecutor(model, fed, method, settings, device, cfg.max_parallel_clients, cfg.pad_batches)
+    return SequentialExecutor(model, fed, method, settings, device)
 
 
 class ClientFailure(RuntimeError):

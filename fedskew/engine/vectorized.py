@@ -58,7 +58,7 @@ from fedskew.data.federated import Federation
 from fedskew.engine.batched_sgd import FP16_INIT_SCALE, sgd_, unscale
 from fedskew.engine.local import SequentialExecutor, join_pairs
 from fedskew.engine.memory import GATHER_BYTES, DeviceMemory, chunk_size
-from fedskew.engine.protocol import ClientResult, LocalSettings, Stage, client_round, make_forward
+from fedskew.engine.protocol import ClientResult, Executor, LocalSettings, Stage, client_round, make_forward
 from fedskew.models.functional import call, in_eval_mode, low_precision
 from fedskew.models.nets import DROPOUT_MASKS, BufferMasks, StreamDropout, dropout_mask
 from fedskew.streams import dropout_generator
@@ -92,8 +92,49 @@ def means_per_client(sums: dict[str, torch.Tensor], steps: np.ndarray) -> dict[s
 CPU_CONV_BATCH = 32
 
 
-class VectorizedExecutor:
+def step_groups(col: np.ndarray, padded: bool, contiguous: bool) -> list[np.ndarray]:
+    """The lanes that take a step together, given each lane's batch size ``col`` at this step (0:
+    finished): all at once when ``padded``, else one group per batch size (split into contiguous
+    runs when ``contiguous``: views instead of gathered copies, for large states)."""
+    if padded:
+        return [np.flatnonzero(col)] if col.any() else []
+    groups = [np.flatnonzero(col == size) for size in np.unique(col) if size]
+    if contiguous:
+        groups = [run for g in groups for run in np.split(g, np.flatnonzero(np.diff(g) != 1) + 1)]
+    return groups
+
+
+def put(target: dict, values: dict, a: int, b: int, gi: torch.Tensor | None, add: bool = False) -> None:
+    """Write (``add``: add) a group's stacked ``values`` into the full stacks of ``target``: rows
+    a:b (a contiguous group, ``gi`` None) or rows ``gi``."""
+    for k, v in values.items():
+        if gi is None:
+            if add:
+                target[k][a:b] += v
+            else:
+                target[k][a:b] = v
+        elif add:
+            target[k].index_add_(0, gi, v)
+        else:
+            target[k].index_copy_(0, gi, v)
+
+
+@torch.no_grad()
+def apply_correction(params: State, correction: State, lr) -> None:
+    """``p -= lr * correction`` (``Method.step_correction``) for the parameters it names; ``lr`` a
+    float or one value per lane."""
+    keys = [k for k in params if k in correction]
+    if isinstance(lr, torch.Tensor):
+        for k in keys:
+            params[k].sub_(correction[k] * lr.view(-1, *[1] * (correction[k].dim() - 1)))
+    else:
+        torch._foreach_add_([params[k] for k in keys], [correction[k] for k in keys], alpha=-lr)
+
+
+class VectorizedExecutor(Executor):
     name = "vectorized"
+    validates = True
+    sequential = None  # (set per instance: the sequential executor of its fallback and retries)
 
     def __init__(self, model: nn.Module, fed: Federation, method: Method, settings: LocalSettings,
                  device: torch.device, max_parallel_clients: int | None = None, pad_batches: bool = True):
@@ -106,7 +147,7 @@ class VectorizedExecutor:
         self.sequential = SequentialExecutor(model, fed, method, settings, device)
         self.x, self.y = self.sequential.x, self.sequential.y
         self.train_idx, self.test_idx = self.sequential.train_idx, self.sequential.test_idx
-        self.fallback_reason: str | None = None if getattr(method, "vectorizable", True) else \
+        self.fallback_reason: str | None = None if method.vectorizable else \
             f"method {method.name} is marked not vectorizable"
         if self.fallback_reason is None and self.cpu_convolutions_alone(model, device, settings):
             self.fallback_reason = (f"on the CPU, convolutions of batches of {settings.batch_size} train faster one "
@@ -140,9 +181,6 @@ class VectorizedExecutor:
         self._dropouts = [m for m in model.modules() if isinstance(m, StreamDropout) and m.p > 0]
         self._dropout_shapes: list | None = None
         self._mask_blocks: list[int] = []
-        # True (a run of a pack): every stage as lanes, the learning rate one tensor entry per lane even
-        # when one run trains alone, so that a run's arithmetic does not depend on the runs beside it
-        self.lane_lr = False
 
     def cpu_convolutions_alone(self, model: nn.Module, device: torch.device, settings: LocalSettings) -> bool:
         """Whether this run trains faster one client after another: on the CPU, a convolutional
@@ -379,24 +417,13 @@ class VectorizedExecutor:
         return trained, [{k: v[i] for k, v in table.items()} for i in range(len(request.rows))]
 
     def train_requests(self, requests: list["StageRequest"], check: bool = False) -> list[tuple[State, dict, np.ndarray]]:
-        """Train stage requests of the same shape as one stacked program, this executor's method the
-        template of every lane's loss: one request (a run's clients) as it is; several (runs of a
-        pack: :mod:`fedskew.engine.lanes`) with their lanes side by side, each lane with its own run's
-        payload, learning rate, data rows and method option values. (stacked trained state, tracked
-        sums, steps) per request; ``check``: verify each request's lanes against its run alone on the
-        first step (:class:`~fedskew.engine.lanes.LaneCheck`)."""
-        if len(requests) == 1 and not self.lane_lr:
-            r = requests[0]
-            out = self._run_stage(r.stage, r.start, r.cstates, r.schedules, r.rows, r.executor.x, r.executor.y,
-                                  r.payload, False, r.lr, r.trainable, r.augs, r.correction, r.padded, r.sam, r.pairs,
-                                  gens=r.gens)
-            return [out]
-        from fedskew.engine.lanes import merge_requests, split_result
-
-        m = merge_requests(self, requests, check)
-        out = self._run_stage(m.stage, m.start, m.cstates, m.schedules, m.rows, m.x, m.y, m.payload, True, m.lr,
-                              m.trainable, m.augs, m.correction, m.padded, m.sam, m.pairs, m.options, m.check, m.gens)
-        return split_result(out, [len(r.rows) for r in requests], m.fixed)
+        """Train stage requests as one stacked program: (stacked trained state, tracked sums, steps)
+        per request. This executor trains its own run's request; a run of a pack
+        (:class:`~fedskew.engine.lanes.LaneExecutor`) trains several runs' side by side."""
+        (r,) = requests
+        return [self._run_stage(r.stage, r.start, r.cstates, r.schedules, r.rows, r.executor.x, r.executor.y,
+                                r.payload, False, r.lr, r.trainable, r.augs, r.correction, r.padded, r.sam, r.pairs,
+                                gens=r.gens)]
 
     def _correction(self, payload: State, cstates: State) -> State | None:
         """Every client's ``Method.step_correction``, stacked (None: the method has none)."""
@@ -437,29 +464,7 @@ class VectorizedExecutor:
         self.peak_state_bytes = max(self.peak_state_bytes, state_bytes)
         lane_lr = isinstance(lr, torch.Tensor)
 
-        # Batch schedules exactly as the sequential executor's, flattened: the samples of lane i
-        # at step t are rows[first[i, t] : first[i, t] + sizes[i, t]]; sizes = 0 once it finished.
-        steps = np.array([len(sc) for sc in schedules])
-        sizes = np.zeros((G, max(int(steps.max()), 1)), dtype=np.int64)
-        first = np.zeros_like(sizes)
-        rows, local, base = [], [], 0
-        if pairs is not None and (any(p is None for p in pairs) or len({p[1].shape[1] for p in pairs}) > 1):
-            raise ValueError(f"method {self.method.name} gives paired samples to some clients of a round and not to "
-                             f"others, or different numbers of them: the vectorised executor needs every client's")
-        offsets = np.cumsum([0] + [len(p[1]) for p in pairs[:-1]]) if pairs is not None else None
-        for i, (idx, sched) in enumerate(zip(lane_rows, schedules)):
-            lengths = np.array([len(b) for b in sched], dtype=np.int64)
-            sizes[i, :len(sched)] = lengths
-            first[i, :len(sched)] = base + np.cumsum(lengths) - lengths
-            picked = np.concatenate(sched) if sched else np.zeros(0, dtype=np.int64)
-            rows.append(idx[self._to_device(picked)])
-            if pairs is not None:
-                local.append(picked + offsets[i])
-            base += len(picked)
-        rows = torch.cat(rows)
-        if pairs is not None:  # the paired samples of every lane, one table; their rows parallel to ``rows``
-            pair_x, pair_y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
-            local = self._to_device(np.concatenate(local))
+        steps, sizes, first, rows, paired = self._flat_schedules(lane_rows, schedules, pairs)
         sizes_d, first_d = self._to_device(sizes), self._to_device(first)
         positions = torch.arange(int(sizes.max()), device=self.device)
         plain_losses = self.losses(stage, lane_payload, False, options is not None, gens is not None)
@@ -473,13 +478,7 @@ class VectorizedExecutor:
         self.model.train()
         for step in range(sizes.shape[1]):
             col = sizes[:, step]
-            if padded:
-                groups = [np.flatnonzero(col)] if col.any() else []
-            else:
-                groups = [np.flatnonzero(col == size) for size in np.unique(col) if size]
-                if state_bytes > GATHER_BYTES:  # large states: contiguous runs of views, no gather
-                    groups = [run for g in groups for run in np.split(g, np.flatnonzero(np.diff(g) != 1) + 1)]
-            for members in groups:
+            for members in step_groups(col, padded, state_bytes > GATHER_BYTES):
                 a, b = int(members[0]), int(members[-1]) + 1
                 if b - a == len(members):  # contiguous: views, updated in place
                     gi = None
@@ -491,13 +490,7 @@ class VectorizedExecutor:
                 n, longest = take(sizes_d[:, step]), int(col[members].max())
                 # row j of a lane's batch: its sample j, or (padding) its last sample again
                 at = take(first_d[:, step])[:, None] + torch.minimum(positions[:longest], n[:, None] - 1)
-                x = x_table[rows[at]]
-                if augs is not None:
-                    x = crop_flip(x, augs[at], s.augment_pad)
-                y = y_table[rows[at]]
-                if pairs is not None:
-                    x, y = join_pairs(x, y, pair_x[local[at]], pair_y[local[at]],
-                                      augs[at] if augs is not None else None, s.augment_pad)
+                x, y = self._batch(at, rows, x_table, y_table, augs, paired)
                 p, buf, mom = pick(params), pick(buffers), pick(momentum) if momentum else None
                 leaves = {k: v.detach().requires_grad_(k in updated) for k, v in p.items()}
                 c = pick(cstates)
@@ -539,33 +532,58 @@ class VectorizedExecutor:
                 ok = None
                 if sc is not None:
                     grads, ok = unscale(grads, sc)
-                    for k, v in sc.items():
-                        if gi is None:
-                            scaler[k][a:b] = v
-                        else:
-                            scaler[k].index_copy_(0, gi, v)
+                    put(scaler, sc, a, b, gi)
                 step_lr = take(lr) if lane_lr else lr
                 sgd_({k: p[k] for k in updated}, dict(zip(updated, grads)), mom, step_lr, s, ok)
                 if correction:
-                    with torch.no_grad():
-                        corr = pick(correction)
-                        keys = [k for k in updated if k in corr]
-                        if lane_lr:
-                            for k in keys:
-                                p[k].sub_(corr[k] * step_lr.view(-1, *[1] * (corr[k].dim() - 1)))
-                        else:
-                            torch._foreach_add_([p[k] for k in keys], [corr[k] for k in keys], alpha=-lr)
-                if gi is None:
-                    for key, v in tracked.items():
-                        sums[key][a:b] += v.detach()
-                else:
+                    apply_correction({k: p[k] for k in updated}, pick(correction), step_lr if lane_lr else lr)
+                if gi is not None:  # scattered lanes: their copies written back
                     with torch.no_grad():
                         for d, new in ((params, p), (buffers, buf), (momentum, mom)):
-                            for k in (new or {}):
-                                d[k].index_copy_(0, gi, new[k])
-                    for key, v in tracked.items():
-                        sums[key].index_add_(0, gi, v.detach())
+                            put(d, new or {}, a, b, gi)
+                put(sums, {k: v.detach() for k, v in tracked.items()}, a, b, gi, add=True)
         return {**params, **{k: v for k, v in buffers.items() if v.is_floating_point()}}, sums, steps
+
+    def _flat_schedules(self, lane_rows: list, schedules: list[list[np.ndarray]], pairs: list | None):
+        """Batch schedules exactly as the sequential executor's, flattened: the samples of lane i at
+        step t are ``rows[first[i, t] : first[i, t] + sizes[i, t]]`` (rows of the data table);
+        ``sizes`` = 0 once it finished. ``paired``: the paired samples of every lane as one table
+        (x, y) and each flattened row's row in it, or None."""
+        steps = np.array([len(sc) for sc in schedules])
+        sizes = np.zeros((len(lane_rows), max(int(steps.max()), 1)), dtype=np.int64)
+        first = np.zeros_like(sizes)
+        rows, local, base = [], [], 0
+        if pairs is not None and (any(p is None for p in pairs) or len({p[1].shape[1] for p in pairs}) > 1):
+            raise ValueError(f"method {self.method.name} gives paired samples to some clients of a round and not to "
+                             f"others, or different numbers of them: the vectorised executor needs every client's")
+        offsets = np.cumsum([0] + [len(p[1]) for p in pairs[:-1]]) if pairs is not None else None
+        for i, (idx, sched) in enumerate(zip(lane_rows, schedules)):
+            lengths = np.array([len(b) for b in sched], dtype=np.int64)
+            sizes[i, :len(sched)] = lengths
+            first[i, :len(sched)] = base + np.cumsum(lengths) - lengths
+            picked = np.concatenate(sched) if sched else np.zeros(0, dtype=np.int64)
+            rows.append(idx[self._to_device(picked)])
+            if pairs is not None:
+                local.append(picked + offsets[i])
+            base += len(picked)
+        paired = None
+        if pairs is not None:
+            paired = (torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs]),
+                      self._to_device(np.concatenate(local)))
+        return steps, sizes, first, torch.cat(rows), paired
+
+    def _batch(self, at: torch.Tensor, rows: torch.Tensor, x_table, y_table, augs, paired):
+        """The step's batches of a group of lanes (``at``: [lanes, batch] positions in ``rows``),
+        augmented and joined by their paired samples."""
+        pad = self.settings.augment_pad
+        x = x_table[rows[at]]
+        if augs is not None:
+            x = crop_flip(x, augs[at], pad)
+        y = y_table[rows[at]]
+        if paired is not None:
+            pair_x, pair_y, local = paired
+            x, y = join_pairs(x, y, pair_x[local[at]], pair_y[local[at]], augs[at] if augs is not None else None, pad)
+        return x, y
 
     def _stacked_copy(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """A copy of a stacked parameter to train in place (linear weights in their gradients' layout)."""

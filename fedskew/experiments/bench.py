@@ -36,7 +36,7 @@ from pathlib import Path
 from fedskew.config import ConfigError, did_you_mean
 from fedskew.experiments.published import Entry, load
 from fedskew.experiments.report import BOLD_RULE, SIGNIFICANCE, bold_labels, chance_of, paired_test
-from fedskew.experiments.sweep import PERSONAL_VALIDATION
+from fedskew.experiments.selection import PERSONAL_VALIDATION
 
 SCALES = {"smoke": "smoke", "lite": "small", "paper": "paper"}  # bench scale -> preset scale
 # the registry files of each part of a suite, and the data set whose published numbers a scale is
@@ -108,7 +108,7 @@ def trials(method: str, budget: int, lr: float) -> list[dict]:
     points drawn without replacement (a fixed draw per method name) from its search space
     (:func:`fedskew.algorithms.base.search_space`) x the learning rates ``lr * LR_FACTORS``. Every
     method gets the same number (FedAvg: its three learning rates); a method with no global model
-    is chosen by its personal models on the validation hold-out (``sweep.PERSONAL_VALIDATION``)."""
+    is chosen by its personal models on the validation hold-out (``selection.PERSONAL_VALIDATION``)."""
     from fedskew.algorithms import registered
     from fedskew.algorithms.base import search_space
 
@@ -204,7 +204,7 @@ def sweeps(name: str, scale: str, data_root: str | None = None, methods: list[st
     keeps only those methods. A part whose methods search a grid selects on a validation hold-out
     (``selection.split: validation``): the bench never chooses on test data."""
     from fedskew.experiments.presets import reproduction
-    from fedskew.experiments.sweep import grid_points, load_spec
+    from fedskew.experiments.spec import grid_points, load_spec
 
     check_suite(name, scale)
     out = {}
@@ -323,7 +323,7 @@ def claim_folder(folder: Path, name: str, scale: str, write: bool = True) -> Non
 def listing(data_root: str | None = None) -> list[dict]:
     """Every suite with its size per scale: parts, runs, published entries linked, and the time it
     takes (:func:`estimate`)."""
-    from fedskew.experiments.sweep import load_spec, planned_count
+    from fedskew.experiments.spec import load_spec, planned_count
 
     entries = load()
     rows = []
@@ -396,7 +396,7 @@ class Cell:
 
 def leaderboard(name: str, scale: str, out: str | Path | None = None) -> list[Cell]:
     """Our finished runs of the suite at ``scale`` beside the linked published entries."""
-    from fedskew.experiments.store import results_table
+    from fedskew.experiments.selection import results_table
 
     check_suite(name, scale)
     entries = load()
@@ -502,8 +502,9 @@ def boards(name: str, scale: str, out: str | Path | None = None) -> list[Board]:
     board of the runs the selection chose."""
     import yaml
 
-    from fedskew.experiments.store import open_sweep, selected_runs
-    from fedskew.experiments.sweep import load_spec, planned_points
+    from fedskew.experiments.selection import selected_runs
+    from fedskew.experiments.store import open_sweep
+    from fedskew.experiments.spec import load_spec, planned_points
 
     check_suite(name, scale)
     out_boards = []
@@ -678,7 +679,7 @@ def measured_where(name: str, scale: str, folder: Path) -> str:
     CPU or GPU and torch threads, with the number of runs of each."""
     from collections import Counter
 
-    from fedskew.experiments.store import results_table
+    from fedskew.experiments.selection import results_table
 
     seen = Counter()
     for paper in SUITES[name]["papers"]:

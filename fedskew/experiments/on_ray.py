@@ -4,7 +4,7 @@ The sweep process stays the driver and the only writer of ``results.sqlite``: it
 pending run as a task asking for ``resources`` (``num_cpus``, ``num_gpus``; GPU fractions share a
 device), keeps at most as many in flight as the cluster can hold at once (so "running" in the
 progress line means running), and records each result as it comes back. A task runs the same
-function ``--jobs`` workers run (:func:`fedskew.experiments.sweep._execute`): a run directory that
+function ``--jobs`` workers run (:func:`fedskew.experiments.pool.execute_run`): a run directory that
 already holds a checkpoint is resumed, so a task lost with its node is retried by Ray (up to
 ``MAX_RETRIES`` times) and continues from the run's last checkpoint, and a sweep started again
 skips finished runs and resumes interrupted ones. This needs the sweep folder and the data at the
@@ -38,7 +38,7 @@ def _task(config: dict, run_dir: str, cwd: str, external: dict, threads: int):
     import torch
 
     from fedskew.engine.durable import FolderLock
-    from fedskew.experiments.sweep import _execute
+    from fedskew.experiments.pool import execute_run
     from fedskew.algorithms import import_methods
 
     torch.set_num_threads(threads)
@@ -55,7 +55,7 @@ def _task(config: dict, run_dir: str, cwd: str, external: dict, threads: int):
             if time.monotonic() > deadline:
                 raise
             time.sleep(1.0)
-    return _execute(config, run_dir)
+    return execute_run(config, run_dir)
 
 
 def check_address(address: str) -> None:
@@ -78,7 +78,7 @@ def run_on_ray(todo: list[dict], run_dir: dict[str, str], address: str, resource
     """Run ``todo`` on Ray at ``address`` ("local": a new local instance), reporting each run to
     ``started`` and ``finished`` (the sweep's database writers) in the driver."""
     ray = _ray()
-    from fedskew.experiments.sweep import interactive_methods
+    from fedskew.experiments.pool import interactive_methods
     from fedskew.algorithms import external_methods
 
     external = external_methods()

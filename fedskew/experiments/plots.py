@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 
 from fedskew.engine.durable import save_png
-from fedskew.experiments.store import Results
+from fedskew.experiments.selection import Results
 
 
 def _plt():

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from fedskew.engine.durable import atomic_write, atomic_write_text
 from fedskew.experiments.plots import plot_class_accuracy, plot_curves, plot_fairness
-from fedskew.experiments.store import Results, open_sweep, selected_runs
+from fedskew.experiments.selection import Results, selected_runs
+from fedskew.experiments.store import open_sweep
 
 
 # ---------------------------------------------------------------------------------------------

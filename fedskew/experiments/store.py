@@ -14,10 +14,8 @@ import os
 import sqlite3
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -164,98 +162,5 @@ def record_failed(db: sqlite3.Connection, run_id: str, error: str) -> None:
 # Reading
 
 
-@dataclass
-class Run:
-    label: str
-    partition: str
-    seed: int
-    params: dict
-    summary: dict
-    history: list[dict]
-    run_dir: Path
-
-
-@dataclass
-class Results:
-    labels: list[str]
-    partitions: list[str]
-    runs: dict[tuple[str, str], list[Run]]  # (label, partition) -> the selected grid point's runs
-    selections: dict[tuple[str, str], dict] = field(default_factory=dict)
-    name: str = "sweep"
-    spec: dict = field(default_factory=dict)
-    failed: dict[tuple[str, str], int] = field(default_factory=dict)  # (label, partition) -> failed runs
-
-
-def selections_of(db: sqlite3.Connection, spec: dict | None = None) -> dict[tuple[str, str], dict]:
-    """(method label, partition) -> its ``selections`` row: the recorded one, else, for a sweep
-    stopped before it recorded one (a sweep records its selection when its runs end, so a killed
-    one has none), the selection its finished runs give now under ``spec`` (the sweep.yaml)."""
-    rows = {(r["label"], r["partition"]): dict(r) for r in db.execute("SELECT * FROM selections")}
-    if spec and spec.get("methods"):
-        from fedskew.experiments.sweep import load_spec, select
-
-        for key, chosen in select(db, load_spec(spec), record=False).items():
-            rows.setdefault(key, chosen["row"])
-    return rows
-
-
-def selected_runs(db: sqlite3.Connection, spec: dict | None = None) -> Results:
-    """The finished runs of the grid point chosen per (method label, partition), with their
-    histories: what a report shows."""
-    spec = spec or {}
-    selections = selections_of(db, spec)
-    labels = [m["label"] or m["name"] for m in spec.get("methods", [])] or \
-        sorted({r["label"] for r in db.execute("SELECT label FROM runs")})
-    partitions = list(spec.get("partitions", {})) or \
-        sorted({r["partition"] for r in db.execute("SELECT partition FROM runs")})
-    runs: dict[tuple[str, str], list[Run]] = {}
-    failed: dict[tuple[str, str], int] = {}
-    for row in db.execute("SELECT * FROM runs WHERE status IN ('done', 'failed') ORDER BY seed"):
-        key = (row["label"], row["partition"])
-        chosen = selections.get(key)
-        if chosen is not None and chosen["params"] != row["params"]:
-            continue
-        if row["status"] == "failed":
-            failed[key] = failed.get(key, 0) + 1
-            continue
-        history = [json.loads(m["metrics"]) for m in
-                   db.execute("SELECT metrics FROM rounds WHERE run_id=? ORDER BY round", (row["run_id"],))]
-        runs.setdefault(key, []).append(Run(row["label"], row["partition"], row["seed"], json.loads(row["params"]),
-                                            json.loads(row["summary"]), history, run_dir_of(db, row["run_id"])))
-    return Results(labels, partitions, runs, selections, spec.get("name", "sweep"), spec, failed)
-
-
-def results_table(sweep_dir: str | Path, rounds: bool = False) -> list[dict]:
-    """Every planned run of a sweep as one flat row (``fedskew.load_results``): ``run_id``,
-    ``label``, ``method``, ``partition``, ``seed``, ``status``, ``selected`` (the grid point the
-    selection chose for its method and partition), ``error``, ``run_dir``, the grid point's options
-    as ``option/<name>``, and the summary's scalar values under their metric names. With
-    ``rounds``: one row per finished run and round instead, with that round's scalar metrics."""
-    db = open_sweep(sweep_dir)
-    spec_path = Path(sweep_dir) / "sweep.yaml"
-    try:
-        spec = yaml.safe_load(spec_path.read_text()) if spec_path.is_file() else None
-        chosen = {key: r["params"] for key, r in selections_of(db, spec).items()}
-        rows = []
-        for row in db.execute("SELECT * FROM runs ORDER BY rowid"):
-            base = {"run_id": row["run_id"], "label": row["label"], "method": row["method"],
-                    "partition": row["partition"], "seed": row["seed"], "status": row["status"],
-                    "selected": chosen.get((row["label"], row["partition"])) == row["params"],
-                    **{f"option/{k}": v for k, v in json.loads(row["params"]).items()}}
-            if rounds:
-                if row["status"] == "done":
-                    rows += [{**base, **json.loads(m["metrics"])} for m in db.execute(
-                        "SELECT metrics FROM rounds WHERE run_id=? ORDER BY round", (row["run_id"],))]
-                continue
-            summary = json.loads(row["summary"]) if row["summary"] else {}
-            scalars = {k: v for k, v in summary.items() if v is None or isinstance(v, (int, float, str))}
-            env = {f"env/{k}": v for k, v in json.loads(row["environment"] or "{}").items()}
-            rows.append({**base, "error": row["error"], "run_dir": str(run_dir_of(db, row["run_id"])),
-                         **{k: v for k, v in scalars.items() if k not in base}, **env})
-        return rows
-    finally:
-        db.close()
-
-
-__all__ = ["Results", "Run", "add_planned", "connect", "mark_interrupted", "mark_running", "open_sweep", "record_done",
-           "record_failed", "results_table", "scalar_metrics", "selected_runs", "writable", "writing"]
+__all__ = ["add_planned", "connect", "mark_interrupted", "mark_running", "open_sweep", "record_done", "record_failed",
+           "run_dir_of", "scalar_metrics", "writable", "writing"]

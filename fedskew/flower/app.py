@@ -38,7 +38,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from fedskew.config import ConfigError, RunConfig, validate_config
-from fedskew.engine.protocol import ClientResult
+from fedskew.engine.protocol import ClientResult, Executor
 from fedskew.algorithms.base import ClientReport
 
 try:
@@ -81,7 +81,7 @@ class _NodeRuntime:
         from fedskew.engine.runner import Experiment
 
         self.exp = Experiment(cfg)
-        self.executor = getattr(self.exp.executor, "sequential", self.exp.executor)
+        self.executor = self.exp.executor.sequential  # one client per message
         self.initial = federated_state(self.exp.model)
 
     def train(self, k: int, round_idx: int, lr: float, payload: dict, client_state: dict | None,
@@ -146,7 +146,7 @@ def make_client_app() -> ClientApp:
 COLD_START_S = 300.0  # the least wait for a node's first training reply (imports, first data decode)
 
 
-class FlowerExecutor:
+class FlowerExecutor(Executor):
     """An executor whose clients are SuperNodes: one message per selected client, replies turned
     back into :class:`ClientResult` (client state stays on the node). ``failed`` lists the
     clients of the last round that did not answer or raised."""
