@@ -6,6 +6,7 @@ import subprocess
 
 import numpy as np
 import pytest
+import torch
 
 from fedskew.engine.reaper import Reaper
 
@@ -16,6 +17,13 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     # inherited SIG_IGN, and the Ctrl-C tests would see their runs ignore the signal. Python's own
     # handler here makes the children start with the default disposition (a handler resets on exec).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers on two cores: one torch thread each, and for the processes they start (a test that
+    # compares thread counts sets its own)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 # Every process a test starts from this process (tests, and fedskew code they call in-process:

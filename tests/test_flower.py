@@ -8,14 +8,19 @@ reorder an operation)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow  # real SuperLink, SuperNode and ServerApp processes (left out of README's fast subset)
+# real SuperLink, SuperNode and ServerApp processes: left out of README's fast subset; one worker runs every test of the group
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("processes")]
 
 pytest.importorskip("flwr")
 
@@ -157,3 +162,31 @@ sys.exit(main(["flower", "simulate", "rounds=1"]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     assert "pip install fedskew[flower]" in done.stderr
+
+
+def test_a_deep_worker_folder_still_gives_a_socket_the_os_accepts(tmp_path, monkeypatch):
+    """AF_UNIX paths hold 107 bytes: a deep FEDSKEW_WORKER_DIR (a pytest worker's tmp path under
+    xdist made the killed-node test's socket 108 bytes, and the worker never started) puts the
+    socket in a short folder; the key, config and PID files stay in the worker folder."""
+    from multiprocessing.connection import Client, Listener
+
+    from fedskew.flower.client import SOCKET_PATH_MAX, worker_paths
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    monkeypatch.setenv("FEDSKEW_WORKER_DIR", str(deep))
+    sock, key, cfg = worker_paths('{"x": 1}', 3)
+    assert key.parent == deep and cfg.parent == deep and sock.parent != deep
+    assert len(os.fsencode(sock)) + 4 <= SOCKET_PATH_MAX and sock.name.endswith(key.stem + ".sock")
+    assert worker_paths('{"x": 1}', 3)[0] == sock != worker_paths('{"x": 2}', 3)[0]  # one per config
+    with Listener(str(sock), family="AF_UNIX", authkey=b"k") as listener:  # bound: the OS takes the path
+        sent = threading.Thread(target=lambda: Client(str(sock), family="AF_UNIX", authkey=b"k").send("hello"))
+        sent.start()
+        with listener.accept() as conn:
+            assert conn.recv() == "hello"
+        sent.join()
+    shallow = Path(tempfile.mkdtemp(prefix="w"))  # (tmp_path itself may be deep)
+    monkeypatch.setenv("FEDSKEW_WORKER_DIR", str(shallow))
+    try:
+        assert worker_paths('{"x": 1}', 3)[0].parent == shallow
+    finally:
+        shutil.rmtree(shallow)

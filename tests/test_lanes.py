@@ -200,9 +200,9 @@ def test_a_resumed_run_joins_a_pack_at_its_own_round(tmp_path):
 def test_a_pack_out_of_memory_halves_its_lanes(tmp_path, monkeypatch, capsys):
     """A merged call that runs out of device memory is retried with half the lanes (faked here: the
     first merged call of more than 5 lanes raises torch.OutOfMemoryError)."""
-    from fedskew.engine.vectorized import VectorizedExecutor
+    from fedskew.engine.lanes import LaneExecutor
 
-    real, raised = VectorizedExecutor.train_requests, []
+    real, raised = LaneExecutor.train_requests, []
 
     def tight(self, requests, check=False):
         if sum(len(r.rows) for r in requests) > 5 and not raised:
@@ -210,7 +210,7 @@ def test_a_pack_out_of_memory_halves_its_lanes(tmp_path, monkeypatch, capsys):
             raise torch.OutOfMemoryError("CUDA out of memory (faked)")
         return real(self, requests, check)
 
-    monkeypatch.setattr(VectorizedExecutor, "train_requests", tight)
+    monkeypatch.setattr(LaneExecutor, "train_requests", tight)
     configs = [["rounds=2"], ["rounds=2", "seed=1"]]
     pack, results = packed(tmp_path, configs)
     assert raised and pack.max_lanes == 5 and pack.merge

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow  # real torchrun ranks and Ray nodes (left out of README's fast subset)
+# real torchrun ranks and Ray nodes: left out of README's fast subset; one worker runs every test of the group
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("processes")]
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "250"}
 SMALL = ["rounds=2", "clients_per_round=6", "local_epochs=2", "final_personalization=false"]

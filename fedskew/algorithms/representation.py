@@ -6,6 +6,8 @@ same batch, through ``fwd.frozen`` (eval mode, no gradient), so they run in ever
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -187,14 +189,7 @@ class FedDecorr(Composed):
 
     name = "feddecorr"
     Options = FedDecorrMethodOptions
-    source = Source(
-        authors="Shi et al.",
-        title="Towards Understanding and Mitigating Dimensional Collapse in Heterogeneous Federated Learning",
-        venue="ICLR",
-        year=2023,
-        arxiv="2210.00226",
-        implements="Eq. 4 (the decorrelation regulariser)",
-        code="bytedance/FedDecorr")
+    source = dataclasses.replace(Decorrelation.source, implements="Eq. 4 (the decorrelation regulariser)")
 
     def parts(self, opt):
         return [Decorrelation(options_of(FedDecorrOptions, opt))]

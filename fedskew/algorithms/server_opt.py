@@ -26,6 +26,9 @@ from fedskew.algorithms.base import builtin, FedAvgOptions, Method, Source, mode
 from fedskew.algorithms.components import DiscoOptions, Discrepancy
 from fedskew.algorithms.compose import Composed, options_of
 
+REDDI = dict(authors="Reddi et al.", title="Adaptive Federated Optimization", venue="ICLR", year=2021,
+             arxiv="2003.00295", code="google-research/federated (the paper's reference)")
+
 
 class FedAvgMOptions(FedAvgOptions):
     """FedAvgM reads eta_g and its momentum only (no second moment, no tau)."""
@@ -107,14 +110,7 @@ class FedAvgM(ServerOpt):
 @builtin
 class FedAdagrad(ServerOpt):
     """FedAdagrad (Reddi et al., 2021, Algorithm 2): Adagrad on the server, v <- v + Delta^2."""
-    source = Source(
-        authors="Reddi et al.",
-        title="Adaptive Federated Optimization",
-        venue="ICLR",
-        year=2021,
-        arxiv="2003.00295",
-        implements="Algorithm 2 (FedAdagrad)",
-        code="google-research/federated (the paper's reference)")
+    source = Source(**REDDI, implements="Algorithm 2 (FedAdagrad)")
 
     name, kind, Options = "fedadagrad", "adagrad", AdagradOptions
 
@@ -122,14 +118,7 @@ class FedAdagrad(ServerOpt):
 @builtin
 class FedAdam(ServerOpt):
     """FedAdam (Reddi et al., 2021, Algorithm 2): Adam on the server, no bias correction."""
-    source = Source(
-        authors="Reddi et al.",
-        title="Adaptive Federated Optimization",
-        venue="ICLR",
-        year=2021,
-        arxiv="2003.00295",
-        implements="Algorithm 2 (FedAdam)",
-        code="google-research/federated (the paper's reference)")
+    source = Source(**REDDI, implements="Algorithm 2 (FedAdam)")
 
     name, kind, Options = "fedadam", "adam", AdaptiveOptions
 
@@ -137,14 +126,7 @@ class FedAdam(ServerOpt):
 @builtin
 class FedYogi(ServerOpt):
     """FedYogi (Reddi et al., 2021, Algorithm 2): Yogi's additive second-moment update on the server."""
-    source = Source(
-        authors="Reddi et al.",
-        title="Adaptive Federated Optimization",
-        venue="ICLR",
-        year=2021,
-        arxiv="2003.00295",
-        implements="Algorithm 2 (FedYogi)",
-        code="google-research/federated (the paper's reference)")
+    source = Source(**REDDI, implements="Algorithm 2 (FedYogi)")
 
     name, kind, Options = "fedyogi", "yogi", AdaptiveOptions
 

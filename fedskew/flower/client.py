@@ -41,13 +41,30 @@ def record_of(arrays: dict[str, np.ndarray]) -> ArrayRecord:
     return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
 
 
+# An AF_UNIX socket's path holds at most 107 bytes (Linux; 103 on macOS), and the worker binds
+# "<socket>.tmp" first: a socket whose path would be longer lives alone in a short folder.
+SOCKET_PATH_MAX = 100
+
+
 def worker_paths(cfg_json: str, partition: int) -> tuple[Path, Path, Path]:
     """(socket, key file, config file) of the worker for this config and partition, in
-    ``$FEDSKEW_WORKER_DIR`` (default: a per-user folder in the temp directory)."""
+    ``$FEDSKEW_WORKER_DIR`` (default: a per-user folder in the temp directory); the worker writes
+    its PID beside the key file (``.pid``). In a folder so deep that the socket's path would pass
+    :data:`SOCKET_PATH_MAX` bytes, the socket goes to a per-user folder in the temp directory."""
     folder = Path(os.environ.get("FEDSKEW_WORKER_DIR") or Path(tempfile.gettempdir()) / f"fedskew-flower-{os.getuid()}")
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     tag = f"p{partition}-" + hashlib.sha1(cfg_json.encode()).hexdigest()[:16]
-    return folder / f"{tag}.sock", folder / f"{tag}.key", folder / f"{tag}.json"
+    return socket_path(folder, tag), folder / f"{tag}.key", folder / f"{tag}.json"
+
+
+def socket_path(folder: Path, tag: str) -> Path:
+    """The socket of worker ``tag`` of ``folder`` (:func:`worker_paths`)."""
+    sock = folder / f"{tag}.sock"
+    if len(os.fsencode(sock)) + len(".tmp") > SOCKET_PATH_MAX:
+        short = Path(tempfile.gettempdir()) / f"fedskew-sock-{os.getuid()}"
+        short.mkdir(mode=0o700, exist_ok=True)
+        sock = short / f"{hashlib.sha1(os.fsencode(folder)).hexdigest()[:8]}-{tag}.sock"
+    return sock
 
 
 def _connect(cfg_json: str, partition: int, start_timeout: float = 120.0):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fedskew.engine.reaper import Reaper
-from fedskew.flower.client import CONFIG_KEY, OUT_KEY, TIMEOUT_KEY
+from fedskew.flower.client import CONFIG_KEY, OUT_KEY, TIMEOUT_KEY, socket_path
 
 if TYPE_CHECKING:
     from fedskew.config import RunConfig
@@ -177,7 +177,7 @@ class LocalFederation:
         self._kill(self.procs.pop(f"supernode{k}"))
         for pidfile in (self.workdir / "workers").glob(f"p{k}-*.pid"):
             self._kill_pid(int(pidfile.read_text()))
-            pidfile.with_suffix(".sock").unlink(missing_ok=True)
+            socket_path(pidfile.parent, pidfile.stem).unlink(missing_ok=True)
             pidfile.unlink(missing_ok=True)
 
     @staticmethod
@@ -229,6 +229,7 @@ class LocalFederation:
                 self._kill_pid(int(pidfile.read_text()))
             except ValueError:
                 pass
+            socket_path(pidfile.parent, pidfile.stem).unlink(missing_ok=True)
         self.procs.clear()
         if self.reaper is not None:
             self.reaper.close()

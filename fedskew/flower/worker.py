@@ -29,15 +29,17 @@ def main(sock: str, keyfile: str, cfgfile: str) -> None:
     idle = float(os.environ.get("FEDSKEW_WORKER_IDLE", "900"))
     last = [time.time()]
 
+    pidfile = Path(keyfile).with_suffix(".pid")  # beside the key (the socket may live in a short folder)
+
     def watchdog():
         while time.time() - last[0] < idle:
             time.sleep(min(idle, 5.0))
         Path(sock).unlink(missing_ok=True)
-        Path(sock).with_suffix(".pid").unlink(missing_ok=True)
+        pidfile.unlink(missing_ok=True)
         os._exit(0)
 
     threading.Thread(target=watchdog, daemon=True).start()
-    Path(sock).with_suffix(".pid").write_text(str(os.getpid()))  # for whoever must stop it
+    pidfile.write_text(str(os.getpid()))  # for whoever must stop it
     tmp = sock + ".tmp"
     Path(tmp).unlink(missing_ok=True)
     listener = Listener(tmp, family="AF_UNIX", authkey=Path(keyfile).read_bytes())
