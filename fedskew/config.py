@@ -12,6 +12,7 @@ the key, the value and what is allowed.
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -131,26 +132,55 @@ class ModelConfig(_Section):
                                                    "normalisation and the head (FedETF)")
     etf_learn_scale: bool = Field(False, description="etf: beta is a trainable parameter starting at etf_scale "
                                                      "(FedETF's learnable temperature)")
-    private_expert: bool = Field(False, description="FLDA's architecture: a private copy of the model and a "
-                                                    "gate mixing its logits with the model's (method flda)")
-    feature_shift: bool = Field(False, description="FedDBE's architecture: a trainable vector added to the features "
-                                                   "before the classifier (its PRBM), kept by each client (method "
-                                                   "feddbe)")
-    conditional_valve: bool = Field(False, description="GPFL's architecture: the conditional valve (CoV) between the "
-                                                       "features and the classifier and the global category "
-                                                       "embeddings (GCE) (method gpfl)")
-    conditional_policy: bool = Field(False, description="FedCP's architecture: the conditional policy network (CPN) "
-                                                        "splitting the features between the client's head and a "
-                                                        "global head (method fedcp)")
-    branches: int = Field(1, ge=1, le=64, description="FedConcat's architecture: K copies of the backbone, each with "
-                                                      "its own initialisation, their features concatenated (K d) "
-                                                      "before the classifier (method fedconcat: one per cluster)")
 
     def applies(self) -> set[str]:
         own = {"mlp": {"hidden", "dropout"}, "mlpnet": {"hidden"}, "cnnbn": {"width"}}.get(self.name, set())
         etf = {"etf_scale", "etf_normalize", "etf_projector", "etf_learn_scale"} if self.classifier == "etf" else set()
-        return {"name", "classifier_bias", "projection_dim", "classifier", "private_expert", "feature_shift",
-                "conditional_valve", "conditional_policy", "branches", *own, *etf}
+        return {"name", "classifier_bias", "projection_dim", "classifier", *own, *etf}
+
+
+# Model keys that switched on a method's own architecture before fedskew 0.2, and that method: the
+# method builds it now (``Method.build_model``). A config that still gives one is read with a
+# FutureWarning until 0.2; run ids keep the values these keys had (:func:`former_architecture_keys`).
+ARCHITECTURE_KEYS = {"private_expert": "flda", "feature_shift": "feddbe", "conditional_valve": "gpfl",
+                     "conditional_policy": "fedcp", "branches": "fedconcat"}
+
+
+def former_architecture_keys(method: dict) -> dict[str, Any]:
+    """The values :data:`ARCHITECTURE_KEYS` had in the resolved model section of a run of
+    ``method`` (a resolved ``method`` section): what a run's identity hashes, so that a run
+    recorded before they left keeps its id (and its checkpoints)."""
+    name = method.get("name", "fedavg")
+    out: dict[str, Any] = {key: owner == name for key, owner in ARCHITECTURE_KEYS.items()}
+    out["branches"] = 1
+    if name == "fedconcat":
+        from fedskew.algorithms import METHODS
+
+        out["branches"] = method.get("clusters", METHODS[name].Options.model_fields["clusters"].default)
+    return out
+
+
+def _architecture_keys(data: Any) -> Any:
+    """Read the :data:`ARCHITECTURE_KEYS` of a config written before 0.2 (one sentence where one
+    asks for what the method does not build)."""
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict) or not set(model) & set(ARCHITECTURE_KEYS):
+        return data
+    method = data.get("method", "fedavg")
+    method = {"name": method} if isinstance(method, str) else method if isinstance(method, dict) else {}
+    former = former_architecture_keys(method)
+    model = dict(model)
+    for key in [k for k in ARCHITECTURE_KEYS if k in model]:
+        value, owner = model.pop(key), ARCHITECTURE_KEYS[key]
+        if value != former[key]:
+            if method.get("name", "fedavg") != owner:
+                raise ValueError(f"model.{key} = {str(value).lower()} is the architecture of method {owner}, which "
+                                 f"only {owner} builds, trains and aggregates as it must; use method={owner}")
+            raise ValueError(f"model.{key} = {str(value).lower()} does not describe method {owner}, which builds "
+                             f"its own architecture ({key} = {str(former[key]).lower()}): drop the key")
+        warnings.warn(f"model.{key} is no longer a config key (method {owner} builds its own architecture): drop it; "
+                      f"fedskew reads it until 0.2.", FutureWarning, stacklevel=2)
+    return {**data, "model": model}
 
 
 class MethodConfig(BaseModel):
@@ -206,6 +236,7 @@ class RunConfig(_Strict):
 
     _coerce = field_validator("method", "dataset", "partition", "model", mode="before")(
         lambda cls, v: _name_or_mapping(v))
+    _former_keys = model_validator(mode="before")(lambda cls, data: _architecture_keys(data))
     _loggers = field_validator("logger", mode="before")(  # logger=tensorboard or logger=tensorboard,wandb
         lambda cls, v: [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v)
 
@@ -235,8 +266,7 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _method_options(self) -> "RunConfig":
-        from fedskew.algorithms import (method_model_defaults, method_run_defaults, model_option_owners,
-                                        validate_method_config)
+        from fedskew.algorithms import method_model_defaults, method_run_defaults, validate_method_config
 
         method = validate_method_config(self.method)
         # the model options the method's papers use, where the config leaves them unset: before the
@@ -259,13 +289,6 @@ class RunConfig(_Strict):
         if self.precision == "fp16" and method.sam is not None:
             raise ValueError(f"method {self.method.name}'s sharpness-aware steps (method.sam) run in fp32 or bf16, "
                              f"not precision = fp16 (no loss scaling across the two passes)")
-        for option, owner in model_option_owners().items():
-            value, default = getattr(self.model, option), ModelConfig.model_fields[option].default
-            if value != default and owner != self.method.name:
-                raise ValueError(f"model.{option} = {str(value).lower()} is the architecture of method {owner}, whose "
-                                 f"extra parts only {owner} trains and aggregates as they must be; method "
-                                 f"'{self.method.name}' would send and average them: use method={owner} or "
-                                 f"model.{option}={str(default).lower()}")
         # the local-training settings of the method's official code, where the config leaves them unset
         for key, value in method_run_defaults(self.method).items():
             if key not in RUN_DEFAULT_KEYS:
@@ -415,6 +438,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     data = loaded or {}
     if "fedskew_version" in data:  # a run directory's record: before 0.2 it listed every key
         _drop_recorded_defaults(data)
+        if isinstance(data.get("model"), dict):  # the method's own architecture, as its defaults set it
+            for key in ARCHITECTURE_KEYS:
+                data["model"].pop(key, None)
     for key in RECORD_KEYS:  # what a run directory's config.yaml records beside the config
         data.pop(key, None)
     return data

@@ -110,6 +110,63 @@ def test_private_expert_is_refused_for_other_methods_in_one_sentence(tmp_path):
     assert "model.private_expert = true is the architecture of method flda" in out.stderr
 
 
+# issue 46: a method's architecture is the method's (Method.build_model); the five model keys that
+# switched one on before 0.2, each with its method and the value its defaults gave it
+FORMER = {"private_expert": ("flda", "true", "gate.weight"), "feature_shift": ("feddbe", "true", "shift"),
+          "conditional_valve": ("gpfl", "true", "gce.weight"),
+          "conditional_policy": ("fedcp", "true", "policy.head_g.weight"),
+          "branches": ("fedconcat", "5", "backbone.branches.4.1.weight")}
+
+
+@pytest.mark.parametrize("key", sorted(FORMER))
+def test_a_former_architecture_key_is_read_with_a_warning_and_builds_the_same_model(key, tmp_path):
+    owner, on, param = FORMER[key]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = load_config(None, [f"method={owner}", f"model.{key}={on}", *TINY, "partition.num_clients=6"])
+    assert any(issubclass(w.category, FutureWarning) and f"model.{key} is no longer a config key" in str(w.message)
+               for w in caught)
+    new = load_config(None, [f"method={owner}", *TINY, "partition.num_clients=6"])
+    assert old == new and not hasattr(new.model, key)
+    a, b = Experiment(old, tmp_path / "a"), Experiment(new, tmp_path / "b")
+    assert param in dict(b.model.named_parameters())
+    assert all(torch.equal(a.model.state_dict()[k], v) for k, v in b.model.state_dict().items())
+    off = "1" if key == "branches" else "false"
+    with pytest.raises(ConfigError, match=f"model.{key} = {off} does not describe method {owner}"):
+        load_config(None, [f"method={owner}", f"model.{key}={off}"])
+    with pytest.raises(ConfigError, match=f"model.{key} = {on} is the architecture of method {owner}"):
+        load_config(None, ["method=fedavg", f"model.{key}={on}"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a run directory's record (every key, before 0.2): read without a word
+        record = tmp_path / "config.yaml"
+        record.write_text(f"fedskew_version: 0.1.0\nmethod: {{name: {owner}}}\nmodel: {{name: mlp, {key}: {on}, "
+                          f"private_expert: {'true' if key == 'private_expert' else 'false'}}}\n")
+        assert load_config(record) == load_config(None, [f"method={owner}"])
+
+
+def test_the_runs_of_method_owned_architectures_keep_their_ids():
+    """Run ids (a sweep's) and checkpoint identities hash the resolved config, which held the five
+    former keys: the ids below were computed before the keys left the schema, so finished sweep
+    runs are not trained again and interrupted runs take their checkpoints."""
+    from test_sweep import TINY as SWEEP
+
+    from fedskew.engine.rundir import run_identity as checkpoint_identity
+    from fedskew.experiments.spec import load_spec, plan
+
+    pinned = {"fedavg": ("adbac09082b3", "ac4321314bab0c3c"), "flda": ("d2a1c5b8c9d8", "f7e5b81d8e3d7dc3"),
+              "feddbe": ("654c62d993b2", "e7ce21d217bf86a8"), "gpfl": ("c150044c991a", "ae8e2ca507e2caff"),
+              "fedcp": ("9bd0f619fc04", "aae3930f7283f276"), "fedconcat": ("3f4b5fe68c0c", "2db84ef383b777d5")}
+    for method, (sweep_id, checkpoint_id) in pinned.items():
+        spec = load_spec({**SWEEP, "methods": [method], "partitions": {"P6C3": SWEEP["partitions"]["P6C3"]},
+                          "seeds": [0]})
+        assert [r["run_id"] for r in plan(spec)] == [sweep_id], method
+        assert checkpoint_identity(load_config(None, [f"method={method}"])) == checkpoint_id, method
+    spec = load_spec({**SWEEP, "methods": [{"name": "fedconcat", "options": {"clusters": 2}}],
+                      "partitions": {"P6C3": SWEEP["partitions"]["P6C3"]}, "seeds": [0]})
+    assert [r["run_id"] for r in plan(spec)] == ["2f9b6a2ef541"]
+    assert checkpoint_identity(load_config(None, ["method=fedconcat", "method.clusters=2"])) == "22c7705014e1a05e"
+
+
 def rows(x):
     return {tuple(r.flatten().tolist()) for r in x}
 

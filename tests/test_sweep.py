@@ -70,16 +70,17 @@ def test_grid_points_and_spec_errors():
 def test_run_ids_survive_new_config_keys():
     """A run's id hashes its resolved config, so a key added to the schema would give every finished
     run of every sweep a new id and rerun it (adding FedCP's model.conditional_policy did so to a
-    1,524-run bench). Keys added later drop out of the identity at their as-before value. The id
-    below is the one this run had before model.conditional_policy existed: a new key missing from
+    1,524-run bench). Keys added later drop out of the identity at their as-before value (keys that
+    left the schema are put back at the value they had: tests/test_structure.py). The id below is the
+    one this run had before model.conditional_policy existed: a new key missing from
     spec.ADDED_KEYS changes it, and so does a changed default (then the new id is right: pin it)."""
     spec = load_spec({**TINY, "methods": ["fedavg"], "partitions": {"P6C3": TINY["partitions"]["P6C3"]},
                       "seeds": [0]})
     assert [r["run_id"] for r in plan(spec)] == ["adbac09082b3"]
     cfg = plan(spec)[0]["config"]
-    assert cfg["model"]["conditional_policy"] is False and "conditional_policy" not in run_identity(cfg)["model"]
-    on = {**cfg, "model": {**cfg["model"], "conditional_policy": True}}
-    assert run_identity(on)["model"]["conditional_policy"] is True  # away from its as-before value: part of the id
+    assert cfg["model"]["dropout"] == 0.0 and "dropout" not in run_identity(cfg)["model"]
+    on = {**cfg, "model": {**cfg["model"], "dropout": 0.5}}
+    assert run_identity(on)["model"]["dropout"] == 0.5  # away from its as-before value: part of the id
 
 
 # -- running, resuming, selecting ------------------------------------------------------------------

@@ -137,15 +137,21 @@ def method_validation_fraction(cfg) -> float:
     return float(cls.validation_fraction(options))
 
 
-def model_option_owners() -> dict[str, str]:
-    """Boolean model options a registered method owns (``owns_model_options``) -> that method."""
-    return {option: name for name, cls in METHODS.items() for option in cls.owns_model_options}
+def build_method_model(cfg, classifier: str, model, rebuild):
+    """The model of a run of the method named by ``cfg``: the configured ``model`` (whose
+    ``model.classifier`` is ``classifier``) with the method's own architecture
+    (``Method.build_model``; ``rebuild()`` draws another configured model). A method that needs
+    the other classifier is refused first, in one sentence."""
+    cls, options, _ = _parse(cfg)
+    need = build_method(cfg).requires_classifier  # (a composed method's is its base's)
+    if need not in (None, classifier):
+        raise ValueError(f"method '{cfg.name}' needs model.classifier = '{need}', not '{classifier}'")
+    return cls.build_model(model, options, rebuild)
 
 
 def method_model_defaults(cfg) -> dict:
-    """The model options the method named by ``cfg`` uses by default (``Method.model_defaults_of``)."""
-    cls, options, _ = _parse(cfg)
-    return cls.model_defaults_of(options)
+    """The model options the method named by ``cfg`` uses by default (``Method.model_defaults``)."""
+    return dict(_parse(cfg)[0].model_defaults)
 
 
 def method_run_defaults(cfg) -> dict:
@@ -162,7 +168,7 @@ def build_method(cfg, info: FederationInfo | None = None) -> Method:
 
 
 __all__ = ["ClientReport", "FederationInfo", "Forward", "METHODS", "Method", "State", "build_method",
-           "did_you_mean", "external_methods", "import_methods", "method_model_defaults", "method_run_defaults", "method_validation_fraction", "register_method", "registered",
+           "build_method_model", "did_you_mean", "external_methods", "import_methods", "method_model_defaults", "method_run_defaults", "method_validation_fraction", "register_method", "registered",
            "validate_method_config"]
 
 

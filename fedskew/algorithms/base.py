@@ -48,6 +48,7 @@ from typing import Callable, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 State = dict[str, torch.Tensor]
@@ -372,10 +373,6 @@ class Method:
     # local-training settings (RUN_DEFAULT_KEYS) the method's official code uses, applied where a
     # config leaves them unset (pFedHN: the authors' inner lr 5e-3, weight decay 5e-5, clip 50)
     run_defaults: dict = {}
-    # boolean model options only this method may turn on (FLDA's ``private_expert``: an architecture
-    # whose private parts only that method keeps on the clients); config validation refuses them
-    # with any other method
-    owns_model_options: frozenset[str] = frozenset()
     personal_first = False  # True: the personalisation stage runs before the uploaded model's training
     # The losses below are batch means of per-sample terms, written with ``fwd.mean`` and
     # ``fwd.cross_entropy`` (plus terms of the parameters alone): see ``padding_exact``.
@@ -413,9 +410,12 @@ class Method:
         return as_model_part(global_state)
 
     @classmethod
-    def model_defaults_of(cls, options: BaseModel) -> dict:
-        """``model_defaults`` for these options (FedConcat: one backbone branch per cluster)."""
-        return dict(cls.model_defaults)
+    def build_model(cls, model: nn.Module, options: BaseModel, rebuild: Callable[[], nn.Module]) -> nn.Module:
+        """The method's own architecture around the configured model (the ``model`` section's,
+        built by :func:`fedskew.models.build_model`): FLDA's private expert, FedDBE's shift, GPFL's
+        valve, FedCP's policy, FedConcat's branches. ``rebuild()`` draws another model of the same
+        configuration (the next draws of the run's model-init stream). Identity by default."""
+        return model
 
     @classmethod
     def validation_fraction(cls, options: BaseModel) -> float:

@@ -8,7 +8,7 @@ members; in a second phase the K encoders are frozen and concatenated, z = [z_1,
 one linear classifier over z (K d -> C) is trained by all clients, a few mini-batches per round,
 averaged with equal weights.
 
-In fedskew the model is the concatenation from the start (``model.branches = K``,
+In fedskew the model is the concatenation from the start (``FedConcat.build_model``: K branches,
 :class:`~fedskew.models.nets.Branches`): cluster c's model is branch c with block c of the
 classifier (columns c d .. (c + 1) d) and its own bias b_c (kept by the server), so the two phases
 are two uses of one architecture and need no special case in the round loop: the phase is the
@@ -30,6 +30,7 @@ from pydantic import Field
 
 from fedskew.algorithms.base import (builtin, Method, Source, StrictOptions, as_model_part, model_part, strip_prefix,
                                      weighted_mean)
+from fedskew.models.nets import Branches, SkewNet
 from fedskew.streams import stream_key
 
 BRANCH = "backbone.branches."
@@ -54,8 +55,8 @@ def label_clusters(class_counts: torch.Tensor, k: int, seed: int) -> np.ndarray:
 class FedConcatOptions(StrictOptions):
     search = {"classifier_init": ["fresh", "clusters"]}  # the bench's search space (fedskew bench)
     clusters: int = Field(5, ge=2, le=64, description=
-        "K, clusters of clients by label distribution (k-means), one encoder each; sets model.branches (the "
-        "authors' default n_clusters 5)")
+        "K, clusters of clients by label distribution (k-means), one encoder each, the branches of the "
+        "model (the authors' default n_clusters 5)")
     encoder_rounds: int | None = Field(None, ge=1, description=
         "rounds of the first phase (per-cluster FedAvg of encoder + classifier); the rest train the concatenated "
         "classifier. None: half the run's rounds (the authors run 50 encoder rounds, then 1000 classifier rounds)")
@@ -97,13 +98,16 @@ class FedConcat(Method):
         implements="Algorithm 1",
         code="sjtudyq/FedConcat")
     requires_classifier = "linear"
-    owns_model_options = frozenset({"branches"})
     fedavg_weighted = False  # per-cluster means, then an unweighted mean (Method.fedavg_weighted)
     per_sample_loss = True  # Method.padding_exact
 
     @classmethod
-    def model_defaults_of(cls, options):
-        return {"branches": options.clusters}
+    def build_model(cls, model, options, rebuild):
+        """K = ``clusters`` backbones of the same configuration (the first the configured model's,
+        the others drawn next), their features concatenated (K d) before a new classifier."""
+        backbones = [model.backbone] + [rebuild().backbone for _ in range(options.clusters - 1)]
+        return SkewNet(Branches(backbones), options.clusters * model.feature_dim, model.classifier.out_features,
+                       model.classifier.bias is not None)
 
     def __init__(self, options=None, info=None):
         super().__init__(options, info)
@@ -112,10 +116,6 @@ class FedConcat(Method):
         self.assign = None
         if info is None or not info.param_names:
             return
-        branches = {int(n[len(BRANCH):].split(".")[0]) for n in info.param_names if n.startswith(BRANCH)}
-        if len(branches) != k:
-            raise ValueError(f"method fedconcat with clusters = {k} needs model.branches = {k} (its defaults set it; "
-                             f"the config set {len(branches) or 1})")
         if info.num_clients < k:
             raise ValueError(f"method.clusters = {k} exceeds partition.num_clients = {info.num_clients}")
         if self.switch is None:

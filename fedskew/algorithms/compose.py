@@ -123,8 +123,8 @@ FOLD = {
                      "has_global_model", "requires_classifier", "fedavg_weighted", "per_sample_loss",
                      "vectorizable"), "base"),
     # read from the registered class by the config layer, never from an instance
-    **dict.fromkeys(("Options", "name", "source", "model_defaults", "model_defaults_of", "model_requires",
-                     "owns_model_options", "run_defaults", "validation_fraction"), "class"),
+    **dict.fromkeys(("Options", "name", "source", "model_defaults", "model_requires",
+                     "build_model", "run_defaults", "validation_fraction"), "class"),
 }
 _unruled = sorted(n for n in vars(Method) if not n.startswith("_") and n not in FOLD)
 if _unruled:

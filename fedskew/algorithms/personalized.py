@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from pydantic import Field
+from torch import nn
 
 from fedskew.algorithms.base import (builtin, HEAD, MODEL, ClientReport, FedAvgOptions, Method, Source, add_prefix,
                                      as_model_part, body_names, fraction_steps, head_names, model_part,
@@ -35,7 +36,7 @@ from fedskew.algorithms.base import (builtin, HEAD, MODEL, ClientReport, FedAvgO
 from fedskew.algorithms.components import BIAS_FREE, RestrictedSoftmax, RSOptions
 from fedskew.algorithms.compose import Composed, PartialSharing, options_of
 from fedskew.algorithms.tensors import aggregate_prototypes, balanced_softmax_loss, class_feature_means
-from fedskew.models.nets import valve_apply
+from fedskew.models.nets import ConditionalPolicy, ConditionalValve, valve_apply
 from fedskew.streams import torch_seed
 
 # ---------------------------------------------------------------------------------------------
@@ -466,7 +467,7 @@ class GPFL(PartialSharing):
     Information"; TsingZ0/GPFL ``clientgp.py``, ``servergp.py``, ``run_me.sh``; PFLlib's
     ``clientgpfl.py`` is the same arithmetic). The model gets a conditional valve (CoV) between the
     features z and the classifier and global category embeddings (GCE) e_1..e_C
-    (``model.conditional_valve``, set by default). Client k's loss:
+    (``GPFL.build_model``). Client k's loss:
     CE(head_k(CoV(z, p_k)), y) + CE(cos(CoV(z, g_k), e), y) + lam ||CoV(z, g_k) - e'_y|| + (mu/2)
     ||theta_CoV, GCE||^2, with e the embeddings being trained, e' the received ones (frozen), cos
     the cosine similarity without temperature, the norm the Frobenius norm over the batch (the
@@ -498,10 +499,14 @@ class GPFL(PartialSharing):
     requires_classifier = "linear"
     has_global_model = False
     keep = "gpfl.own."
-    model_defaults = {"conditional_valve": True}
-    owns_model_options = frozenset({"conditional_valve"})
-    model_requires = {"gce.weight": (True, "model.conditional_valve = true (its defaults set it; a config set it to "
-                                           "false)")}
+
+    @classmethod
+    def build_model(cls, model, options, rebuild):
+        """The conditional valve (CoV) between the features and the classifier, then the global
+        category embeddings (GCE), one row per class."""
+        model.valve = ConditionalValve(model.feature_dim)
+        model.gce = nn.Embedding(model.classifier.out_features, model.feature_dim)
+        return model
 
     def shared(self, key):
         return not key.startswith(HEAD) and key != "valve.context"
@@ -571,8 +576,8 @@ class FedCP(PartialSharing):
     """FedCP (Zhang et al., KDD 2023, "FedCP: Separating Feature Information for Personalized
     Federated Learning via Conditional Policy"; TsingZ0/FedCP ``clientcp.py``, ``servercp.py``,
     ``run_me.sh``; PFLlib's ``clientcp.py`` is the same arithmetic). The model gets a conditional
-    policy network (CPN) and a global head beside the client's head (``model.conditional_policy``,
-    set by default; :class:`~fedskew.models.nets.ConditionalPolicy`): per sample, a Gumbel-softmax
+    policy network (CPN) and a global head beside the client's head (``FedCP.build_model``,
+    :class:`~fedskew.models.nets.ConditionalPolicy`): per sample, a Gumbel-softmax
     policy splits the features z into z * s_p for the client's head and z * s_g for the global
     head, conditioned on the client's context c = the row sum of its head's weights. Client k's
     loss: CE(head_p(z s_p) + head_g(z s_g), y) + lam MMD(z, z_G), z_G the received body's features
@@ -606,10 +611,15 @@ class FedCP(PartialSharing):
     has_global_model = False
     vectorizable = False  # Gumbel noise (random masks under vmap cannot match the sequential executor's)
     keep = "fedcp.own."
-    model_defaults = {"conditional_policy": True}
-    owns_model_options = frozenset({"conditional_policy"})
-    model_requires = {"policy.head_g.weight": (True, "model.conditional_policy = true (its defaults set it; a config "
-                                                     "set it to false)")}
+
+    @classmethod
+    def build_model(cls, model, options, rebuild):
+        """The conditional policy network (CPN) and a global head equal to the head at first (the
+        official ``head_g = deepcopy(head)``)."""
+        head = model.classifier
+        model.policy = ConditionalPolicy(model.feature_dim, head.out_features, head.bias is not None)
+        model.policy.head_g.load_state_dict(head.state_dict())
+        return model
 
     def shared(self, key):
         return not key.startswith(HEAD) and key != "policy.context"

@@ -32,11 +32,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
+from torch import nn
 
 from fedskew.algorithms.base import (builtin, HEAD, ClientData, FedAvgOptions, Method, Source, State, add_prefix, as_model_part,
                                      body_names, model_part, reference_tensor, strip_prefix, weighted_mean)
 from fedskew.algorithms.compose import PartialSharing
 from fedskew.algorithms.tensors import class_feature_means
+from fedskew.models.nets import PrivateExpertNet
 from fedskew.streams import numpy_rng
 
 
@@ -640,7 +642,7 @@ class FedDBE(PartialSharing):
     for Federated Learning in Representation Space"; TsingZ0/DBE ``clientDBE.py``,
     ``serverDBE.py``, ``run_me.sh``, the same code as PFLlib's ``clientdbe.py``). Each client keeps
     a personalised representation bias (PRBM) mu_k, a trainable vector added to the features before
-    the classifier (``model.feature_shift``, set by default: logits = W (z + mu_k) + b), and trains
+    the classifier (``FedDBE.build_model``: logits = W (z + mu_k) + b), and trains
     it with the model on CE(W (z + mu_k) + b, y) + kappa * 0.5 mean_j (zbar_j - zbar^g_j)^2 (the run's
     SGD; the authors' client steps mu_k with its own plain SGD at the same lr, no momentum), the
     mean regularisation (MR) pulling the batch's mean feature zbar (before mu_k) to the global
@@ -670,9 +672,13 @@ class FedDBE(PartialSharing):
         implements="the personalised representation bias memory and the mean regulariser (the paper's Section 4)",
         code="TsingZ0/DBE")
     keep = "dbe."
-    model_defaults = {"feature_shift": True}
-    owns_model_options = frozenset({"feature_shift"})
-    model_requires = {"shift": (True, "model.feature_shift = true (its defaults set it; a config set it to false)")}
+
+    @classmethod
+    def build_model(cls, model, options, rebuild):
+        """The PRBM: a trainable vector added to the features before the classifier, zeros as the
+        official client_mean starts (logits = W (z + mu_k) + b)."""
+        model.shift = nn.Parameter(torch.zeros(model.feature_dim))
+        return model
 
     def shared(self, key):
         return key != "shift"
@@ -724,7 +730,7 @@ class FLDA(PartialSharing):
     form of the MAP authors' code (the implementation behind MAP Table II): each client mixes the
     global model's logits with those of a private model of the same architecture through a gate on
     the global model's features, logits = alpha(z) g(x) + (1 - alpha(z)) p_k(x) with
-    alpha(z) = sigmoid(w_k^T z + b_k) (``model.private_expert``, :class:`PrivateExpertNet`), and
+    alpha(z) = sigmoid(w_k^T z + b_k) (``FLDA.build_model``, :class:`PrivateExpertNet`), and
     trains the three jointly on the mixture's cross-entropy (``loss=code``: counted twice, see the
     option; ``loss=both`` adds the global model's own cross-entropy, so that g also learns as a
     classifier by itself rather than only through alpha). Only the global model is sent and
@@ -744,12 +750,13 @@ class FLDA(PartialSharing):
         implements="the gated mixture of the global and a private model",
         code="lxcnju/FedRepo (the MAP authors' FLDA, the implementation behind MAP Table II)")
     keep = "flda."
-    model_defaults = {"private_expert": True}
-    # the private model and the gate stay on the clients; any other method would send and average them
-    owns_model_options = frozenset({"private_expert"})
     per_sample_loss = True  # Method.padding_exact
-    model_requires = {"gate.weight": (True, "model.private_expert = true (its defaults set it; a config set it to "
-                                            "false)")}
+
+    @classmethod
+    def build_model(cls, model, options, rebuild):
+        """A private model of the same configuration (drawn next) and the gate mixing the two
+        models' logits (:class:`~fedskew.models.nets.PrivateExpertNet`); both stay on the clients."""
+        return PrivateExpertNet(model, rebuild())
 
     def shared(self, key):
         return not key.startswith(("private.", "gate"))

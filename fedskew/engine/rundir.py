@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from fedskew import __version__
-from fedskew.config import ConfigError, RunConfig
+from fedskew.config import ConfigError, RunConfig, former_architecture_keys
 from fedskew.engine.durable import atomic_save, atomic_write, atomic_write_text, read_records, save_png
 
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
@@ -138,6 +138,7 @@ def run_identity(cfg: RunConfig) -> str:
     carries: a checkpoint of another run (another method, data or model) is never taken."""
     what = {k: v for k, v in cfg.model_dump(mode="json").items()
             if k not in RESUMABLE and k not in ("out_dir", "run_name", "logger_group")}
+    what["model"] = {**former_architecture_keys(what["method"]), **what["model"]}  # keys that left the schema
     if isinstance(what.get("dataset"), dict):  # where the data set's files lie is not what the run is
         what["dataset"] = {k: v for k, v in what["dataset"].items() if k not in ("root", "download")}
     return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from fedskew.algorithms import FederationInfo, build_method, method_validation_fraction
+from fedskew.algorithms import FederationInfo, build_method, build_method_model, method_validation_fraction
 from fedskew.algorithms.base import model_part
 from fedskew.config import ConfigError, RunConfig
 from fedskew.data.federated import load_federation, public_pool, public_samples
@@ -70,7 +70,14 @@ class Experiment:
             raise ConfigError(f"dataset.augment = true needs images; dataset '{cfg.dataset.name}' has inputs of "
                               f"shape {tuple(self.fed.data.x_train.shape[1:])}.")
         with seeded_torch(cfg.seed, "model_init"):
-            self.model = build_model(cfg.model, self.fed.data.input_shape, self.fed.num_classes, cfg.seed)
+            def configured():
+                return build_model(cfg.model, self.fed.data.input_shape, self.fed.num_classes, cfg.seed)
+
+            base = configured()
+            try:
+                self.model = build_method_model(cfg.method, cfg.model.classifier, base, configured)
+            except ValueError as exc:  # a method that needs the other classifier
+                raise ConfigError(str(exc).rstrip(".") + ".") from None
         self.model.to(self.device)
         self.info = FederationInfo(
             num_clients=self.fed.num_clients, num_classes=self.fed.num_classes,
@@ -86,10 +93,6 @@ class Experiment:
             self.method = build_method(cfg.method, self.info)
         except ValueError as exc:  # a method's own check of the federation or model (one sentence)
             raise ConfigError(str(exc).rstrip(".") + ".") from None
-        need = self.method.requires_classifier
-        if need is not None and need != cfg.model.classifier:
-            raise ConfigError(f"method '{cfg.method.name}' needs model.classifier = '{need}', not "
-                              f"'{cfg.model.classifier}'.")
         self.pack = pack  # runs as lanes (fedskew.engine.lanes): its stop flag is read once per step of the pack
         self.executor = make_executor(cfg, self.model, self.fed, self.method, self.device, pack)
         if self.group is not None:

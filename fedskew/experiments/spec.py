@@ -15,7 +15,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from fedskew.algorithms.base import StrictOptions
-from fedskew.config import ConfigError, did_you_mean, load_yaml, nested, set_key, validate_config
+from fedskew.config import (ConfigError, did_you_mean, former_architecture_keys, load_yaml, nested, set_key,
+                            validate_config)
 
 _Strict = StrictOptions  # unknown keys are errors (one strict base for every schema)
 
@@ -179,6 +180,8 @@ def run_identity(cfg: dict) -> dict:
     """The part of a resolved run config that names the run: all of it but :data:`NOT_IDENTITY`,
     and the :data:`ADDED_KEYS` that are at their as-before value."""
     out = {k: v for k, v in cfg.items() if k not in NOT_IDENTITY}
+    if isinstance(out.get("model"), dict) and isinstance(out.get("method"), dict):  # keys that left the schema
+        out["model"] = {**former_architecture_keys(out["method"]), **out["model"]}
     for dotted, before in ADDED_KEYS.items():
         head, leaf = dotted.split(".")
         if isinstance(out.get(head), dict) and out[head].get(leaf, before) == before:

@@ -84,9 +84,9 @@ class SkewNet(nn.Module):
         self.feature_dim = feature_dim
         self.classifier: nn.Module = nn.Linear(feature_dim, num_classes, bias=bias)
         self.fixed_keys: frozenset[str] = frozenset()
-        self.register_parameter("shift", None)  # FedDBE's PRBM (model.feature_shift): classifier(z + shift)
-        self.valve: nn.Module | None = None  # GPFL's CoV (model.conditional_valve): classifier(valve(z))
-        self.policy: nn.Module | None = None  # FedCP's CPN and global head (model.conditional_policy)
+        self.register_parameter("shift", None)  # FedDBE's PRBM (FedDBE.build_model): classifier(z + shift)
+        self.valve: nn.Module | None = None  # GPFL's CoV (GPFL.build_model): classifier(valve(z))
+        self.policy: nn.Module | None = None  # FedCP's CPN and global head (FedCP.build_model)
 
     def forward(self, x: torch.Tensor, return_features: bool = False):
         z = self.backbone(x)
