@@ -22,6 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fedskew import __version__
 from fedskew.algorithms import did_you_mean  # noqa: F401  (also used by experiments)
 from fedskew.algorithms.base import StrictOptions
+from fedskew.data.partitions import partition_keys
+from fedskew.data.sources import dataset_keys
+from fedskew.models.build import model_keys
 
 
 class ConfigError(ValueError):
@@ -87,10 +90,8 @@ class DatasetConfig(_Section):
         return self
 
     def applies(self) -> set[str]:
-        own = {"digits": {"test_fraction"},
-               "synthetic": {"num_classes", "dim", "train_per_class", "test_per_class", "separation"},
-               "femnist": {"root"}, "shakespeare": {"root"}}.get(self.name, {"root", "download", "normalize"})
-        return {"name", "train_subsample", "test_subsample", "validation_fraction", "augment", *own}
+        """The keys data set ``name``'s loader reads (its signature: :func:`dataset_keys`)."""
+        return {"name", "train_subsample", "test_subsample", "validation_fraction", "augment", *dataset_keys(self.name)}
 
 
 class PartitionConfig(_Section):
@@ -107,11 +108,8 @@ class PartitionConfig(_Section):
     local_test_fraction: float = Field(0.2, ge=0, lt=1, description="per-client local test hold-out")
 
     def applies(self) -> set[str]:
-        own = {"pcdd": {"classes_per_client"}, "label_k": {"classes_per_client"},
-               "dirichlet": {"alpha", "min_size"}, "random_classes": {"size_sigma", "min_classes"},
-               "label_count": {"classes_per_client", "samples_per_class"},
-               "shards": {"shards_per_client"}}.get(self.name, set())
-        return {"name", "num_clients", "local_test_fraction", *own}
+        """The keys partition ``name``'s builder reads (its signature: :func:`partition_keys`)."""
+        return {"name", "num_clients", "local_test_fraction", *partition_keys(self.name)}
 
 
 class ModelConfig(_Section):
@@ -134,7 +132,7 @@ class ModelConfig(_Section):
                                                      "(FedETF's learnable temperature)")
 
     def applies(self) -> set[str]:
-        own = {"mlp": {"hidden", "dropout"}, "mlpnet": {"hidden"}, "cnnbn": {"width"}}.get(self.name, set())
+        own = model_keys(self.name)  # what its builder reads (its signature)
         etf = {"etf_scale", "etf_normalize", "etf_projector", "etf_learn_scale"} if self.classifier == "etf" else set()
         return {"name", "classifier_bias", "projection_dim", "classifier", *own, *etf}
 

@@ -483,3 +483,38 @@ def test_fedskew_methods_is_a_function_beside_a_plain_package():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['apfl', 'ccvr', 'ditto'] FedMR"
+
+
+def test_the_data_partition_and_model_sections_accept_what_their_builders_read():
+    """Issue 46, item 3: a section's keys for a name are its builder's parameters (one source of
+    truth): every such parameter is a key of the section, every name of the section's schema has a
+    builder, and a keyword-only parameter (an internal knob) is not a key."""
+    import typing
+
+    from fedskew.config import ModelConfig, PartitionConfig
+    from fedskew.data.partitions import PARTITIONS, partition_keys
+    from fedskew.models.build import MODEL_NAMES, model_keys
+
+    assert typing.get_args(PartitionConfig.model_fields["name"].annotation) == PARTITIONS
+    assert set(typing.get_args(ModelConfig.model_fields["name"].annotation)) == set(MODEL_NAMES)
+    for name in PARTITIONS:
+        keys = partition_keys(name)
+        assert keys <= set(PartitionConfig.model_fields), (name, keys)
+        assert PartitionConfig(name=name).applies() == {"name", "num_clients", "local_test_fraction", *keys}
+    assert partition_keys("dirichlet") == {"alpha", "min_size"}  # not max_tries (keyword-only)
+    for name in MODEL_NAMES:
+        assert model_keys(name) <= set(ModelConfig.model_fields), name
+    assert {n: model_keys(n) for n in MODEL_NAMES if model_keys(n)} == {
+        "mlp": {"hidden", "dropout"}, "mlpnet": {"hidden"}, "cnnbn": {"width"}}
+    with pytest.raises(ConfigError, match="partition.alpha does not apply to partition 'shards'"):
+        load_config(None, ["partition=shards", "partition.alpha=0.3"])
+    from fedskew.config import DatasetConfig
+    from fedskew.data.sources import DATASETS, dataset_keys
+
+    assert typing.get_args(DatasetConfig.model_fields["name"].annotation) == DATASETS
+    for name in DATASETS:
+        assert dataset_keys(name) <= set(DatasetConfig.model_fields), name
+    assert dataset_keys("fmnist") == {"root", "download", "normalize"} and dataset_keys("femnist") == {"root"}
+    assert dataset_keys("synthetic") == {"num_classes", "dim", "train_per_class", "test_per_class", "separation"}
+    with pytest.raises(ConfigError, match="partition.max_tries"):
+        load_config(None, ["partition=dirichlet", "partition.max_tries=5"])

@@ -207,7 +207,7 @@ def _download(name: str, folder: Path, timeout: float) -> bool:
     return False
 
 
-def load_idx_dataset(name: str, root: str | None = None, download: bool = True,
+def load_idx_dataset(name: str, root: str | None = None, download: bool = True, *,
                      timeout: float = 20.0) -> Dataset:
     """MNIST (``mnist``) or Fashion-MNIST (``fmnist``) from IDX files.
 

@@ -8,6 +8,8 @@ allowed.
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 
 
@@ -99,7 +101,10 @@ def pcdd_classes(num_clients: int, classes_per_client: int, num_classes: int,
 def pcdd(labels: np.ndarray, num_clients: int, classes_per_client: int, num_classes: int,
          rng: np.random.Generator) -> list[np.ndarray]:
     """FedMR's "PxCy": x clients with y classes each; each class split once, equally, among its
-    holders (the reference code's double split that duplicates samples is not reproduced)."""
+    holders (the reference code's double split that duplicates samples is not reproduced). Every
+    class on every client (y = the class count) is IID."""
+    if classes_per_client == num_classes:
+        return iid(labels, num_clients, rng)
     _check_clients(num_clients, len(labels))
     classes = pcdd_classes(num_clients, classes_per_client, num_classes, rng)
     return _split_classes_among_holders(labels, _holders_from_classes(classes, num_classes, "pcdd"),
@@ -124,7 +129,7 @@ def label_k(labels: np.ndarray, num_clients: int, classes_per_client: int, num_c
 
 
 def dirichlet(labels: np.ndarray, num_clients: int, alpha: float, num_classes: int,
-              rng: np.random.Generator, min_size: int = 10, max_tries: int = 1000) -> list[np.ndarray]:
+              rng: np.random.Generator, min_size: int = 10, *, max_tries: int = 1000) -> list[np.ndarray]:
     """NIID-Bench's Dir(alpha): per class, proportions ~ Dir(alpha) over clients; a client that
     already holds >= N/K samples gets no more; the whole draw repeats until every client holds at
     least ``min_size`` samples (at most ``max_tries`` times)."""
@@ -235,30 +240,31 @@ def natural(groups: np.ndarray | None, num_clients: int, rng: np.random.Generato
     return [np.flatnonzero(groups == u) for u in picked]
 
 
-PARTITIONS = ("iid", "pcdd", "label_k", "dirichlet", "random_classes", "label_count", "shards", "natural")
+# Each partition's builder. Its positional parameters other than FROM_DATA are keys of the
+# ``partition`` section of the same name (keyword-only ones are not configurable): what
+# PartitionConfig.applies() accepts is read from these signatures.
+PARTITIONERS = {"iid": iid, "pcdd": pcdd, "label_k": label_k, "dirichlet": dirichlet,
+                "random_classes": random_classes, "label_count": label_count, "shards": shards, "natural": natural}
+PARTITIONS = tuple(PARTITIONERS)
+FROM_DATA = frozenset({"labels", "num_clients", "num_classes", "rng", "groups"})  # (num_clients: a common key)
+
+
+def partition_keys(name: str) -> set[str]:
+    """The ``partition`` section's keys that partition ``name`` reads (besides name and num_clients)."""
+    return set(_config_params(PARTITIONERS[name])) - FROM_DATA
+
+
+def _config_params(build) -> list[str]:
+    return [n for n, p in inspect.signature(build).parameters.items() if p.kind is not p.KEYWORD_ONLY]
 
 
 def partition_labels(cfg, labels: np.ndarray, num_classes: int, rng: np.random.Generator,
                      groups: np.ndarray | None = None) -> list[np.ndarray]:
     """Dispatch on a :class:`fedskew.config.PartitionConfig` (``groups``: each sample's natural
-    user, for ``natural``)."""
-    k = cfg.num_clients
-    if cfg.name == "iid":
-        return iid(labels, k, rng)
-    if cfg.name == "pcdd":
-        if cfg.classes_per_client == num_classes:
-            return iid(labels, k, rng)
-        return pcdd(labels, k, cfg.classes_per_client, num_classes, rng)
-    if cfg.name == "label_k":
-        return label_k(labels, k, cfg.classes_per_client, num_classes, rng)
-    if cfg.name == "dirichlet":
-        return dirichlet(labels, k, cfg.alpha, num_classes, rng, cfg.min_size)
-    if cfg.name == "random_classes":
-        return random_classes(labels, k, num_classes, rng, cfg.size_sigma, cfg.min_classes)
-    if cfg.name == "label_count":
-        return label_count(labels, k, cfg.classes_per_client, cfg.samples_per_class, num_classes, rng)
-    if cfg.name == "shards":
-        return shards(labels, k, cfg.shards_per_client, rng)
-    if cfg.name == "natural":
-        return natural(groups, k, rng)
-    raise PartitionError(f"partition.name '{cfg.name}' is not known; allowed: {list(PARTITIONS)}.")
+    user, for ``natural``): the builder of ``cfg.name`` with its keys from ``cfg``."""
+    build = PARTITIONERS.get(cfg.name)
+    if build is None:
+        raise PartitionError(f"partition.name '{cfg.name}' is not known; allowed: {list(PARTITIONS)}.")
+    data = {"labels": labels, "num_clients": cfg.num_clients, "num_classes": num_classes, "rng": rng,
+            "groups": groups}
+    return build(**{p: data[p] if p in FROM_DATA else getattr(cfg, p) for p in _config_params(build)})

@@ -8,6 +8,7 @@ loaders live in :mod:`~fedskew.data.datasets` (digits, synthetic, MNIST-format I
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -17,8 +18,25 @@ from fedskew.data.datasets import (_IDX_NORMALISATION, Dataset, DatasetError, ho
 from fedskew.data.leaf import load_leaf
 from fedskew.data.vision import _STATS, load_cifar, load_cinic10, load_svhn, load_tinyimagenet
 
-DATASETS = ("digits", "synthetic", "mnist", "fmnist", "cifar10", "cifar100", "svhn", "femnist", "shakespeare",
-            "cinic10", "tinyimagenet")
+# Each data set's loader. Its positional parameters other than FROM_RUN are keys of the ``dataset``
+# section of the same name (keyword-only ones are not configurable), and ``normalize`` applies where
+# the loader normalises (NORMALISED): what DatasetConfig.applies() accepts is read from here.
+LOADERS = {"digits": load_digits, "synthetic": make_synthetic, "mnist": load_idx_dataset, "fmnist": load_idx_dataset,
+           "cifar10": load_cifar, "cifar100": load_cifar, "svhn": load_svhn, "femnist": load_leaf,
+           "shakespeare": load_leaf, "cinic10": load_cinic10, "tinyimagenet": load_tinyimagenet}
+DATASETS = tuple(LOADERS)
+FROM_RUN = frozenset({"name", "seed"})
+NORMALISED = {**_IDX_NORMALISATION, **_STATS}  # per-channel (mean, std) a loader normalises with
+
+
+def _config_params(load) -> list[str]:
+    return [n for n, p in inspect.signature(load).parameters.items() if p.kind is not p.KEYWORD_ONLY]
+
+
+def dataset_keys(name: str) -> set[str]:
+    """The ``dataset`` section's keys that data set ``name``'s loader reads (its signature), and
+    ``normalize`` where the loader normalises."""
+    return set(_config_params(LOADERS[name])) - FROM_RUN | ({"normalize"} if name in NORMALISED else set())
 
 
 def load_dataset(cfg, seed: int) -> Dataset:
@@ -26,10 +44,11 @@ def load_dataset(cfg, seed: int) -> Dataset:
     files is decoded once per process and shared by every run that reads it (the last
     ``DECODED_KEPT`` kept: a sweep worker or a pack serves many runs of one data set); what a run
     derives from it (subsamples, hold-outs) is its own."""
-    if cfg.name == "digits":
-        data = load_digits(seed, cfg.test_fraction)
-    elif cfg.name == "synthetic":
-        data = make_synthetic(seed, cfg.num_classes, cfg.dim, cfg.train_per_class, cfg.test_per_class, cfg.separation)
+    if cfg.name not in LOADERS:
+        raise DatasetError(f"dataset.name '{cfg.name}' is not known; allowed: {list(DATASETS)}.")
+    load = LOADERS[cfg.name]
+    if "root" not in _config_params(load):  # made (digits, synthetic), not read from files
+        data = load(**{p: seed if p == "seed" else getattr(cfg, p) for p in _config_params(load)})
     else:
         root = cfg.root or os.environ.get("FEDSKEW_DATA")
         stamp = _stamp(root) if root else None  # (files found elsewhere, or downloaded: not kept)
@@ -68,19 +87,8 @@ def _stamp(root: str | None) -> tuple | None:
 def _decoded(name: str, root: str | None, download: bool, stamp: tuple) -> Dataset:
     """A data set decoded from its files (kept: :func:`load_dataset`, ``stamp`` the files' state);
     never changed in place."""
-    if name in ("mnist", "fmnist"):
-        return load_idx_dataset(name, root, download)
-    if name in ("cifar10", "cifar100"):
-        return load_cifar(name, root, download)
-    if name == "svhn":
-        return load_svhn(root, download)
-    if name == "cinic10":
-        return load_cinic10(root, download)
-    if name == "tinyimagenet":
-        return load_tinyimagenet(root, download)
-    if name in ("femnist", "shakespeare"):
-        return load_leaf(name, root)
-    raise DatasetError(f"dataset.name '{name}' is not known; allowed: {list(DATASETS)}.")
+    given = {"name": name, "root": root, "download": download}
+    return LOADERS[name](**{p: given[p] for p in _config_params(LOADERS[name])})
 
 
 def unnormalised(data: Dataset) -> Dataset:
@@ -98,4 +106,4 @@ def unnormalised(data: Dataset) -> Dataset:
                    data.train_groups, data.group_names, raw(data.x_val), data.y_val)
 
 
-__all__ = ["DATASETS", "load_dataset", "unnormalised"]
+__all__ = ["DATASETS", "LOADERS", "dataset_keys", "load_dataset", "unnormalised"]

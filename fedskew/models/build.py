@@ -7,6 +7,8 @@ branches, FedDBE's shift, GPFL's valve, FedCP's policy, FLDA's private expert) i
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from fedskew.models.deep import DEEP_MODELS
@@ -24,6 +26,17 @@ MODEL_NAMES = ("mlp", "lenet", "simplecnn", "tcnn", "cnnbn", "mlpnet", "tfcnn", 
                "vgg16bn", "resnet18", "resnet20", "resnet56", "wrn28_10", "resnet50", "efficientnet_b0", "lstm")
 
 
+FROM_BUILD = frozenset({"input_shape", "num_classes", "bias"})  # (bias: model.classifier_bias)
+
+
+def model_keys(name: str) -> set[str]:
+    """The ``model`` section's keys that model ``name``'s builder reads: its positional parameters
+    other than :data:`FROM_BUILD` (``hidden`` of mlp and mlpnet, ``dropout`` of mlp, ``width`` of
+    cnnbn; keyword-only ones are not configurable). ModelConfig.applies() reads them from here."""
+    params = inspect.signature(_all_models()[name]).parameters.items()
+    return {n for n, p in params if p.kind is not p.KEYWORD_ONLY} - FROM_BUILD
+
+
 def build_model(cfg, input_shape: tuple[int, ...], num_classes: int, seed: int = 0) -> SkewNet:
     """Build the model of a :class:`fedskew.config.ModelConfig` for the data set's input shape;
     ``seed`` (the experiment's) fixes the ETF head when ``cfg.classifier == "etf"``."""
@@ -31,12 +44,10 @@ def build_model(cfg, input_shape: tuple[int, ...], num_classes: int, seed: int =
     if cfg.name not in models:
         raise ModelError(f"model.name '{cfg.name}' is not known; allowed: {sorted(models)}.")
     kwargs = {"bias": cfg.classifier_bias}
-    if cfg.name in ("mlp", "mlpnet") and cfg.hidden is not None:
-        kwargs["hidden"] = tuple(cfg.hidden)
-    if cfg.name == "mlp" and cfg.dropout:
-        kwargs["dropout"] = cfg.dropout
-    if cfg.name == "cnnbn":
-        kwargs["width"] = cfg.width
+    for key in model_keys(cfg.name):  # the builder's own default where the config has none (hidden)
+        value = getattr(cfg, key)
+        if value is not None:
+            kwargs[key] = tuple(value) if isinstance(value, list) else value
     model = models[cfg.name](tuple(input_shape), num_classes, **kwargs)
     if cfg.projection_dim:
         model = with_projection_head(model, cfg.projection_dim, num_classes, cfg.classifier_bias)
@@ -53,4 +64,4 @@ def build_model(cfg, input_shape: tuple[int, ...], num_classes: int, seed: int =
     return model
 
 
-__all__ = ["MODEL_NAMES", "build_model"]
+__all__ = ["MODEL_NAMES", "build_model", "model_keys"]

@@ -172,7 +172,7 @@ def resnet56(input_shape, num_classes, bias=True):
     return _cifar_resnet("resnet56", 56, input_shape, num_classes, bias)
 
 
-def wrn28_10(input_shape, num_classes, bias=True, dropout: float = 0.0) -> SkewNet:
+def wrn28_10(input_shape, num_classes, bias=True, *, dropout: float = 0.0) -> SkewNet:
     """WRN-28-10: 3x3 stem with 16 channels, three stages of 4 pre-activation wide blocks with
     160/320/640 channels, BN - ReLU, global average pooling (features 640)."""
     _check_image("wrn28_10", input_shape)

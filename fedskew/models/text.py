@@ -21,7 +21,7 @@ class CharLSTM(nn.Module):
         return out[:, -1]
 
 
-def lstm(input_shape, num_classes, bias=True, hidden: int = 256) -> SkewNet:
+def lstm(input_shape, num_classes, bias=True, *, hidden: int = 256) -> SkewNet:
     """Inputs: sequences of character indices ``[N, T]``; the vocabulary is the class set."""
     if len(input_shape) != 1:
         raise ModelError(f"model 'lstm' reads character sequences [T], not input shape {tuple(input_shape)}; "
