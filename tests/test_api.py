@@ -322,7 +322,9 @@ ALLOWED = {
     "models": {"streams"},
     "metrics": {"models", "streams"},
     "algorithms": {"metrics", "models", "streams"},  # metrics: statistics a method and a diagnostic share
-    "config": {"algorithms"},  # the method registry validates method options
+    # the method registry validates method options; the data and model sections read their keys
+    # from the loaders' and builders' signatures (data and models never import config)
+    "config": {"algorithms", "data", "models"},
     "engine": {"config", "data", "models", "algorithms", "metrics", "streams"},
     "experiments": {"engine", "config", "data", "algorithms", "streams"},
     "flower": {"engine", "config", "algorithms", "models"},

@@ -129,7 +129,9 @@ def wait_for(path: Path, lines: int, proc, timeout: float = 120) -> None:
 
 
 def test_ctrl_c_stops_a_run_with_the_resume_hint(tmp_path):
-    args = ["run", "rounds=6", *TINY, "out_dir=.", "run_name=r"]
+    # 60 rounds: the signal, sent once round 0 is recorded, lands while the run still has most of its
+    # rounds ahead however loaded the machine (with 6, a busy test process could send it after the end)
+    args = ["run", "rounds=60", *TINY, "out_dir=.", "run_name=r"]
     proc = subprocess.Popen([sys.executable, "-m", "fedskew.cli", *args], cwd=tmp_path, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(tmp_path / "r" / "metrics.jsonl", 1, proc)
@@ -140,7 +142,38 @@ def test_ctrl_c_stops_a_run_with_the_resume_hint(tmp_path):
     done = cli("resume", "r", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert [json.loads(line)["round"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()] == \
-        list(range(6))
+        list(range(60))
+
+
+def test_ctrl_c_inside_a_checkpoint_write_is_the_interruption_not_a_traceback(tmp_path, monkeypatch):
+    """A Ctrl-C that lands inside torch.save leaves its zip writer raising RuntimeError ("unexpected
+    pos") on the way out (found under load: exit 1 with a traceback); the checkpoint write answers
+    with the KeyboardInterrupt, the half-written file is removed and the previous checkpoint kept."""
+    import torch
+
+    from fedskew.engine.durable import atomic_save
+
+    atomic_save({"a": torch.zeros(3)}, tmp_path / "c.pt")
+    real_save = torch.save
+
+    class Interrupted:  # the signal arrives after the first 1,000 bytes
+        def __init__(self, fh):
+            self.fh, self.written = fh, 0
+
+        def write(self, data) -> int:
+            if self.written + len(data) > 1000:
+                raise KeyboardInterrupt
+            self.written += len(data)
+            return self.fh.write(data)
+
+        def flush(self) -> None:
+            self.fh.flush()
+
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: real_save(obj, Interrupted(f), *a, **k))
+    with pytest.raises(KeyboardInterrupt):
+        atomic_save({"a": torch.ones(10_000)}, tmp_path / "c.pt")
+    monkeypatch.undo()
+    assert torch.equal(torch.load(tmp_path / "c.pt")["a"], torch.zeros(3)) and not (tmp_path / "c.pt.tmp").exists()
 
 
 def test_ctrl_c_stops_a_parallel_sweep_and_the_same_command_finishes_it(tmp_path):

@@ -115,11 +115,12 @@ def atomic_write(write, path: Path) -> None:
             os.fsync(fh.fileno())
     except BaseException as exc:  # (a full disk: give back what the half-written file took)
         tmp.unlink(missing_ok=True)
-        if not isinstance(exc, OSError):
-            # torch.save's zip writer turns the disk's OSError (ENOSPC) into a RuntimeError on its
-            # way out ("unexpected pos"): the storage error is what callers answer in one sentence
+        if not isinstance(exc, (OSError, KeyboardInterrupt)):
+            # torch.save's zip writer turns the disk's OSError (ENOSPC), or a Ctrl-C / SIGTERM that
+            # arrived inside it, into a RuntimeError on its way out ("unexpected pos"): the storage
+            # error or the interruption is what callers answer in one sentence
             cause = exc.__context__
-            while cause is not None and not isinstance(cause, OSError):
+            while cause is not None and not isinstance(cause, (OSError, KeyboardInterrupt)):
                 cause = cause.__context__
             if cause is not None:
                 raise cause from exc
