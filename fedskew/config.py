@@ -95,13 +95,14 @@ class DatasetConfig(_Section):
 
 
 class PartitionConfig(_Section):
-    name: Literal["iid", "pcdd", "label_k", "dirichlet", "random_classes", "label_count", "shards",
+    name: Literal["iid", "pcdd", "label_k", "dirichlet", "exdir", "random_classes", "label_count", "shards",
                   "natural"] = "pcdd"
     num_clients: int = Field(20, ge=1)
-    classes_per_client: int = Field(3, ge=1, description="pcdd: y of PxCy; label_k: k of #C=k; label_count: k")
+    classes_per_client: int = Field(3, ge=1, description="pcdd: y of PxCy; label_k: k of #C=k; label_count: k; "
+                                                               "exdir: the classes each client draws")
     samples_per_class: int = Field(100, ge=1, description="label_count: n samples of each held class per client")
-    alpha: float = Field(0.5, gt=0, description="dirichlet concentration")
-    min_size: int = Field(10, ge=1, description="dirichlet: minimum samples per client")
+    alpha: float = Field(0.5, gt=0, description="dirichlet, exdir: concentration")
+    min_size: int = Field(10, ge=1, description="dirichlet, exdir: minimum samples per client")
     size_sigma: float = Field(0.0, ge=0, description="random_classes: LogNormal size-factor sigma")
     min_classes: int = Field(2, ge=1, description="random_classes: fewest classes per client")
     shards_per_client: int = Field(2, ge=1, description="shards: s shards of sorted labels per client")

@@ -96,6 +96,45 @@ def test_dirichlet_impossible_min_size():
         P.dirichlet(labels(), 10, 0.5, 10, rng(), min_size=100)
 
 
+@pytest.mark.parametrize("k,c,alpha", [(20, 2, 0.5), (10, 3, 0.1), (15, 1, 1.0), (12, 10, 0.5)])
+def test_exdir_clients_hold_at_most_c_classes_split_by_dirichlet(k, c, alpha):
+    """Extended Dirichlet's defining properties: every sample once; a client holds at most C
+    classes; every class has at least max(C K / classes // 2, 1) holders; every client min_size."""
+    lab = labels(100)
+    parts = P.exdir(lab, k, c, alpha, 10, rng(), 10)
+    check_exact_cover(parts, len(lab))
+    assert all(len(h) <= c for h in classes_of(parts, lab)) and min(len(p) for p in parts) >= 10
+    holders = [sum(cls in h for h in classes_of(parts, lab)) for cls in range(10)]
+    assert min(holders) >= 1  # (a holder can receive none of a class it drew: Dir(alpha) may give it 0)
+    again = P.exdir(lab, k, c, alpha, 10, rng(), 10)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))  # the seed fixes it
+
+
+def test_exdir_with_a_large_alpha_splits_each_class_evenly_among_its_holders():
+    """alpha -> infinity: Dir(alpha) tends to equal proportions, so each class is cut into near-equal
+    pieces among the clients that hold it (alpha = 100, PFLlib's exdir default)."""
+    lab = labels(1000)
+    parts = P.exdir(lab, 10, 2, 100.0, 10, rng(), 10)
+    for cls in range(10):
+        pieces = [int((lab[p] == cls).sum()) for p in parts if (lab[p] == cls).any()]
+        assert max(pieces) / min(pieces) < 1.5, (cls, pieces)
+
+
+def test_exdir_bad_input_is_one_sentence(tmp_path):
+    import subprocess
+    import sys
+
+    with pytest.raises(PartitionError, match="classes_per_client = 11 is not allowed for partition exdir"):
+        P.exdir(labels(), 5, 11, 0.5, 10, rng())
+    with pytest.raises(PartitionError, match="has 4 class slots, fewer than the 10 classes"):
+        P.exdir(labels(), 2, 2, 0.5, 10, rng())
+    out = subprocess.run([sys.executable, "-m", "fedskew.cli", "run", "partition=exdir",
+                          "partition.classes_per_client=11", "rounds=1", f"out_dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "classes_per_client = 11 is not allowed for partition exdir" in out.stderr
+
+
 def test_random_classes_draws_two_to_c_classes():
     """Replayed by hand: each client draws m ~ U{2..C} and m distinct classes, then a size factor
     ~ LogNormal(0, sigma); each class (shuffled) is cut among its holders at the cumulative shares of

@@ -133,28 +133,84 @@ def dirichlet(labels: np.ndarray, num_clients: int, alpha: float, num_classes: i
     """NIID-Bench's Dir(alpha): per class, proportions ~ Dir(alpha) over clients; a client that
     already holds >= N/K samples gets no more; the whole draw repeats until every client holds at
     least ``min_size`` samples (at most ``max_tries`` times)."""
+    _check_dirichlet(labels, num_clients, alpha, min_size)
+    holders = [list(range(num_clients))] * num_classes
+    for _ in range(max_tries):
+        parts = _dirichlet_draw(labels, num_clients, alpha, holders, rng)
+        if min(len(q) for q in parts) >= min_size:
+            return parts
+    raise PartitionError(f"partition dirichlet with alpha = {alpha} gave some client fewer than "
+                         f"min_size = {min_size} samples in {max_tries} draws; raise alpha or lower min_size.")
+
+
+def exdir(labels: np.ndarray, num_clients: int, classes_per_client: int, alpha: float, num_classes: int,
+          rng: np.random.Generator, min_size: int = 10, *, max_tries: int = 1000) -> list[np.ndarray]:
+    """Extended Dirichlet (Li et al., arXiv 2311.03154; PFLlib's ``exdir``, its issue #139): each
+    client draws ``classes_per_client`` = C distinct classes uniformly, again until every class has
+    at least max(C K / num_classes // 2, 1) holders; then each class is split among its holders
+    alone by Dir(alpha) proportions, as :func:`dirichlet` (a client over N/K samples gets no more;
+    what rounding leaves goes to the class's last holder), the whole split drawn again until every
+    client holds ``min_size`` samples. A client holds at most C classes."""
+    _check_dirichlet(labels, num_clients, alpha, min_size)
+    c = classes_per_client
+    if not 1 <= c <= num_classes:
+        raise PartitionError(f"partition.classes_per_client = {c} is not allowed for partition exdir; it must be "
+                             f"between 1 and the {num_classes} classes.")
+    if num_clients * c < num_classes:
+        raise PartitionError(f"partition exdir with num_clients = {num_clients} and classes_per_client = {c} has "
+                             f"{num_clients * c} class slots, fewer than the {num_classes} classes; raise "
+                             f"partition.num_clients or the classes per client.")
+    need = max(c * num_clients // num_classes // 2, 1)
+    for _ in range(max_tries):
+        holders: list[list[int]] = [[] for _ in range(num_classes)]
+        for i in range(num_clients):
+            for k in rng.choice(num_classes, size=c, replace=False):
+                holders[int(k)].append(i)
+        if min(len(h) for h in holders) >= need:
+            break
+    else:
+        raise PartitionError(f"partition exdir could not give every class {need} holders in {max_tries} draws; "
+                             f"raise partition.classes_per_client or num_clients.")
+    for h in holders:
+        h.sort()
+    for _ in range(max_tries):
+        parts = _dirichlet_draw(labels, num_clients, alpha, holders, rng)
+        if min(len(q) for q in parts) >= min_size:
+            return parts
+    raise PartitionError(f"partition exdir with alpha = {alpha} gave some client fewer than min_size = {min_size} "
+                         f"samples in {max_tries} draws; raise alpha or lower min_size.")
+
+
+def _check_dirichlet(labels: np.ndarray, num_clients: int, alpha: float, min_size: int) -> None:
     _check_clients(num_clients, len(labels))
     if alpha <= 0:
         raise PartitionError(f"partition.alpha = {alpha} is not allowed; it must be positive.")
-    n = len(labels)
-    if min_size * num_clients > n:
+    if min_size * num_clients > len(labels):
         raise PartitionError(f"partition.min_size = {min_size} times {num_clients} clients exceeds the "
-                             f"{n} training samples; lower min_size or num_clients.")
-    for _ in range(max_tries):
-        parts: list[list[int]] = [[] for _ in range(num_clients)]
-        for c in range(num_classes):
-            idx = rng.permutation(np.flatnonzero(labels == c))
-            p = rng.dirichlet(np.full(num_clients, alpha))
-            sizes = np.array([len(q) for q in parts])
-            p = p * (sizes < n / num_clients)
-            p = p / p.sum() if p.sum() > 0 else np.full(num_clients, 1.0 / num_clients)
-            cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
-            for k, piece in enumerate(np.split(idx, cuts)):
-                parts[k].extend(piece.tolist())
-        if min(len(q) for q in parts) >= min_size:
-            return [np.sort(np.asarray(q, dtype=np.int64)) for q in parts]
-    raise PartitionError(f"partition dirichlet with alpha = {alpha} gave some client fewer than "
-                         f"min_size = {min_size} samples in {max_tries} draws; raise alpha or lower min_size.")
+                             f"{len(labels)} training samples; lower min_size or num_clients.")
+
+
+def _dirichlet_draw(labels: np.ndarray, num_clients: int, alpha: float, holders: list[list[int]],
+                    rng: np.random.Generator) -> list[np.ndarray]:
+    """One Dir(alpha) split of every class c among ``holders[c]`` (sorted client ids): proportions
+    drawn over all clients, zero for a client that is not a holder or already holds >= N/K samples,
+    renormalised (uniform over the holders if none is left); the last holder takes what rounding
+    leaves."""
+    n = len(labels)
+    parts: list[list[int]] = [[] for _ in range(num_clients)]
+    for c, held in enumerate(holders):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        p = rng.dirichlet(np.full(num_clients, alpha))
+        mask = np.zeros(num_clients, dtype=bool)
+        mask[held] = True
+        sizes = np.array([len(q) for q in parts])
+        p = p * (sizes < n / num_clients) * mask
+        p = p / p.sum() if p.sum() > 0 else mask / mask.sum()
+        cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
+        cuts[held[-1]:] = len(idx)  # (no-op when every client holds c)
+        for k, piece in enumerate(np.split(idx, cuts)):
+            parts[k].extend(piece.tolist())
+    return [np.sort(np.asarray(q, dtype=np.int64)) for q in parts]
 
 
 def random_classes(labels: np.ndarray, num_clients: int, num_classes: int, rng: np.random.Generator,
@@ -243,7 +299,7 @@ def natural(groups: np.ndarray | None, num_clients: int, rng: np.random.Generato
 # Each partition's builder. Its positional parameters other than FROM_DATA are keys of the
 # ``partition`` section of the same name (keyword-only ones are not configurable): what
 # PartitionConfig.applies() accepts is read from these signatures.
-PARTITIONERS = {"iid": iid, "pcdd": pcdd, "label_k": label_k, "dirichlet": dirichlet,
+PARTITIONERS = {"iid": iid, "pcdd": pcdd, "label_k": label_k, "dirichlet": dirichlet, "exdir": exdir,
                 "random_classes": random_classes, "label_count": label_count, "shards": shards, "natural": natural}
 PARTITIONS = tuple(PARTITIONERS)
 FROM_DATA = frozenset({"labels", "num_clients", "num_classes", "rng", "groups"})  # (num_clients: a common key)
