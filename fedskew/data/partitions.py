@@ -77,13 +77,7 @@ def pcdd_classes(num_clients: int, classes_per_client: int, num_classes: int,
     ...) until every class has been dealt once; each remaining slot then takes a uniformly random
     class that the client does not already hold.
     """
-    if not 1 <= classes_per_client <= num_classes:
-        raise PartitionError(f"partition.classes_per_client = {classes_per_client} is not allowed; "
-                             f"it must be between 1 and the {num_classes} classes.")
-    if num_clients * classes_per_client < num_classes:
-        raise PartitionError(f"partition pcdd with num_clients = {num_clients} and classes_per_client = "
-                             f"{classes_per_client} has {num_clients * classes_per_client} class slots, "
-                             f"fewer than the {num_classes} classes; every class needs a holder.")
+    _check_class_slots("pcdd", num_clients, classes_per_client, num_classes)
     counter = 0
     out: list[list[int]] = []
     for _ in range(num_clients):
@@ -134,13 +128,8 @@ def dirichlet(labels: np.ndarray, num_clients: int, alpha: float, num_classes: i
     already holds >= N/K samples gets no more; the whole draw repeats until every client holds at
     least ``min_size`` samples (at most ``max_tries`` times)."""
     _check_dirichlet(labels, num_clients, alpha, min_size)
-    holders = [list(range(num_clients))] * num_classes
-    for _ in range(max_tries):
-        parts = _dirichlet_draw(labels, num_clients, alpha, holders, rng)
-        if min(len(q) for q in parts) >= min_size:
-            return parts
-    raise PartitionError(f"partition dirichlet with alpha = {alpha} gave some client fewer than "
-                         f"min_size = {min_size} samples in {max_tries} draws; raise alpha or lower min_size.")
+    return _dirichlet_split("dirichlet", labels, num_clients, alpha, [list(range(num_clients))] * num_classes, rng,
+                            min_size, max_tries)
 
 
 def exdir(labels: np.ndarray, num_clients: int, classes_per_client: int, alpha: float, num_classes: int,
@@ -153,13 +142,7 @@ def exdir(labels: np.ndarray, num_clients: int, classes_per_client: int, alpha: 
     client holds ``min_size`` samples. A client holds at most C classes."""
     _check_dirichlet(labels, num_clients, alpha, min_size)
     c = classes_per_client
-    if not 1 <= c <= num_classes:
-        raise PartitionError(f"partition.classes_per_client = {c} is not allowed for partition exdir; it must be "
-                             f"between 1 and the {num_classes} classes.")
-    if num_clients * c < num_classes:
-        raise PartitionError(f"partition exdir with num_clients = {num_clients} and classes_per_client = {c} has "
-                             f"{num_clients * c} class slots, fewer than the {num_classes} classes; raise "
-                             f"partition.num_clients or the classes per client.")
+    _check_class_slots("exdir", num_clients, c, num_classes)
     need = max(c * num_clients // num_classes // 2, 1)
     for _ in range(max_tries):
         holders: list[list[int]] = [[] for _ in range(num_classes)]
@@ -171,14 +154,19 @@ def exdir(labels: np.ndarray, num_clients: int, classes_per_client: int, alpha: 
     else:
         raise PartitionError(f"partition exdir could not give every class {need} holders in {max_tries} draws; "
                              f"raise partition.classes_per_client or num_clients.")
-    for h in holders:
-        h.sort()
-    for _ in range(max_tries):
-        parts = _dirichlet_draw(labels, num_clients, alpha, holders, rng)
-        if min(len(q) for q in parts) >= min_size:
-            return parts
-    raise PartitionError(f"partition exdir with alpha = {alpha} gave some client fewer than min_size = {min_size} "
-                         f"samples in {max_tries} draws; raise alpha or lower min_size.")
+    return _dirichlet_split("exdir", labels, num_clients, alpha, [sorted(h) for h in holders], rng, min_size,
+                            max_tries)
+
+
+def _check_class_slots(name: str, num_clients: int, classes_per_client: int, num_classes: int) -> None:
+    """C classes per client: 1 <= C <= the class count, and at least one holder for every class."""
+    if not 1 <= classes_per_client <= num_classes:
+        raise PartitionError(f"partition.classes_per_client = {classes_per_client} is not allowed for partition "
+                             f"{name}; it must be between 1 and the {num_classes} classes.")
+    if num_clients * classes_per_client < num_classes:
+        raise PartitionError(f"partition {name} with num_clients = {num_clients} and classes_per_client = "
+                             f"{classes_per_client} has {num_clients * classes_per_client} class slots, fewer than "
+                             f"the {num_classes} classes; every class needs a holder.")
 
 
 def _check_dirichlet(labels: np.ndarray, num_clients: int, alpha: float, min_size: int) -> None:
@@ -188,6 +176,17 @@ def _check_dirichlet(labels: np.ndarray, num_clients: int, alpha: float, min_siz
     if min_size * num_clients > len(labels):
         raise PartitionError(f"partition.min_size = {min_size} times {num_clients} clients exceeds the "
                              f"{len(labels)} training samples; lower min_size or num_clients.")
+
+
+def _dirichlet_split(name: str, labels: np.ndarray, num_clients: int, alpha: float, holders: list[list[int]],
+                     rng: np.random.Generator, min_size: int, max_tries: int) -> list[np.ndarray]:
+    """:func:`_dirichlet_draw` again until every client holds ``min_size`` samples."""
+    for _ in range(max_tries):
+        parts = _dirichlet_draw(labels, num_clients, alpha, holders, rng)
+        if min(len(q) for q in parts) >= min_size:
+            return parts
+    raise PartitionError(f"partition {name} with alpha = {alpha} gave some client fewer than min_size = {min_size} "
+                         f"samples in {max_tries} draws; raise alpha or lower min_size.")
 
 
 def _dirichlet_draw(labels: np.ndarray, num_clients: int, alpha: float, holders: list[list[int]],
