@@ -22,9 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fedskew import __version__
 from fedskew.algorithms import did_you_mean  # noqa: F401  (also used by experiments)
 from fedskew.algorithms.base import StrictOptions
-from fedskew.data.partitions import partition_keys
-from fedskew.data.sources import dataset_keys
-from fedskew.models.build import model_keys
+from fedskew.data.partitions import PARTITIONS, partition_keys
+from fedskew.data.sources import DATASETS, dataset_keys
+from fedskew.models.build import MODEL_NAMES, model_keys
 
 
 class ConfigError(ValueError):
@@ -61,8 +61,7 @@ SYNTHETIC_MAX_BYTES = 8 * 2**30
 
 
 class DatasetConfig(_Section):
-    name: Literal["digits", "synthetic", "mnist", "fmnist", "cifar10", "cifar100", "svhn", "femnist",
-                  "shakespeare", "cinic10", "tinyimagenet"] = "digits"
+    name: Literal[DATASETS] = "digits"  # the loaders' names (data.sources.LOADERS)
     root: str | None = Field(None, description="folder holding the files (every dataset but digits and synthetic)")
     download: bool = Field(True, description="try the usual mirrors when no local files are found")
     test_fraction: float = Field(0.2, gt=0, lt=1, description="digits: stratified global test share")
@@ -95,8 +94,7 @@ class DatasetConfig(_Section):
 
 
 class PartitionConfig(_Section):
-    name: Literal["iid", "pcdd", "label_k", "dirichlet", "exdir", "random_classes", "label_count", "shards",
-                  "natural"] = "pcdd"
+    name: Literal[PARTITIONS] = "pcdd"  # the builders' names (data.partitions.PARTITIONERS)
     num_clients: int = Field(20, ge=1)
     classes_per_client: int = Field(3, ge=1, description="pcdd: y of PxCy; label_k: k of #C=k; label_count: k; "
                                                                "exdir: the classes each client draws")
@@ -114,9 +112,7 @@ class PartitionConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: Literal["mlp", "lenet", "simplecnn", "tcnn", "cnnbn", "mlpnet", "tfcnn", "vgg8", "vgg8bn", "vgg11",
-                  "vgg16bn", "resnet18", "resnet20", "resnet56", "wrn28_10", "resnet50", "efficientnet_b0",
-                  "lstm"] = "mlp"
+    name: Literal[MODEL_NAMES] = "mlp"  # the zoo's names (models.build)
     classifier_bias: bool = True
     hidden: list[Annotated[int, Field(ge=1, le=1 << 16)]] | None = Field(None, description="hidden widths of mlp (default [200, 200]) and mlpnet "
                                                        "(default [1024, 1024, 128])")

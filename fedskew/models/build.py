@@ -22,8 +22,7 @@ def _all_models() -> dict:
             "lstm": lstm}
 
 
-MODEL_NAMES = ("mlp", "lenet", "simplecnn", "tcnn", "cnnbn", "mlpnet", "tfcnn", "vgg8", "vgg8bn", "vgg11",
-               "vgg16bn", "resnet18", "resnet20", "resnet56", "wrn28_10", "resnet50", "efficientnet_b0", "lstm")
+MODEL_NAMES = tuple(_all_models())
 
 
 FROM_BUILD = frozenset({"input_shape", "num_classes", "bias"})  # (bias: model.classifier_bias)
