@@ -26,7 +26,8 @@ from fedskew.data.datasets import DatasetError, read_idx
 from fedskew.data.leaf import load_leaf
 from fedskew.engine import runner as runner_module
 from fedskew.engine.durable import FolderLock, read_records
-from fedskew.engine.rundir import StorageError
+from fedskew.engine import rundir as rundir_module
+from fedskew.engine.rundir import StorageError, read_checkpoint
 
 SMALL = {"rounds": 4, "partition.num_clients": 6, "clients_per_round": 3, "local_epochs": 1, "model.hidden": [16],
          "final_personalization": False}
@@ -373,6 +374,93 @@ def test_a_damaged_checkpoint_falls_back_and_never_destroys_the_backup(tmp_path,
     assert saved[0] == prev  # the backup survived the first save
     assert [r["round"] for r in records(tmp_path / "r")] == [0, 1, 2, 3]
     same_as_full(tmp_path / "r", full)
+
+
+# A method with per-client state (MAP: each client's HPM and restricted-softmax scales), few
+# clients a round: a checkpoint writes the files of the clients that changed since the one before.
+STATEFUL = {**SMALL, "method": "map", "rounds": 5, "partition.num_clients": 8, "clients_per_round": 2}
+
+
+@pytest.fixture(scope="module")
+def stateful(tmp_path_factory):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield fedskew.run(STATEFUL, out_dir=str(tmp_path_factory.mktemp("stateful")), run_name="full")
+    torch.set_num_threads(before)
+
+
+def same_states(run_dir: Path, reference) -> None:
+    """The run's records, final global model and every client's state equal the reference run's."""
+    same_as_full(run_dir, reference)
+    ours, ref = (read_checkpoint(d / "checkpoint.pt")["client_states"] for d in (run_dir, reference.run_dir))
+    assert sorted(ours) == sorted(ref) and len(ref) > 0
+    for k in ref:
+        assert ours[k].keys() == ref[k].keys() and all(torch.equal(ours[k][n], v) for n, v in ref[k].items()), k
+
+
+def test_a_checkpoint_writes_only_the_clients_that_changed_and_keeps_what_both_checkpoints_name(tmp_path,
+                                                                                               monkeypatch):
+    written = []
+    real = rundir_module.atomic_save
+    monkeypatch.setattr(rundir_module, "atomic_save",
+                        lambda obj, path, *a, **kw: (written.append(path.name), real(obj, path, *a, **kw)))
+    res = fedskew.run({**STATEFUL, "checkpoint_every": 2}, out_dir=str(tmp_path), run_name="r")
+    rounds = [h["clients"] for h in res.history]
+    # checkpoints after rounds 2, 4 and 5: each writes the clients trained since the one before, then itself
+    batches = " ".join(w for w in written if w.endswith(".pt")).split("checkpoint.pt")
+    assert [set(b.split()) for b in batches] == [{f"{k}-{version}.pt" for k in trained} for version, trained in
+                                                 ((2, rounds[0] + rounds[1]), (4, rounds[2] + rounds[3]),
+                                                  (5, rounds[4]))] + [set()]
+    run_dir = tmp_path / "r"
+    cur, prev = (torch.load(run_dir / name, weights_only=True)["client_files"]
+                 for name in ("checkpoint.pt", "checkpoint.prev.pt"))
+    last = {k: max(t + 1 for t, trained in enumerate(rounds) if k in trained) for k in {k for r in rounds for k in r}}
+    assert cur == {k: {1: 2, 2: 2, 3: 4, 4: 4, 5: 5}[t] for k, t in last.items()}
+    named = {f"{k}-{v}.pt" for index in (cur, prev) for k, v in index.items()}
+    assert {p.name for p in (run_dir / "clients").iterdir()} == named
+    # each file holds the state the client left its last round with: the same as a run that checkpoints every round
+    every = fedskew.run(STATEFUL, out_dir=str(tmp_path), run_name="every")
+    same_states(run_dir, every)
+
+
+def test_an_interrupted_stateful_run_resumes_with_every_client_state(tmp_path, stateful):
+    with pytest.raises(KeyboardInterrupt):
+        fedskew.run(STATEFUL, out_dir=str(tmp_path), run_name="r", on_round=crash_after(2))
+    fedskew.resume(tmp_path / "r")
+    same_states(tmp_path / "r", stateful)
+
+
+def test_a_missing_or_damaged_client_file_falls_back_to_the_previous_checkpoint(tmp_path, stateful, capsys):
+    for damage in ("missing", "truncated"):
+        run_dir = tmp_path / damage
+        with pytest.raises(KeyboardInterrupt):
+            fedskew.run(STATEFUL, out_dir=str(tmp_path), run_name=damage, on_round=crash_after(2))
+        k = stateful.history[2]["clients"][0]  # trained in round 3: its file is named by checkpoint.pt only
+        file = run_dir / "clients" / f"{k}-3.pt"
+        if damage == "missing":
+            file.unlink()
+        else:
+            file.write_bytes(file.read_bytes()[:100])
+        fedskew.resume(run_dir)
+        out = capsys.readouterr().out
+        assert f"clients/{k}-3.pt, which it names, " in out and "trying the previous checkpoint" in out
+        same_states(run_dir, stateful)
+
+
+def test_a_checkpoint_holding_its_client_states_inline_still_resumes(tmp_path, stateful):
+    """The checkpoints fedskew wrote before client files held every client's state inline."""
+    with pytest.raises(KeyboardInterrupt):
+        fedskew.run(STATEFUL, out_dir=str(tmp_path), run_name="r", on_round=crash_after(2))
+    run_dir = tmp_path / "r"
+    for name in ("checkpoint.pt", "checkpoint.prev.pt"):
+        ckpt = read_checkpoint(run_dir / name)
+        del ckpt["client_files"]
+        torch.save({**ckpt, "client_states": dict(ckpt["client_states"])}, run_dir / name)
+    for file in (run_dir / "clients").iterdir():
+        file.unlink()
+    fedskew.resume(run_dir)
+    same_states(run_dir, stateful)
+    assert len(list((run_dir / "clients").iterdir())) >= len(read_checkpoint(run_dir / "checkpoint.pt")["client_files"])
 
 
 def test_no_readable_checkpoint_is_one_sentence_that_can_be_followed(tmp_path):

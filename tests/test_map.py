@@ -15,6 +15,7 @@ from fedskew.engine.runner import Experiment, run
 from fedskew.algorithms.tensors import hpm_momentum, kd_loss, rs_scales
 from fedskew.algorithms.tensors import mmd2
 from fedskew.metrics import classifier_proxy_stats
+from fedskew.engine.rundir import read_checkpoint
 
 
 def test_rs_scales_hard_and_soft_by_hand():
@@ -113,7 +114,8 @@ def test_map_uploads_the_rs_model_and_keeps_the_personalised_one(tmp_path):
     # The kept model: stage B by hand from the upload, on the second epoch's batches, CE + KD from
     # the HPM (= the initial global model on a first visit), and the HPM takes it whole (mu = 0).
     k = res.history[0]["clients"][0]
-    hpm = {n[len("hpm.model."):]: v for n, v in torch.load(tmp_path / "map" / "checkpoint.pt")["client_states"][k].items()
+    states = read_checkpoint(tmp_path / "map" / "checkpoint.pt")["client_states"]
+    hpm = {n[len("hpm.model."):]: v for n, v in states[k].items()
            if n.startswith("hpm.model.")}
     init = Experiment(load_config(None, ONE + ["method=map"]), tmp_path / "init").model
     teacher = {n: v.detach().clone() for n, v in init.state_dict().items()}
@@ -153,7 +155,7 @@ def test_code_schedule_steps_and_lr():
 
 
 def _first_hpm(path, k):
-    return {n[len("hpm.model."):]: v for n, v in torch.load(path / "checkpoint.pt")["client_states"][k].items()
+    return {n[len("hpm.model."):]: v for n, v in read_checkpoint(path / "checkpoint.pt")["client_states"][k].items()
             if n.startswith("hpm.model.")}
 
 
@@ -253,7 +255,7 @@ def test_hpm_bn_recalibration_matches_a_plain_pass(tmp_path):
     exp = Experiment(load_config(None, ONE + ["method=map", "method.schedule=code", "model=cnnbn", "model.width=4"]),
                      tmp_path / "bn")
     exp.run()
-    (cid, state), = torch.load(tmp_path / "bn" / "checkpoint.pt")["client_states"].items()
+    (cid, state), = read_checkpoint(tmp_path / "bn" / "checkpoint.pt")["client_states"].items()
     hpm = {n[len("hpm.model."):]: v for n, v in state.items() if n.startswith("hpm.model.")}
     model = exp.model
     load_state(model, hpm)

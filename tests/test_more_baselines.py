@@ -23,6 +23,7 @@ from fedskew.algorithms.distillation import (GEN, FedGen, diversity_loss, ensemb
                                           generator_teacher_loss, init_generator)
 from fedskew.algorithms.tensors import decorrelation_loss
 from fedskew.streams import torch_seed
+from fedskew.engine.rundir import read_checkpoint
 from test_personalized import ONE, ce, close, is_head, local_test_acc, one_round, own, replay, stages
 
 
@@ -242,7 +243,7 @@ def test_ccvr_calibrates_the_scored_head_and_sends_the_averaged_one(tmp_path):
     batches, _, _ = stages(exp, k)
     trained = replay(exp, k, init, batches, exp.cfg.lr, ce)
     close(res.global_state, trained, [n for n in init if not is_head(n)])  # the body: FedAvg's
-    server = torch.load(tmp_path / "run" / "checkpoint.pt")["server_state"]
+    server = read_checkpoint(tmp_path / "run" / "checkpoint.pt")["server_state"]
     close(own(server, "ccvr.raw."), trained, [n for n in init if is_head(n)])  # what the clients get next
     assert (res.global_state["classifier.weight"] - trained["classifier.weight"]).abs().amax() > 1e-4
     # independent replay of the calibration: the client's statistics of the received (initial) model
@@ -692,7 +693,7 @@ def test_fedpac_head_epoch_then_body_and_the_combined_head_downloads(tmp_path):
     close(own(state, "pac.head."), trained, [n for n in init if is_head(n)], atol=1e-5)
     close(res.global_state, trained, [n for n in init if not is_head(n)], atol=1e-5)
     assert res.history[0]["global/test_acc"] is None
-    server = torch.load(tmp_path / "run" / "checkpoint.pt")["server_state"]
+    server = read_checkpoint(tmp_path / "run" / "checkpoint.pt")["server_state"]
     assert server["pac.has_head"][k] == 1  # one client: its combined head is its own
     close({n: server["pac.heads." + n][k] for n in init if is_head(n)}, trained, [n for n in init if is_head(n)], 1e-5)
     down = exp.method.download(server, k, 1)
@@ -1220,7 +1221,7 @@ def test_feddbe_equals_a_replay_of_the_official_client_round_zero_then_with_mean
         return F.cross_entropy(model.classifier(model.backbone(x)), y)
 
     trained = replay(first, k0, init, batches, first.cfg.lr, ce_head)
-    ckpt = torch.load(tmp_path / "one" / "checkpoint.pt")
+    ckpt = read_checkpoint(tmp_path / "one" / "checkpoint.pt")
     close(res1.global_state, trained, [n for n in init if n != "shift"])
     assert torch.equal(res1.global_state["shift"], init["shift"])  # never averaged
     # the authors' initialisation period leaves mu_k out (head(rep)): it is still exactly zero after round 0
@@ -1301,7 +1302,7 @@ def test_gpfl_equals_a_replay_of_the_official_client(tmp_path):
     exp = Experiment(load_config(None, common + ["rounds=1"]), tmp_path / "one")
     init = federated_state(exp.model)
     res1 = exp.run()
-    ckpt1 = torch.load(tmp_path / "one" / "checkpoint.pt")
+    ckpt1 = read_checkpoint(tmp_path / "one" / "checkpoint.pt")
     k = 1
     share = torch.bincount(exp.fed.data.y_train[exp.fed.train_idx[k]], minlength=10).float()
     share = share / share.sum()
@@ -1318,7 +1319,7 @@ def test_gpfl_equals_a_replay_of_the_official_client(tmp_path):
 
     exp2 = Experiment(load_config(None, common + ["rounds=2"]), tmp_path / "two")
     exp2.run()
-    ckpt2 = torch.load(tmp_path / "two" / "checkpoint.pt")
+    ckpt2 = read_checkpoint(tmp_path / "two" / "checkpoint.pt")
     start = {**res1.global_state, **own(st, "gpfl.own."), "valve.context": st["gpfl.p"]}
     batches = stage_schedules(exp2.executor.settings, exp2.method, 1, k, len(exp2.fed.train_idx[k]), exp2.cfg.lr)[0]
     t1 = official_gpfl_round(exp2, k, start, st["gpfl.p"], st["gpfl.g"], res1.global_state["gce.weight"],
@@ -1393,7 +1394,7 @@ def test_fedcp_equals_a_replay_of_the_official_client(tmp_path, monkeypatch):
     init = federated_state(exp.model)
     assert torch.equal(init["policy.head_g.weight"], init["classifier.weight"])
     res1 = exp.run()
-    ckpt1 = torch.load(tmp_path / "one" / "checkpoint.pt")
+    ckpt1 = read_checkpoint(tmp_path / "one" / "checkpoint.pt")
     sizes = [len(exp.fed.train_idx[k]) for k in range(3)]
     ups = []
     for k in range(3):
@@ -1411,7 +1412,7 @@ def test_fedcp_equals_a_replay_of_the_official_client(tmp_path, monkeypatch):
 
     exp2 = Experiment(load_config(None, common + ["rounds=2"]), tmp_path / "two")
     exp2.run()
-    ckpt2 = torch.load(tmp_path / "two" / "checkpoint.pt")
+    ckpt2 = read_checkpoint(tmp_path / "two" / "checkpoint.pt")
     k, st = 2, ckpt1["client_states"][2]
     start = {**res1.global_state, **own(st, "fedcp.own.")}
     batches = stage_schedules(exp2.executor.settings, exp2.method, 1, k, len(exp2.fed.train_idx[k]), exp2.cfg.lr)[0]
@@ -1512,7 +1513,7 @@ def test_pfedhn_equals_the_official_step(tmp_path):
         p.grad = g
     torch.nn.utils.clip_grad_norm_(hnet.parameters(), 50)
     torch.optim.SGD(hnet.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-3).step()
-    after = torch.load(tmp_path / "run" / "checkpoint.pt")["server_state"]
+    after = read_checkpoint(tmp_path / "run" / "checkpoint.pt")["server_state"]
     assert torch.allclose(after["hn.phi.embeddings"], hnet.embeddings.weight, atol=1e-6)
     assert torch.allclose(after["hn.phi.mlp.1.weight"], hnet.mlp[2].weight, atol=1e-6)
     for head, n in zip(hnet.heads, hnet.shapes):
@@ -1573,7 +1574,7 @@ def test_pfedhn_steps_once_per_client_with_gradients_taken_where_their_models_ca
                 p.grad = g.clone()
             torch.nn.utils.clip_grad_norm_(hnet.parameters(), 50)
             opt.step()
-        after = torch.load(tmp_path / mode / "checkpoint.pt")["server_state"]
+        after = read_checkpoint(tmp_path / mode / "checkpoint.pt")["server_state"]
         # (the executor's and the replay's local training agree to 3e-6 in Delta; the embeddings'
         # gradient sums every head's, so phi agrees to 2e-5 here; the clients in the other order
         # differ by 2e-3, the other mode by more)
@@ -1646,7 +1647,7 @@ def test_fedamp_rounds_equal_a_replay_with_torch_sgd(tmp_path):
     exp = Experiment(load_config(None, ONE + opts), tmp_path / "r")
     init = federated_state(exp.model)
     res = exp.run()
-    ck = torch.load(tmp_path / "r" / "checkpoint.pt")
+    ck = read_checkpoint(tmp_path / "r" / "checkpoint.pt")
     names = exp.info.param_names
     models = [dict(init) for _ in range(exp.fed.num_clients)]  # every client's model, as the replay has it
     seen = np.zeros(exp.fed.num_clients, dtype=bool)
@@ -1736,7 +1737,7 @@ def test_fedas_round_equals_the_official_client_and_server(tmp_path, target):
                                               f"method.align_target={target}"]), tmp_path / "r")
     init = federated_state(exp.model)
     res = exp.run()
-    ck = torch.load(tmp_path / "r" / "checkpoint.pt")
+    ck = read_checkpoint(tmp_path / "r" / "checkpoint.pt")
     model, data = exp.model, exp.fed.data
     states, glob = {}, dict(init)
     for rnd, h in enumerate(res.history):
@@ -1908,7 +1909,7 @@ def test_fedfed_distillation_round_equals_the_official_client(tmp_path):
     start = exp.method.server_init(init, exp.info)
     res = exp.run()
     (k,) = res.history[0]["clients"]
-    server = torch.load(tmp_path / "r" / "checkpoint.pt")["server_state"]
+    server = read_checkpoint(tmp_path / "r" / "checkpoint.pt")["server_state"]
     idx = exp.fed.train_idx[k]
     x, y = exp.fed.data.x_train[idx], exp.fed.data.y_train[idx]
     load_state(exp.model, init)
@@ -1968,7 +1969,7 @@ def test_fedfed_rounds_after_sharing_equal_a_replay_with_torch_sgd(tmp_path):
               "method.distill_rounds=1", "method.vae_width=8"]
     two = Experiment(load_config(None, common + ["rounds=2"]), tmp_path / "two")
     two_res = two.run()
-    after = torch.load(tmp_path / "two" / "checkpoint.pt")
+    after = read_checkpoint(tmp_path / "two" / "checkpoint.pt")
     exp = Experiment(load_config(None, common + ["rounds=3"]), tmp_path / "three")
     res = exp.run()
     server, glob = after["server_state"], after["global_state"]
@@ -1980,7 +1981,7 @@ def test_fedfed_rounds_after_sharing_equal_a_replay_with_torch_sgd(tmp_path):
     assert torch.equal(pool_y, torch.cat([exp.fed.data.y_train[exp.fed.train_idx[k]] for k in range(3)]))
     one = Experiment(load_config(None, common + ["rounds=1"]), tmp_path / "one")
     one.run()
-    g = own(torch.load(tmp_path / "one" / "checkpoint.pt")["server_state"], "fedfed.vae.")
+    g = own(read_checkpoint(tmp_path / "one" / "checkpoint.pt")["server_state"], "fedfed.vae.")
     ref = OfficialVAE(8, 2, torch.nn.Identity())
     ref.load_state_dict({**ref.state_dict(), **g})
     ref.eval()
@@ -2013,7 +2014,7 @@ def test_fedfed_rounds_after_sharing_equal_a_replay_with_torch_sgd(tmp_path):
             F.cross_entropy(exp.model(x), y).backward()
             opt.step()
         trained.append(federated_state(exp.model))
-    final = torch.load(tmp_path / "three" / "checkpoint.pt")["global_state"]
+    final = read_checkpoint(tmp_path / "three" / "checkpoint.pt")["global_state"]
     close(final, {name: sum(float(w) * t[name] for w, t in zip(weights, trained)) for name in glob}, atol=1e-5)
     assert res.history[2]["comm/down_floats"] == 3 * model_floats + sum(n) * 2 * (64 + 1)
     assert res.history[2]["comm/up_floats"] == 3 * model_floats

@@ -15,6 +15,7 @@ from fedskew.algorithms.meta import moreau_solve
 from fedskew.algorithms.tensors import balanced_softmax_loss
 from fedskew.algorithms.personalized import (calibrated_loss, nearest_prototype_head,
                                           prototype_regularizer)
+from fedskew.engine.rundir import read_checkpoint
 
 # One client of 3 classes, one round, E = 2 epochs of batch 16, momentum 0.5.
 ONE = ["partition=pcdd", "partition.classes_per_client=3", "partition.num_clients=5", "clients_per_round=1",
@@ -26,7 +27,7 @@ def one_round(tmp_path, extra, name="run"):
     init = federated_state(exp.model)
     res = exp.run()
     k = res.history[0]["clients"][0]
-    state = torch.load(tmp_path / name / "checkpoint.pt")["client_states"][k]
+    state = read_checkpoint(tmp_path / name / "checkpoint.pt")["client_states"][k]
     return exp, init, res, k, state
 
 
@@ -229,7 +230,7 @@ def test_fedproto_shares_only_prototypes_and_predicts_by_the_nearest(tmp_path):
     assert res.summary["global/test_acc"] is None and res.summary["comm/extra_pct"] is None
     # The personalised accuracy of the last round's clients, by hand: nearest prototype among
     # those each received (round 0's aggregate), its own for classes still without one.
-    ckpt = torch.load(tmp_path / "run" / "checkpoint.pt")
+    ckpt = read_checkpoint(tmp_path / "run" / "checkpoint.pt")
     assert ckpt["server_state"]["fedproto.g"].shape == (C, d)
     accs = []
     for k in res.history[-1]["clients"]:

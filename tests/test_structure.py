@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from fedskew.algorithms.base import FedAvgOptions
 from fedskew.config import ConfigError, load_config
 from fedskew.engine.local import federated_state, load_state
+from fedskew.engine.rundir import read_checkpoint
 from fedskew.engine.resume import resume
 from fedskew.engine.runner import Experiment, run
 from test_personalized import ONE, ce, close, local_test_acc, one_round, own, replay, stages
@@ -225,8 +226,8 @@ def test_apfl_adaptive_alpha_takes_the_paper_step_at_the_next_visit(tmp_path):
            "clients_per_round=2", "rounds=2", "local_epochs=1", "final_personalization=false"]
     first = run(load_config(None, cfg + ["rounds=1"]), tmp_path / "one")
     both = run(load_config(None, cfg), tmp_path / "two")
-    before = torch.load(tmp_path / "one" / "checkpoint.pt")["client_states"]
-    after = torch.load(tmp_path / "two" / "checkpoint.pt")["client_states"]
+    before = read_checkpoint(tmp_path / "one" / "checkpoint.pt")["client_states"]
+    after = read_checkpoint(tmp_path / "two" / "checkpoint.pt")["client_states"]
     exp = Experiment(load_config(None, cfg), tmp_path / "x")
     moved = 0
     for k, st in before.items():
@@ -421,7 +422,7 @@ def test_ccvr_feedback_sends_the_calibrated_head(tmp_path):
     for feedback in (False, True):
         exp, init, res, k, state = one_round(tmp_path, ["method=ccvr", f"method.feedback={str(feedback).lower()}"],
                                              name=f"f{feedback}")
-        server = torch.load(tmp_path / f"f{feedback}" / "checkpoint.pt")["server_state"]
+        server = read_checkpoint(tmp_path / f"f{feedback}" / "checkpoint.pt")["server_state"]
         payload = exp.method.broadcast(res.global_state, server)
         head = payload["model.classifier.weight"]
         calibrated, averaged = res.global_state["classifier.weight"], server["ccvr.raw.classifier.weight"]
@@ -434,7 +435,7 @@ def test_fedpac_with_several_clients_combines_heads_and_not_without_collaboratio
 
     cfg = ONE + ["method=fedpac", "clients_per_round=3"]
     exp, init, res, _, _ = one_round(tmp_path, cfg, name="c")
-    ckpt = torch.load(tmp_path / "c" / "checkpoint.pt")
+    ckpt = read_checkpoint(tmp_path / "c" / "checkpoint.pt")
     selected, states, server = res.history[0]["clients"], ckpt["client_states"], ckpt["server_state"]
     v = torch.stack([states[k]["pac.v"] for k in selected])
     h = torch.stack([states[k]["pac.h"] for k in selected])
@@ -451,7 +452,7 @@ def test_fedpac_with_several_clients_combines_heads_and_not_without_collaboratio
         assert exp.method.download(server, k, 1)  # a combined head goes down at its next visit
     assert combined_any
     exp2, _, res2, _, _ = one_round(tmp_path, cfg + ["method.collaborate=false"], name="n")
-    server2 = torch.load(tmp_path / "n" / "checkpoint.pt")["server_state"]
+    server2 = read_checkpoint(tmp_path / "n" / "checkpoint.pt")["server_state"]
     assert server2["pac.has_head"].sum() == 0
     assert all(exp2.method.download(server2, k, 1) == {} for k in res2.history[0]["clients"])
 

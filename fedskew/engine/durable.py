@@ -105,8 +105,9 @@ def fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(write, path: Path) -> None:
-    """``write(fh)`` into a temporary file, fsync it, rename it over ``path``, fsync the folder."""
+def atomic_write(write, path: Path, sync_folder: bool = True) -> None:
+    """``write(fh)`` into a temporary file, fsync it, rename it over ``path``, fsync the folder
+    (``sync_folder=False``: the caller fsyncs it once after several files)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as fh:
@@ -126,7 +127,8 @@ def atomic_write(write, path: Path) -> None:
                 raise cause from exc
         raise
     os.replace(tmp, path)
-    fsync_folder(path.parent)
+    if sync_folder:
+        fsync_folder(path.parent)
 
 
 def save_png(fig, path: Path, dpi: int = 100) -> Path:
@@ -145,12 +147,12 @@ def atomic_write_text(text: str, path: Path) -> None:
     atomic_write(lambda fh: fh.write(text.encode()), path)
 
 
-def atomic_save(obj, path: Path) -> None:
+def atomic_save(obj, path: Path, sync_folder: bool = True) -> None:
     """``torch.save`` made durable: the file at ``path`` is complete or absent (streamed to disk, so
     a large checkpoint is never held twice in memory)."""
     import torch
 
-    atomic_write(lambda fh: torch.save(obj, fh), path)
+    atomic_write(lambda fh: torch.save(obj, fh), path, sync_folder)
 
 
 def append_line(record: dict, path: Path) -> None:
@@ -183,4 +185,4 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
-__all__ = ["FolderLock", "append_line", "blocking_file", "atomic_save", "atomic_write_text", "read_records"]
+__all__ = ["FolderLock", "append_line", "blocking_file", "atomic_save", "atomic_write_text", "fsync_folder", "read_records"]

@@ -216,8 +216,8 @@ class LaneExecutor(VectorizedExecutor):
                               m.trainable, m.augs, m.correction, m.padded, m.sam, m.pairs, m.options, m.check, m.gens)
         return split_result(out, [len(r.rows) for r in requests], m.fixed)
 
-    def run_stage(self, stage, starts, states, schedules, clients, payload, lrs, round_idx, pairs=None):
-        request = self.stage_request(stage, starts, states, schedules, clients, payload, lrs, round_idx, pairs)
+    def run_stage(self, plan, starts, states, clients, payload, round_idx):
+        request = self.stage_request(plan, starts, states, clients, payload, round_idx)
         return self.finish_request(request, *self.pack.submit(self, request))
 
 

@@ -13,7 +13,7 @@ from fedskew.algorithms.tensors import sam_perturbation
 from fedskew.data.augment import crop_flip
 from fedskew.data.federated import Federation
 from fedskew.engine.batched_sgd import FP16_GROWTH_INTERVAL, FP16_INIT_SCALE
-from fedskew.engine.protocol import ClientResult, Executor, LocalSettings, Stage, client_round, make_forward
+from fedskew.engine.protocol import ClientResult, Executor, LocalSettings, StagePlan, client_round, make_forward
 from fedskew.models.functional import bn_recalibration_fn, feature_fn, frozen_fn, low_precision, predict
 from fedskew.models.nets import DROPOUT_MASKS, GeneratorMasks
 from fedskew.streams import dropout_generator, torch_seed
@@ -143,27 +143,23 @@ class SequentialExecutor(Executor):
             client_id, round_idx, self.x[idx], self.y[idx], frozen_fn(self.model),
             None if val is None else self.x[val], None if val is None else self.y[val]))
 
-    def run_stage(self, stage: Stage, starts, states, schedules, clients, payload, lrs, round_idx, pairs=None):
+    def run_stage(self, plan: StagePlan, starts, states, clients, payload, round_idx):
         """Each client in turn: its start state loaded into the one model, a fresh torch.optim.SGD,
         and torch's global generator seeded from the stream (seed, ``local_rng``, round, client,
         stage), so that random layers (dropout) draw the same masks whatever ran before in this
         process: another run of a sweep worker, or the rounds before a resume. Dropout layers
         (``StreamDropout``) draw their masks from the client's own ``dropout`` stream instead."""
-        method = self.method
-        loss_fn = method.local_loss if stage == "upload" else method.personal_loss
         trained, means = [], []
-        for i, (start, state, batches, k, lr) in enumerate(zip(starts, states, schedules, clients, lrs)):
-            torch.manual_seed(torch_seed(self.settings.seed, "local_rng", round_idx, k, stage == "personal"))
+        for i, (start, state, k) in enumerate(zip(starts, states, clients)):
+            torch.manual_seed(torch_seed(self.settings.seed, "local_rng", round_idx, k, plan.stream == 1))
             load_state(self.model, start)
             # dropout masks from the client's own stream, as the vectorised executor draws them
-            token = DROPOUT_MASKS.set(GeneratorMasks(dropout_generator(self.settings.seed, round_idx, k,
-                                                                       int(stage == "personal"))))
+            token = DROPOUT_MASKS.set(GeneratorMasks(dropout_generator(self.settings.seed, round_idx, k, plan.stream)))
             try:
                 means.append(self._sgd_stage(
-                    loss_fn, self.train_idx[k], batches, lr, payload, state, method.trained_params(stage),
-                    self.settings.augmentation(round_idx, k, 0 if stage == "upload" else 1, sum(map(len, batches))),
-                    method.step_correction(payload, state) if stage == "upload" else None,
-                    method.sam if stage == "upload" else None, pairs[i] if pairs else None))
+                    plan.loss, self.train_idx[k], plan.schedules[i], plan.lrs[i], payload, state, plan.trainable,
+                    plan.augment[i] if plan.augment else None, plan.corrections[i] if plan.corrections else None,
+                    plan.sam, plan.pairs[i] if plan.pairs else None))
             finally:
                 DROPOUT_MASKS.reset(token)
             trained.append(federated_state(self.model))

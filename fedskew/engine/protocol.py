@@ -6,7 +6,9 @@ personalisation stage) -> the uploaded model's training with ``step_correction``
 ``after_training`` -> the personalisation stage -> ``personal_state``, with the local accuracy before and after. Executors
 differ only in how a stage trains (:class:`StageRunner`): the sequential executor (and so
 Flower's ClientApp) one client after another with torch.optim.SGD, the vectorised one all clients
-stacked in one ``torch.func`` program. :func:`dispatch` is what the server sends a round's
+stacked in one ``torch.func`` program. What a stage trains (loss, trainable parameters, schedules,
+learning rates, the step correction, SAM, paired samples, crop/flip draws, whether it may be padded)
+is one :class:`StagePlan` made here and read by both: a new stage knob is a field and its two readers. :func:`dispatch` is what the server sends a round's
 clients (``broadcast`` + ``download``), for the rounds and the final personalisation alike.
 :func:`make_forward` builds the :class:`Forward` a method's loss receives, for both executors.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Callable, Literal, Protocol
 
 import numpy as np
 import torch
@@ -89,6 +91,55 @@ def stage_schedules(settings: LocalSettings, method: Method, round_idx: int, cli
     return batches[:steps_a], batches[steps_a:steps_a + steps_b], lr_b
 
 
+def stage_loss(method: Method, stage: Stage) -> Callable:
+    """The loss a stage trains: ``Method.local_loss`` (the uploaded model) or ``personal_loss``."""
+    return method.local_loss if stage == "upload" else method.personal_loss
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage of a round's clients as every executor trains it (made by :func:`plan_stage`):
+    each client in turn from its start state (the sequential executor) or all of them stacked (the
+    vectorised one) do local SGD on ``loss`` over their ``schedules`` at ``lrs``."""
+
+    stage: Stage
+    loss: Callable  # stage_loss(method, stage)
+    trainable: frozenset[str] | None  # Method.trained_params(stage); None: every parameter
+    schedules: list[list[np.ndarray]]  # each client's batches (positions into its training rows)
+    lrs: list[float]
+    corrections: list[State] | None  # each client's Method.step_correction, applied after every step; None: none
+    sam: object | None  # Method.sam (upload stage): each step's gradient taken at w + eps
+    pairs: list | None  # each client's Method.paired_samples (joined to every batch); None: none
+    augment: list[torch.Tensor] | None  # each client's crop/flip draws of the stage's samples; None: off
+
+    @property
+    def stream(self) -> int:
+        """The stage's index in the per-client random streams (crop/flip, dropout, torch's generator)."""
+        return 0 if self.stage == "upload" else 1
+
+    @property
+    def paddable(self) -> bool:
+        """Whether a stacked step may pad short batches with zero-weight rows (not with paired samples)."""
+        return self.pairs is None
+
+
+def plan_stage(method: Method, settings: LocalSettings, stage: Stage, clients: list[int], states: list[State],
+               schedules: list[list[np.ndarray]], lrs: list[float], payload: State, round_idx: int,
+               pairs: list | None) -> StagePlan:
+    """The :class:`StagePlan` of ``stage`` for ``clients`` (their prepared ``states``)."""
+    corrections = None
+    if stage == "upload":
+        corrections = [method.step_correction(payload, st) for st in states]
+        if all(c is None for c in corrections):
+            corrections = None
+    augment = None
+    if settings.augment_pad:
+        stream = 0 if stage == "upload" else 1
+        augment = [settings.augmentation(round_idx, k, stream, sum(map(len, sc))) for k, sc in zip(clients, schedules)]
+    return StagePlan(stage, stage_loss(method, stage), method.trained_params(stage), schedules, list(lrs),
+                     corrections, method.sam if stage == "upload" else None, pairs, augment)
+
+
 def make_forward(model: nn.Module, params: State, buffers: State, cast_dtype=None, weights=None,
                  own: bool = False) -> Forward:
     """The :class:`Forward` of ``model`` with ``params`` and ``buffers`` (both executors' training
@@ -121,13 +172,10 @@ class StageRunner(Protocol):
         """Each state's accuracy on the validation hold-out, weighted to its client's label
         distribution (None: no hold-out); asked for when the runner's ``score_validation`` is set."""
 
-    def run_stage(self, stage: Stage, starts: list[State], states: list[State], schedules: list[list[np.ndarray]],
-                  clients: list[int], payload: State, lrs: list[float], round_idx: int, pairs: list | None = None
-                  ) -> tuple[list[State], list[dict[str, float]]]:
-        """Local SGD of each client from its start state on its schedule (the stage's loss,
-        trainable parameters and, for the upload stage, ``step_correction``), each batch joined by
-        its rows of the client's ``Method.paired_samples`` where ``pairs`` gives them: the trained
-        states (parameters and float buffers) and each client's mean tracked values (``loss`` and aux)."""
+    def run_stage(self, plan: StagePlan, starts: list[State], states: list[State], clients: list[int],
+                  payload: State, round_idx: int) -> tuple[list[State], list[dict[str, float]]]:
+        """Local SGD of each client from its start state as ``plan`` says: the trained states
+        (parameters and float buffers) and each client's mean tracked values (``loss`` and aux)."""
 
 
 def client_round(runner: StageRunner, round_idx: int, clients: list[int], payload: State,
@@ -149,8 +197,9 @@ def client_round(runner: StageRunner, round_idx: int, clients: list[int], payloa
 
     def personal_stage(begin_from: list[State], states: list[State]) -> list[State]:
         begin = [method.personal_start(t, payload, st) for t, st in zip(begin_from, states)]
-        personal, means = runner.run_stage("personal", begin, states, [p[1] for p in plans], clients, payload,
-                                           [p[2] for p in plans], round_idx, pairs)
+        plan = plan_stage(method, settings, "personal", clients, states, [p[1] for p in plans], [p[2] for p in plans],
+                          payload, round_idx, pairs)
+        personal, means = runner.run_stage(plan, begin, states, clients, payload, round_idx)
         out = []
         for i, (plan, st) in enumerate(zip(plans, states)):
             if plan[1]:  # a client with no personalisation step keeps its state
@@ -162,8 +211,9 @@ def client_round(runner: StageRunner, round_idx: int, clients: list[int], payloa
     if has_personal and method.personal_first:
         states = personal_stage(starts, states)
         starts = [method.local_start(payload, st) for st in states]
-    trained, means = runner.run_stage("upload", starts, states, [p[0] for p in plans], clients, payload,
-                                      [lr] * len(clients), round_idx, pairs)
+    plan = plan_stage(method, settings, "upload", clients, states, [p[0] for p in plans], [lr] * len(clients),
+                      payload, round_idx, pairs)
+    trained, means = runner.run_stage(plan, starts, states, clients, payload, round_idx)
     results = []
     for i, k in enumerate(clients):
         upload, new_state = method.after_training(trained[i], payload, states[i], reports[i])
@@ -226,5 +276,5 @@ def to_device(state: State, device: torch.device) -> State:
     return {k: v.to(device) for k, v in state.items()}
 
 
-__all__ = ["ClientResult", "Executor", "LocalSettings", "StageRunner", "batch_schedule", "client_round", "dispatch",
-           "make_forward", "stage_schedules", "to_device"]
+__all__ = ["ClientResult", "Executor", "LocalSettings", "StagePlan", "StageRunner", "batch_schedule", "client_round",
+           "dispatch", "make_forward", "plan_stage", "stage_loss", "stage_schedules", "to_device"]

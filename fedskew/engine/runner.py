@@ -32,8 +32,8 @@ from fedskew.engine.durable import LOCK_NAME, STOP, FolderLock, RunInterrupted, 
 from fedskew.engine.lanes import LaneExecutor
 from fedskew.engine.local import SequentialExecutor, federated_state, load_state
 from fedskew.engine.protocol import LocalSettings, dispatch, to_device
-from fedskew.engine.rundir import (STORAGE_ERRNOS, RunDir, RunResult, StorageError, default_run_dir, environment,
-                                   run_identity)
+from fedskew.engine.rundir import (STORAGE_ERRNOS, ClientStates, RunDir, RunResult, StorageError, default_run_dir,
+                                   environment, run_identity)
 from fedskew.engine.tracking import Trackers, check_available
 from fedskew.engine.vectorized import VectorizedExecutor
 from fedskew.metrics import (client_means, communication, feature_stats, forgetting_record, global_metrics, mean_std,
@@ -200,7 +200,7 @@ class Experiment:
             start, history = 0, []
             global_state = federated_state(self.model)
             server_state = method.server_init(global_state, self.info)
-            client_states, totals = {}, {"up": 0, "down": 0, "up_model": 0, "down_model": 0}
+            client_states, totals = ClientStates(), {"up": 0, "down": 0, "up_model": 0, "down_model": 0}
         atomic_write_text("".join(json.dumps(h) + "\n" for h in history), self.run_dir / "metrics.jsonl")
         trackers = Trackers(cfg, self.run_dir, start)
         summary = None
@@ -211,9 +211,9 @@ class Experiment:
             trackers.finish(summary)
         return self._result(summary, history, global_state)
 
-    def _load_checkpoint(self) -> dict | None:
+    def _load_checkpoint(self, clients: bool = True) -> dict | None:
         return self.files.load_checkpoint({k: v.shape for k, v in federated_state(self.model).items()}, self.device,
-                                          run_identity(self.cfg))
+                                          run_identity(self.cfg), clients)
 
     def _result(self, summary: dict, history: list[dict], global_state: dict) -> RunResult:
         """The result, with the final global state loaded into ``self.model`` (eval mode)."""
@@ -226,7 +226,7 @@ class Experiment:
         """The finished run in the run directory, read back: its checkpoint, metrics and summary
         (nothing is written); None when its last checkpoint is unreadable (the one before it was
         read: resuming from it runs the last rounds again, exactly)."""
-        ckpt = self._load_checkpoint()
+        ckpt = self._load_checkpoint(clients=False)
         if ckpt is None or ckpt["next_round"] != self.cfg.rounds:
             return None
         summary = json.loads((self.run_dir / "summary.json").read_text())

@@ -58,7 +58,8 @@ from fedskew.data.federated import Federation
 from fedskew.engine.batched_sgd import FP16_INIT_SCALE, sgd_, unscale
 from fedskew.engine.local import SequentialExecutor, join_pairs
 from fedskew.engine.memory import GATHER_BYTES, DeviceMemory, chunk_size
-from fedskew.engine.protocol import ClientResult, Executor, LocalSettings, Stage, client_round, make_forward
+from fedskew.engine.protocol import (ClientResult, Executor, LocalSettings, Stage, StagePlan, client_round,
+                                     make_forward, stage_loss)
 from fedskew.models.functional import call, in_eval_mode, low_precision
 from fedskew.models.nets import DROPOUT_MASKS, BufferMasks, StreamDropout, dropout_mask
 from fedskew.streams import dropout_generator
@@ -198,7 +199,7 @@ class VectorizedExecutor(Executor):
         masks drawn ahead for this step (:class:`~fedskew.models.nets.BufferMasks`), else None."""
         def loss(params, buffers, x, y, payload, client_state, weights=None, options=None, masks=None):
             fwd = make_forward(self.model, params, buffers, self._cast, weights)
-            loss_fn = self.method.local_loss if stage == "upload" else self.method.personal_loss
+            loss_fn = stage_loss(self.method, stage)
             token = None if masks is None else DROPOUT_MASKS.set(BufferMasks(masks, self._mask_blocks))
             try:
                 if options is None:
@@ -386,27 +387,21 @@ class VectorizedExecutor(Executor):
     def score_validation(self, on: bool) -> None:  # the fallback path scores through the sequential one
         self.sequential.score_validation = on
 
-    def run_stage(self, stage: Stage, starts, states, schedules, clients, payload, lrs, round_idx, pairs=None):
-        request = self.stage_request(stage, starts, states, schedules, clients, payload, lrs, round_idx, pairs)
+    def run_stage(self, plan: StagePlan, starts, states, clients, payload, round_idx):
+        request = self.stage_request(plan, starts, states, clients, payload, round_idx)
         return self.finish_request(request, *self.train_requests([request])[0])
 
-    def stage_request(self, stage: Stage, starts, states, schedules, clients, payload, lrs, round_idx,
-                      pairs=None) -> "StageRequest":
+    def stage_request(self, plan: StagePlan, starts, states, clients, payload, round_idx) -> "StageRequest":
         """Everything one stage of this run's clients needs, stacked (its lanes)."""
-        if len(set(lrs)) > 1:
-            raise ValueError(f"clients of one round differ in their {stage} learning rate")
-        cstates = stack_states(states)
-        augs = None
-        if self.settings.augment_pad:
-            augs = torch.cat([self.settings.augmentation(round_idx, k, 0 if stage == "upload" else 1,
-                                                         sum(map(len, sc))) for k, sc in zip(clients, schedules)])
-        gens = [dropout_generator(self.settings.seed, round_idx, k, int(stage == "personal")) for k in clients] \
+        if len(set(plan.lrs)) > 1:
+            raise ValueError(f"clients of one round differ in their {plan.stage} learning rate")
+        gens = [dropout_generator(self.settings.seed, round_idx, k, plan.stream) for k in clients] \
             if self._dropouts else None
-        return StageRequest(self, stage, self._stack_starts(starts), cstates, schedules,
-                            [self.train_idx[k] for k in clients], payload, lrs[0], self.method.trained_params(stage),
-                            augs, self._correction(payload, cstates) if stage == "upload" else None,
-                            self.padded[stage] and not pairs, self.method.sam if stage == "upload" else None, pairs,
-                            gens)
+        return StageRequest(self, plan.stage, self._stack_starts(starts), stack_states(states), plan.schedules,
+                            [self.train_idx[k] for k in clients], payload, plan.lrs[0], plan.trainable,
+                            torch.cat(plan.augment) if plan.augment else None,
+                            stack_states(plan.corrections) if plan.corrections else None,
+                            self.padded[plan.stage] and plan.paddable, plan.sam, plan.pairs, gens)
 
     def finish_request(self, request: "StageRequest", trained_all: State, sums: dict, steps: np.ndarray):
         """The stage's result as ``StageRunner.run_stage`` gives it: each client's trained state (views
@@ -424,12 +419,6 @@ class VectorizedExecutor(Executor):
         return [self._run_stage(r.stage, r.start, r.cstates, r.schedules, r.rows, r.executor.x, r.executor.y,
                                 r.payload, False, r.lr, r.trainable, r.augs, r.correction, r.padded, r.sam, r.pairs,
                                 gens=r.gens)]
-
-    def _correction(self, payload: State, cstates: State) -> State | None:
-        """Every client's ``Method.step_correction``, stacked (None: the method has none)."""
-        if self.method.step_correction(payload, unstack(cstates, 0)) is None:
-            return None
-        return vmap(self.method.step_correction, in_dims=(None, 0))(payload, cstates)
 
     def _run_stage(self, stage: Stage, start: State, cstates: State, schedules: list[list[np.ndarray]],
                    lane_rows: list[torch.Tensor], x_table: torch.Tensor, y_table: torch.Tensor, payload: State,
