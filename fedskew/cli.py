@@ -110,7 +110,9 @@ def _start_line(cfg, exp) -> str:
     return (f"fedskew {__version__}: {cfg.method.name} ({shown}) on {exp.fed.data.describe()}; "
             f"{cfg.partition.name} partition of {exp.fed.num_clients} clients; model {cfg.model.name}; "
             f"{cfg.rounds} rounds of {cfg.clients_per_round} clients, E={cfg.local_epochs}, B={cfg.batch_size}, "
-            f"lr {cfg.lr}, momentum {cfg.momentum}; executor {cfg.executor}; seed {cfg.seed}; "
+            f"lr {cfg.lr}{'' if cfg.lr_schedule == 'step' and cfg.lr_decay == 1 else ' (' + cfg.lr_schedule + ')'}, "
+            f"{f'momentum {cfg.momentum}' if cfg.optimizer == 'sgd' else cfg.optimizer}; executor {cfg.executor}; "
+            f"seed {cfg.seed}; "
             f"run directory {exp.run_dir}")
 
 

@@ -12,6 +12,7 @@ the key, the value and what is allowed.
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -202,7 +203,18 @@ class RunConfig(_Strict):
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(1e-5, ge=0)
     grad_clip: float | None = Field(None, gt=0, description="max global grad norm per client step")
-    lr_decay: float = Field(1.0, gt=0, le=1, description="lr at round t = lr * lr_decay**t")
+    lr_decay: float = Field(1.0, gt=0, le=1, description="lr_schedule=step: lr at round t = lr * lr_decay**(t // "
+                                                         "lr_decay_every)")
+    lr_decay_every: int = Field(1, ge=1, description="lr_schedule=step: rounds between two decays")
+    lr_schedule: Literal["step", "cosine"] = Field(
+        "step", description="the learning rate over rounds: step (lr_decay, lr_decay_every; a constant lr by "
+                            "default) or cosine (from lr at round 0 towards lr_min at round `rounds`)")
+    lr_min: float = Field(0.0, ge=0, description="lr_schedule=cosine: the floor the lr anneals towards")
+    optimizer: Literal["sgd", "adam", "adamw"] = Field(
+        "sgd", description="local optimiser, as torch.optim's: sgd (momentum, weight_decay), adam (weight_decay "
+                           "added to the gradient) or adamw (decoupled weight_decay); fresh every stage")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="optimizer=adam/adamw: (beta1, beta2)")
+    adam_eps: float = Field(1e-8, gt=0, description="optimizer=adam/adamw: the denominator's epsilon")
     seed: int = Field(0, ge=0)
     device: str = "cpu"
     out_dir: str = "runs"
@@ -291,16 +303,52 @@ class RunConfig(_Strict):
                                  f"only {sorted(RUN_DEFAULT_KEYS)}")
             if key not in self.model_fields_set:
                 self.__dict__[key] = value  # (not setattr: assignment would validate this model again)
+        self._check_optimiser()
         if self.clients_per_round > self.partition.num_clients:
             raise ValueError(f"clients_per_round = {self.clients_per_round} exceeds partition.num_clients = "
                              f"{self.partition.num_clients}")
         return self
+
+    def _check_optimiser(self) -> None:
+        """Keys of one optimiser or schedule set (to other than their defaults: a resolved config
+        holds every key) with another: one sentence each."""
+        fields = type(self).model_fields
+        given = {k for k in self.model_fields_set if getattr(self, k) != fields[k].default}
+        if self.optimizer != "sgd" and "momentum" in given:
+            raise ValueError(f"momentum applies to optimizer = sgd, not {self.optimizer} (its first moment is "
+                             f"adam_betas[0])")
+        if self.optimizer == "sgd" and {"adam_betas", "adam_eps"} & given:
+            raise ValueError(f"{', '.join(sorted({'adam_betas', 'adam_eps'} & given))} apply to optimizer = adam or "
+                             f"adamw, not sgd")
+        if not all(0 <= b < 1 for b in self.adam_betas):
+            raise ValueError(f"adam_betas = {list(self.adam_betas)}: each must lie in [0, 1)")
+        if self.lr_schedule == "cosine" and {"lr_decay", "lr_decay_every"} & given:
+            raise ValueError(f"{', '.join(sorted({'lr_decay', 'lr_decay_every'} & given))} apply to lr_schedule = "
+                             f"step, not cosine (which anneals towards lr_min)")
+        if self.lr_schedule == "step" and "lr_min" in given:
+            raise ValueError("lr_min applies to lr_schedule = cosine, not step")
+        if self.lr_min >= self.lr and self.lr_schedule == "cosine":
+            raise ValueError(f"lr_min = {self.lr_min} must be below lr = {self.lr}")
+
+    def round_lr(self, t: int) -> float:
+        """The local learning rate of round ``t`` (counted from 0; ``t = rounds``: the final
+        personalisation pass). step: lr * lr_decay ** (t // lr_decay_every); cosine: lr_min + (lr -
+        lr_min) (1 + cos(pi t / rounds)) / 2, the final pass at the last round's lr."""
+        if self.lr_schedule == "cosine":
+            t = min(t, self.rounds - 1)
+            return self.lr_min + (self.lr - self.lr_min) * (1 + math.cos(math.pi * t / self.rounds)) / 2
+        return self.lr * self.lr_decay ** (t // self.lr_decay_every)
 
     def resolved(self) -> dict[str, Any]:
         """The config as plain data, with the library version (written into every run directory)."""
         return {"fedskew_version": __version__, **self.model_dump(mode="json")}
 
 
+# Run keys added after run ids and checkpoint identities were first hashed, each with the value
+# that means "as before the key existed": at that value a run keeps its sweep run id and its
+# checkpoints' identity (experiments.spec.ADDED_KEYS, engine.rundir.run_identity).
+ADDED_RUN_KEYS = {"optimizer": "sgd", "adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "lr_schedule": "step",
+                  "lr_decay_every": 1, "lr_min": 0.0}
 RUN_DEFAULT_KEYS = frozenset({"lr", "momentum", "weight_decay", "grad_clip", "local_epochs", "batch_size"})
 RECORD_KEYS = ("fedskew_version", "environment", "environment_previous", "changes")
 SECTIONS = {"dataset": DatasetConfig, "partition": PartitionConfig, "model": ModelConfig}

@@ -27,9 +27,13 @@ from fedskew.engine.lanes import Pack, lane_option_plan
 from fedskew.engine.runner import Experiment
 from fedskew.experiments.sweep import pack_key, packs
 from fedskew.algorithms import METHODS, Method, build_method
-from test_vectorized import BASE, PARITY, TOL, max_difference
+from test_vectorized import BASE, PARITY, TOL, base_for, max_difference
 
 VEC = BASE + ["executor=vectorized"]
+
+
+def vec(extra: list[str]) -> list[str]:
+    return base_for(extra) + ["executor=vectorized"]
 
 
 @pytest.fixture(autouse=True)
@@ -60,15 +64,15 @@ def _is_float(text: str) -> bool:
 
 
 def alone(tmp_path, extra, name, lr_factor=None):
-    cfg = load_config(None, VEC + extra)
+    cfg = load_config(None, vec(extra) + extra)
     if lr_factor is not None:
-        cfg = load_config(None, VEC + extra + [f"lr={cfg.lr * lr_factor!r}"])
+        cfg = load_config(None, vec(extra) + extra + [f"lr={cfg.lr * lr_factor!r}"])
     return Experiment(cfg, tmp_path / name).run()
 
 
 def packed(tmp_path, configs: list[list[str]], **kw):
     pack = Pack(**kw)
-    experiments = [Experiment(load_config(None, VEC + extra), tmp_path / f"packed{i}", pack=pack)
+    experiments = [Experiment(load_config(None, vec(extra) + extra), tmp_path / f"packed{i}", pack=pack)
                    for i, extra in enumerate(configs)]
     return pack, pack.run(experiments)
 
@@ -120,7 +124,7 @@ def test_packed_runs_equal_each_run_alone(tmp_path, extra):
     # per round and chunk), except where a method's loss branches on an option's value (then one
     # call per run, as the notice says)
     if pack.merge:
-        cfg = load_config(None, VEC + extra + rounds)
+        cfg = load_config(None, vec(extra) + extra + rounds)
         chunks = -(-cfg.clients_per_round // (cfg.max_parallel_clients or cfg.clients_per_round))
         assert pack.calls <= max(len(r.history) for r in results) * 2 * chunks + 1
     else:
@@ -185,11 +189,11 @@ def test_a_resumed_run_joins_a_pack_at_its_own_round(tmp_path):
     from conftest import crash_after
 
     extra = ["rounds=4", "checkpoint_every=1"]
-    cfg = load_config(None, VEC + extra + ["seed=1"])
+    cfg = load_config(None, vec(extra) + extra + ["seed=1"])
     with pytest.raises(KeyboardInterrupt):
         Experiment(cfg, tmp_path / "packed1").run(crash_after(1))
     pack = Pack()
-    experiments = [Experiment(load_config(None, VEC + extra), tmp_path / "packed0", pack=pack),
+    experiments = [Experiment(load_config(None, vec(extra) + extra), tmp_path / "packed0", pack=pack),
                    Experiment(cfg, tmp_path / "packed1", resume=True, pack=pack),
                    Experiment(load_config(None, VEC + ["rounds=2", "seed=2"]), tmp_path / "packed2", pack=pack)]
     results = pack.run(experiments)

@@ -266,6 +266,41 @@ def test_sgd_fallback_equals_the_fused_kernel_and_torch_optim():
         assert torch.allclose(x, y, atol=1e-6) and torch.allclose(y, r.detach(), atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_batched_adam_equals_torch_optim_adam_lane_by_lane(kind):
+    """Three lanes stacked, each its own learning rate, one lane skipping a step (fp16 overflow: its
+    step count stays behind), clipping on: every lane ends where torch.optim.Adam / AdamW takes its
+    own copy of the parameters on its own gradients."""
+    from fedskew.engine.batched_sgd import optimizer_state, optimizer_step_
+    from fedskew.engine.protocol import LocalSettings
+
+    settings = LocalSettings(1, 1, weight_decay=0.05, grad_clip=2.0, optimizer=kind, betas=(0.8, 0.95), eps=1e-6)
+    g0 = torch.Generator().manual_seed(0)
+    shapes = {"w": (3, 4), "b": (5,)}
+    start = {n: torch.randn(3, *sh, generator=g0) for n, sh in shapes.items()}
+    lrs = torch.tensor([0.1, 0.03, 0.01])
+    grads = [{n: 3 * torch.randn(3, *sh, generator=g0) for n, sh in shapes.items()} for _ in range(4)]
+    skip = {(2, 1)}  # (step, lane): lane 1's third step overflows
+    params = {n: v.clone() for n, v in start.items()}
+    state = optimizer_state(params, settings)
+    for i, g in enumerate(grads):
+        ok = torch.tensor([(i, lane) not in skip for lane in range(3)])
+        optimizer_step_(params, {n: v.clone() for n, v in g.items()}, state, lrs, settings, ok)
+    for lane in range(3):
+        ref = [start[n][lane].clone().requires_grad_(True) for n in shapes]
+        opt = settings.torch_optimizer(ref, float(lrs[lane]))
+        for i, g in enumerate(grads):
+            if (i, lane) in skip:
+                continue
+            for r, n in zip(ref, shapes):
+                r.grad = g[n][lane].clone()
+            torch.nn.utils.clip_grad_norm_(ref, 2.0)
+            opt.step()
+        for r, n in zip(ref, shapes):
+            assert torch.allclose(params[n][lane], r.detach(), atol=1e-6, rtol=1e-5), (kind, lane, n)
+        assert state["step"][lane] == 4 - sum(1 for (_, ln) in skip if ln == lane)
+
+
 def test_a_missing_fused_kernel_falls_back(monkeypatch, tmp_path):
     ref = run(load_config(None, TINY + ["executor=vectorized"]), tmp_path / "a")
     monkeypatch.delattr(torch, "_fused_sgd_")
@@ -404,6 +439,77 @@ def test_lr_decay_scales_the_learning_rate_each_round(tmp_path):
         assert torch.equal(v, stepped.global_state[k]), k
     plain = run(load_config(None, TINY + ["lr=0.04"]), tmp_path / "c")
     assert any(not torch.equal(v, plain.global_state[k]) for k, v in decayed.global_state.items())
+
+
+def test_lr_schedules_give_the_hand_computed_rates_and_each_round_trains_at_its_own():
+    """step: lr * lr_decay ** (t // lr_decay_every); cosine: lr_min + (lr - lr_min)(1 + cos(pi t / T)) / 2,
+    the final personalisation pass (t = T) at the last round's rate."""
+    step = load_config(None, TINY + ["rounds=5", "lr=0.1", "lr_decay=0.5", "lr_decay_every=2"])
+    assert [step.round_lr(t) for t in range(6)] == [0.1, 0.1, 0.05, 0.05, 0.025, 0.025]
+    cos = load_config(None, TINY + ["rounds=4", "lr=0.1", "lr_schedule=cosine", "lr_min=0.02"])
+    hand = [0.1, 0.02 + 0.08 * (1 + 2 ** -0.5) / 2, 0.06, 0.02 + 0.08 * (1 - 2 ** -0.5) / 2]
+    assert [cos.round_lr(t) for t in range(5)] == pytest.approx(hand + hand[-1:], abs=1e-15)
+    assert load_config(None, TINY).round_lr(7) == load_config(None, TINY).lr  # the default: constant
+
+
+def test_a_cosine_run_equals_its_rounds_resumed_one_by_one_at_those_rates(tmp_path):
+    cos = run(load_config(None, TINY + ["rounds=3", "lr=0.04", "lr_schedule=cosine"]), tmp_path / "a")
+    assert [h["lr"] for h in cos.history] == pytest.approx([0.04, 0.03, 0.01])
+    run(load_config(None, TINY + ["lr=0.04", "rounds=1"]), tmp_path / "b")
+    resume(tmp_path / "b", changes=["lr=0.03", "rounds=2"])
+    stepped = resume(tmp_path / "b", changes=["lr=0.01", "rounds=3"])
+    for k, v in cos.global_state.items():
+        assert torch.allclose(v, stepped.global_state[k], atol=1e-7), k
+
+
+def test_an_adam_run_resumes_exactly_and_trains_otherwise_than_sgd(tmp_path):
+    """Adam's moments start fresh every stage (as SGD's momentum does), so nothing of them is
+    checkpointed: a run resumed after round 1 ends where the uninterrupted one does."""
+    adam = TINY + ["optimizer=adamw", "lr=0.003", "weight_decay=0.01"]
+    whole = run(load_config(None, adam), tmp_path / "a")
+    run(load_config(None, adam + ["rounds=1"]), tmp_path / "b")
+    resumed = resume(tmp_path / "b", changes=["rounds=2"])
+    sgd = run(load_config(None, TINY + ["lr=0.003"]), tmp_path / "c")
+    for k, v in whole.global_state.items():
+        assert torch.equal(v, resumed.global_state[k]), k
+    assert any((v - sgd.global_state[k]).abs().max() > 1e-3 for k, v in whole.global_state.items())
+
+
+@pytest.mark.parametrize("args, text", [
+    (["optimizer=rmsprop"], "'optimizer' = 'rmsprop' is not allowed: Input should be 'sgd', 'adam' or 'adamw'"),
+    (["optimizer=adam", "momentum=0.5"], "momentum applies to optimizer = sgd, not adam"),
+    (["adam_eps=1e-6"], "adam_eps apply to optimizer = adam or adamw, not sgd"),
+    (["optimizer=adamw", "adam_betas=[0.9,1.0]"], "adam_betas = [0.9, 1.0]: each must lie in [0, 1)"),
+    (["lr_schedule=cosine", "lr_decay=0.9"], "lr_decay apply to lr_schedule = step, not cosine"),
+    (["lr_min=0.001"], "lr_min applies to lr_schedule = cosine, not step"),
+    (["lr_schedule=cosine", "lr=0.01", "lr_min=0.02"], "lr_min = 0.02 must be below lr = 0.01"),
+])
+def test_optimiser_and_schedule_keys_that_do_not_fit_are_one_sentence(args, text):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, TINY + args)
+    assert text in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_bad_optimiser_in_the_cli_is_one_sentence_exit_2_and_writes_nothing(tmp_path):
+    out = cli("run", "optimizer=adagrad", "rounds=1", f"out_dir={tmp_path}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert "optimizer" in out.stderr and "'sgd', 'adam' or 'adamw'" in out.stderr, out.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_new_run_keys_at_their_defaults_keep_run_ids_and_checkpoint_identities():
+    """A run that leaves the optimiser and schedule keys at their defaults is the run it was before
+    they existed: the same sweep run id and checkpoint identity; a run that sets one is another."""
+    from fedskew.engine.rundir import run_identity as checkpoint_identity
+    from fedskew.experiments.spec import run_identity as sweep_identity
+
+    plain = load_config(None, ["method=fedavg"])
+    adam = load_config(None, ["method=fedavg", "optimizer=adam"])
+    assert not {"optimizer", "adam_betas", "lr_schedule"} & set(sweep_identity(plain.model_dump(mode="json")))
+    assert sweep_identity(adam.model_dump(mode="json"))["optimizer"] == "adam"
+    assert checkpoint_identity(plain) != checkpoint_identity(adam)
+    cosine = load_config(None, ["method=fedavg", "lr_schedule=cosine"])
+    assert checkpoint_identity(plain) == checkpoint_identity(cosine)  # (a schedule may change at a resume)
 
 
 def test_eval_every_evaluates_every_nth_and_the_last_round_without_changing_training(tmp_path):

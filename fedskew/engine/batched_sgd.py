@@ -1,6 +1,7 @@
-"""SGD of many clients at once on stacked tensors (the vectorised executor's step): clipping of
-each client's global gradient norm as ``clip_grad_norm_`` does it, torch.optim.SGD's update
-through its fused kernel, and fp16's per-client dynamic loss scaling with GradScaler's rules."""
+"""The local optimiser of many clients at once on stacked tensors (the vectorised executor's
+step): clipping of each client's global gradient norm as ``clip_grad_norm_`` does it,
+torch.optim.SGD's update through its fused kernel or torch.optim.Adam / AdamW's (each client its
+own step count), and fp16's per-client dynamic loss scaling with GradScaler's rules."""
 
 from __future__ import annotations
 
@@ -37,26 +38,88 @@ def unscale(grads, scaler: dict[str, torch.Tensor]):
     return grads, ok
 
 
+def optimizer_state(params: State, settings) -> State:
+    """A fresh optimiser state for the stacked ``params`` (those the stage updates), flat so that a
+    step's lanes are picked from it like the parameters: SGD's momentum buffers (none at momentum
+    0), or Adam's first and second moments ``m.<name>``, ``v.<name>`` and each lane's step count."""
+    if settings.optimizer == "sgd":
+        return {n: torch.zeros_like(p) for n, p in params.items()} if settings.momentum else {}
+    lanes = next(iter(params.values())).shape[0]
+    return {**{f"m.{n}": torch.zeros_like(p) for n, p in params.items()},
+            **{f"v.{n}": torch.zeros_like(p) for n, p in params.items()},
+            "step": torch.zeros(lanes, dtype=torch.float64, device=next(iter(params.values())).device)}
+
+
+@torch.no_grad()
+def optimizer_step_(params: State, grads: State, state: State, lr, settings, ok: torch.Tensor | None = None) -> None:
+    """One step of the settings' optimiser for every lane, in place (:func:`sgd_` or :func:`adam_`)."""
+    if settings.optimizer == "sgd":
+        sgd_(params, grads, state or None, lr, settings, ok)
+    else:
+        adam_(params, grads, state, lr, settings, ok)
+
+
+def _clipped(g: list[torch.Tensor], settings) -> list[torch.Tensor]:
+    """Each lane's gradients scaled to global norm <= grad_clip, as clip_grad_norm_ does."""
+    if settings.grad_clip is None:
+        return g
+    norms = torch.sqrt(sum(t.pow(2).flatten(1).sum(1) for t in g))
+    coef = torch.clamp(settings.grad_clip / (norms + 1e-6), max=1.0)
+    return [t * coef.view(-1, *[1] * (t.dim() - 1)) for t in g]
+
+
+def _keep_where_ok(step, tensors: list[dict], ok: torch.Tensor) -> None:
+    """Run ``step()``, then give back their values to the lanes with ``ok`` False (fp16 overflow:
+    GradScaler skips the optimiser step)."""
+    before = [{k: v.clone() for k, v in d.items()} for d in tensors]
+    step()
+    for d, old in zip(tensors, before):
+        for k, v in d.items():
+            v.copy_(torch.where(ok.view(-1, *[1] * (v.dim() - 1)), v, old[k]))
+
+
+@torch.no_grad()
+def adam_(params: State, grads: State, state: State, lr, settings, ok: torch.Tensor | None = None) -> None:
+    """One torch.optim.Adam step (``settings.optimizer`` adam: weight decay added to the gradient;
+    adamw: decoupled, p *= 1 - lr wd first) for every lane, in place on ``params`` and ``state``
+    (:func:`optimizer_state`), with torch's single-tensor arithmetic: m = lerp(m, g, 1 - b1),
+    v = b2 v + (1 - b2) g^2, p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps), t each
+    lane's own step count. ``lr``: a float or one per lane."""
+    if ok is not None:
+        _keep_where_ok(lambda: adam_(params, grads, state, lr, settings), [params, state], ok)
+        return
+    s = settings
+    (b1, b2), names = s.betas, list(params)
+    g = _clipped([grads[n] for n in names], s)
+    state["step"] += 1
+    t = state["step"]
+    lr_t = lr.double() if isinstance(lr, torch.Tensor) else torch.full_like(t, lr)
+    step_size = lr_t / (1 - b1 ** t)  # (per lane, in float64 as torch's Python floats)
+    bc2_sqrt = (1 - b2 ** t).sqrt()
+    for n, grad in zip(names, g):
+        p, m, v = params[n], state[f"m.{n}"], state[f"v.{n}"]
+        shape = (-1, *[1] * (p.dim() - 1))
+        if s.weight_decay and s.optimizer == "adamw":
+            p.mul_((1 - lr_t * s.weight_decay).to(p.dtype).view(shape))
+        elif s.weight_decay:
+            grad = grad.add(p, alpha=s.weight_decay)
+        m.lerp_(grad, 1 - b1)
+        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        denom = (v.sqrt() / bc2_sqrt.to(p.dtype).view(shape)).add_(s.eps)
+        p.sub_(m / denom * step_size.to(p.dtype).view(shape))
+
+
 @torch.no_grad()
 def sgd_(params: State, grads: State, momentum: State | None, lr, settings, ok: torch.Tensor | None = None) -> None:
     """One torch.optim.SGD step (dampening 0, no Nesterov) for every client at once, in place
     on ``params`` and ``momentum``; clients with ``ok`` False (fp16 overflow) keep both. ``lr``: a
     float, or a tensor of one learning rate per client (the lanes of a pack)."""
     if ok is not None:
-        before = [dict(params), dict(momentum or {})]
-        before = [{k: v.clone() for k, v in d.items()} for d in before]
-        sgd_(params, grads, momentum, lr, settings)
-        for d, old in zip((params, momentum or {}), before):
-            for k, v in d.items():
-                v.copy_(torch.where(ok.view(-1, *[1] * (v.dim() - 1)), v, old[k]))
+        _keep_where_ok(lambda: sgd_(params, grads, momentum, lr, settings), [params, momentum or {}], ok)
         return
     s = settings
     names = list(params)
-    g = [grads[n] for n in names]
-    if s.grad_clip is not None:
-        norms = torch.sqrt(sum(t.pow(2).flatten(1).sum(1) for t in g))
-        coef = torch.clamp(s.grad_clip / (norms + 1e-6), max=1.0)
-        g = [t * coef.view(-1, *[1] * (t.dim() - 1)) for t in g]
+    g = _clipped([grads[n] for n in names], s)
     # torch.optim.SGD's fused kernel: g += wd * p; buf = m * buf + g; p -= lr * buf (one pass
     # over the tensors instead of four; the zero-initialised buffer makes the first step buf = g).
     p = [params[n] for n in names]

@@ -128,7 +128,7 @@ class SequentialExecutor(Executor):
 
     def report(self, client_id: int, num_steps: int, lr: float) -> ClientReport:
         idx = self.train_idx[client_id]
-        return ClientReport(client_id, len(idx), num_steps, lr, self.settings.momentum,
+        return ClientReport(client_id, len(idx), num_steps, lr, self.settings.sgd_momentum,
                             feature_fn(self.model, self.x, self.y, rows=idx),
                             bn_recalibration_fn(self.model, self.x, self.settings.batch_size, idx),
                             lambda: (self.x[idx], self.y[idx]))
@@ -179,7 +179,8 @@ class SequentialExecutor(Executor):
                    payload: State, client_state: State, trainable: frozenset[str] | None = None,
                    augment: torch.Tensor | None = None, correction: State | None = None, sam=None,
                    pair: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
-        """Train the loaded model on ``batches`` with a fresh torch.optim.SGD over the ``trainable``
+        """Train the loaded model on ``batches`` with a fresh local optimiser (torch.optim.SGD, Adam or
+        AdamW: :meth:`LocalSettings.torch_optimizer`) over the ``trainable``
         parameters (None: all; the others are frozen), each batch augmented with its rows of
         ``augment`` when given, and ``p -= lr * correction[p]`` after every optimizer step
         (``Method.step_correction``); ``sam`` (``Method.sam``): every step takes its gradient at
@@ -191,7 +192,7 @@ class SequentialExecutor(Executor):
         params = dict(model.named_parameters())
         updated = [p for k, p in params.items() if trainable is None or k in trainable]
         frozen = [p for k, p in params.items() if trainable is not None and k not in trainable]
-        opt = torch.optim.SGD(updated, lr=lr, momentum=s.momentum, weight_decay=s.weight_decay)
+        opt = s.torch_optimizer(updated, lr)
         fwd = module_forward(model, s.precision)
         # fp16: dynamic loss scaling, a step with non-finite gradients skipped; else a pass-through
         scaler = torch.amp.GradScaler(self.device.type, init_scale=FP16_INIT_SCALE, growth_interval=FP16_GROWTH_INTERVAL,

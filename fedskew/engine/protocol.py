@@ -33,8 +33,10 @@ Stage = Literal["upload", "personal"]
 
 @dataclass(frozen=True)
 class LocalSettings:
-    """Mini-batch SGD on a client: torch.optim.SGD semantics (dampening 0, no Nesterov; weight
-    decay added to the gradient before momentum; optional clipping of the global grad norm)."""
+    """Mini-batch training on a client with a fresh optimiser every stage: torch.optim.SGD
+    semantics (dampening 0, no Nesterov; weight decay added to the gradient before momentum), or
+    torch.optim.Adam / AdamW (``optimizer``; ``betas``, ``eps``); optional clipping of the global
+    grad norm."""
 
     epochs: int
     batch_size: int
@@ -44,6 +46,21 @@ class LocalSettings:
     seed: int = 0
     augment_pad: int = 0  # > 0: random crop with this zero padding + horizontal flip of training batches
     precision: str = "fp32"  # fp32 | bf16 | fp16: the training forward's compute dtype (low_precision)
+    optimizer: str = "sgd"  # sgd | adam | adamw
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    @property
+    def sgd_momentum(self) -> float:
+        """The SGD momentum the local steps use (0 with Adam: what ClientReport.momentum tells methods)."""
+        return self.momentum if self.optimizer == "sgd" else 0.0
+
+    def torch_optimizer(self, params, lr: float) -> torch.optim.Optimizer:
+        """The torch.optim optimiser of these settings (the sequential executor's, the reference)."""
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        cls = torch.optim.Adam if self.optimizer == "adam" else torch.optim.AdamW
+        return cls(params, lr=lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
 
     def augmentation(self, round_idx: int, client_id: int, stage: int, n: int) -> torch.Tensor | None:
         """The crop/flip draws of a stage's n samples (None: augmentation off); stage 0 is the

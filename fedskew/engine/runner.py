@@ -265,7 +265,7 @@ class Experiment:
         cfg, method = self.cfg, self.method
         t0 = time.perf_counter()
         selected = sample_clients(cfg.seed, t, self.fed.num_clients, cfg.clients_per_round)
-        lr = cfg.lr * cfg.lr_decay ** t
+        lr = cfg.round_lr(t)
         t1 = time.perf_counter()
         # Persistent client states (HPMs, control variates, previous models) live in host memory
         # between rounds; only the selected clients' states visit the device.
@@ -368,7 +368,7 @@ class Experiment:
         self.executor.score_validation = validate
         try:
             results = self.executor.train_round(cfg.rounds, clients, payload, states,
-                                                cfg.lr * cfg.lr_decay ** cfg.rounds, **self._downloads_for(downloads))
+                                                cfg.round_lr(cfg.rounds), **self._downloads_for(downloads))
         finally:
             self.executor.score_validation = False
         before, before_std = mean_std([r.acc_before for r in results])
@@ -393,7 +393,8 @@ def make_executor(cfg, model, fed, method, device, pack=None):
     """The run's executor (``cfg`` a RunConfig); with ``pack`` (a :class:`~fedskew.engine.lanes.Pack`) the vectorised one
     whose stages train as lanes of the pack's stacked program."""
     settings = LocalSettings(cfg.local_epochs, cfg.batch_size, cfg.momentum, cfg.weight_decay,
-                             cfg.grad_clip, cfg.seed, 4 if cfg.dataset.augment else 0, cfg.precision)
+                             cfg.grad_clip, cfg.seed, 4 if cfg.dataset.augment else 0, cfg.precision, cfg.optimizer,
+                             tuple(cfg.adam_betas), cfg.adam_eps)
     if pack is not None:
         return LaneExecutor(model, fed, method, settings, device, cfg.max_parallel_clients, cfg.pad_batches, pack=pack)
     if cfg.executor == "vectorized":

@@ -5,7 +5,8 @@ of the selected clients are stacked on a leading client dimension. Each local st
 loss of the clients and one ``torch.autograd.grad`` of its sum (client k's loss depends only on row
 k), followed by torch.optim.SGD's fused kernel on the stacked tensors, with its exact semantics
 (weight decay added to the gradient, then ``buf = m * buf + g``, ``p -= lr * buf``; clipping of
-each client's global grad norm as ``clip_grad_norm_`` does it). Stacked linear weights live in the
+each client's global grad norm as ``clip_grad_norm_`` does it), or torch.optim.Adam / AdamW's
+arithmetic with each client's own step count (``optimizer=adam|adamw``; batched_sgd.py). Stacked linear weights live in the
 memory layout of their vmapped gradients, where the fused kernel runs on contiguous memory.
 
 Unequal clients. Every client keeps exactly the batch schedule of the sequential executor (one
@@ -55,7 +56,7 @@ from fedskew.algorithms.compose import lane_options
 from fedskew.algorithms.tensors import sam_perturbation
 from fedskew.data.augment import crop_flip
 from fedskew.data.federated import Federation
-from fedskew.engine.batched_sgd import FP16_INIT_SCALE, sgd_, unscale
+from fedskew.engine.batched_sgd import FP16_INIT_SCALE, optimizer_state, optimizer_step_, unscale
 from fedskew.engine.local import SequentialExecutor, join_pairs
 from fedskew.engine.memory import GATHER_BYTES, DeviceMemory, chunk_size
 from fedskew.engine.protocol import (ClientResult, Executor, LocalSettings, Stage, StagePlan, client_round,
@@ -448,7 +449,7 @@ class VectorizedExecutor(Executor):
         buffers = {n: v.clone() for n, v in start.items() if n not in params}
         buffers.update({n: v.unsqueeze(0).repeat(G, *[1] * v.dim()) for n, v in self._int_buffers.items()})
         updated = [n for n in param_names if trainable is None or n in trainable]
-        momentum = {n: torch.zeros_like(params[n]) for n in updated} if s.momentum else None
+        opt_state = optimizer_state({n: params[n] for n in updated}, s)  # (SGD's momentum or Adam's moments)
         state_bytes = sum(t.numel() * t.element_size() for t in [*params.values(), *buffers.values()]) * 4
         self.peak_state_bytes = max(self.peak_state_bytes, state_bytes)
         lane_lr = isinstance(lr, torch.Tensor)
@@ -480,7 +481,7 @@ class VectorizedExecutor(Executor):
                 # row j of a lane's batch: its sample j, or (padding) its last sample again
                 at = take(first_d[:, step])[:, None] + torch.minimum(positions[:longest], n[:, None] - 1)
                 x, y = self._batch(at, rows, x_table, y_table, augs, paired)
-                p, buf, mom = pick(params), pick(buffers), pick(momentum) if momentum else None
+                p, buf, mom = pick(params), pick(buffers), pick(opt_state)
                 leaves = {k: v.detach().requires_grad_(k in updated) for k, v in p.items()}
                 c = pick(cstates)
                 pay = pick(payload) if lane_payload else payload
@@ -523,13 +524,13 @@ class VectorizedExecutor(Executor):
                     grads, ok = unscale(grads, sc)
                     put(scaler, sc, a, b, gi)
                 step_lr = take(lr) if lane_lr else lr
-                sgd_({k: p[k] for k in updated}, dict(zip(updated, grads)), mom, step_lr, s, ok)
+                optimizer_step_({k: p[k] for k in updated}, dict(zip(updated, grads)), mom, step_lr, s, ok)
                 if correction:
                     apply_correction({k: p[k] for k in updated}, pick(correction), step_lr if lane_lr else lr)
                 if gi is not None:  # scattered lanes: their copies written back
                     with torch.no_grad():
-                        for d, new in ((params, p), (buffers, buf), (momentum, mom)):
-                            put(d, new or {}, a, b, gi)
+                        for d, new in ((params, p), (buffers, buf), (opt_state, mom)):
+                            put(d, new, a, b, gi)
                 put(sums, {k: v.detach() for k, v in tracked.items()}, a, b, gi, add=True)
         return {**params, **{k: v for k, v in buffers.items() if v.is_floating_point()}}, sums, steps
 

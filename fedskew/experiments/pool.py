@@ -48,7 +48,7 @@ def execute_run(config: dict, run_dir: str, report: Callable[[tuple], None] | No
 
 # Run config keys in which the runs of one pack may differ (fedskew.engine.lanes), besides the
 # method's float options: everything else shapes the stacked step and must be equal.
-LANE_FREE = frozenset({"seed", "lr", "lr_decay", "partition", "rounds", "clients_per_round", "eval_every",
+LANE_FREE = frozenset({"seed", "lr", "lr_decay", "lr_decay_every", "lr_schedule", "lr_min", "partition", "rounds", "clients_per_round", "eval_every",
                        "checkpoint_every", "run_name", "out_dir", "logger", "logger_group", "fail_fast",
                        "feature_stats", "classifier_stats", "forgetting_stats", "forgetting_test_samples",
                        "final_personalization", *RECORD_KEYS})

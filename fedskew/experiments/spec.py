@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from fedskew.algorithms.base import StrictOptions
-from fedskew.config import (ConfigError, did_you_mean, former_architecture_keys, load_yaml, nested, set_key,
+from fedskew.config import (ADDED_RUN_KEYS, ConfigError, did_you_mean, former_architecture_keys, load_yaml, nested, set_key,
                             validate_config)
 
 _Strict = StrictOptions  # unknown keys are errors (one strict base for every schema)
@@ -167,13 +167,14 @@ def run_config(spec: SweepSpec, method: MethodSpec, params: dict, partition: str
 
 NOT_IDENTITY = ("logger", "logger_group")  # where a run is also logged does not change what it computes
 # run settings a grid point may set (``trials``); any other key of a point is a method option
-RUN_SETTINGS = ("lr", "local_epochs", "batch_size", "momentum", "weight_decay", "lr_decay", "grad_clip")
+RUN_SETTINGS = ("lr", "local_epochs", "batch_size", "momentum", "weight_decay", "lr_decay", "grad_clip", "optimizer",
+                "adam_betas", "adam_eps", "lr_schedule", "lr_decay_every", "lr_min")
 
 # Config keys added after sweep run ids were first hashed, each with the value that means "as before
 # the key existed": a run at that value keeps the id it had, so a new option (a new method's model
 # switch) never orphans the finished runs of a sweep. tests/test_sweep.py pins an id: a key added to
 # the schema without an entry here fails it.
-ADDED_KEYS = {"model.conditional_policy": False, "model.dropout": 0.0}
+ADDED_KEYS = {"model.conditional_policy": False, "model.dropout": 0.0, **ADDED_RUN_KEYS}
 
 
 def run_identity(cfg: dict) -> dict:
@@ -183,6 +184,10 @@ def run_identity(cfg: dict) -> dict:
     if isinstance(out.get("model"), dict) and isinstance(out.get("method"), dict):  # keys that left the schema
         out["model"] = {**former_architecture_keys(out["method"]), **out["model"]}
     for dotted, before in ADDED_KEYS.items():
+        if "." not in dotted:
+            if dotted in out and out[dotted] == before:
+                del out[dotted]
+            continue
         head, leaf = dotted.split(".")
         if isinstance(out.get(head), dict) and out[head].get(leaf, before) == before:
             out[head] = {k: v for k, v in out[head].items() if k != leaf}
