@@ -215,6 +215,12 @@ class RunConfig(_Strict):
                            "added to the gradient) or adamw (decoupled weight_decay); fresh every stage")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="optimizer=adam/adamw: (beta1, beta2)")
     adam_eps: float = Field(1e-8, gt=0, description="optimizer=adam/adamw: the denominator's epsilon")
+    stragglers: float = Field(0.0, ge=0, le=1, description="the fraction of clients that straggle each round: a "
+                                                           "straggler does a uniformly drawn 1 .. S-1 of its S local "
+                                                           "steps (seeded per round and client)")
+    client_dropout: float = Field(0.0, ge=0, lt=1, description="the fraction of selected clients that drop out after "
+                                                               "receiving the model (never answer; seeded per round "
+                                                               "and client; one always stays)")
     seed: int = Field(0, ge=0)
     device: str = "cpu"
     out_dir: str = "runs"
@@ -348,7 +354,7 @@ class RunConfig(_Strict):
 # that means "as before the key existed": at that value a run keeps its sweep run id and its
 # checkpoints' identity (experiments.spec.ADDED_KEYS, engine.rundir.run_identity).
 ADDED_RUN_KEYS = {"optimizer": "sgd", "adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "lr_schedule": "step",
-                  "lr_decay_every": 1, "lr_min": 0.0}
+                  "lr_decay_every": 1, "lr_min": 0.0, "stragglers": 0.0, "client_dropout": 0.0}
 RUN_DEFAULT_KEYS = frozenset({"lr", "momentum", "weight_decay", "grad_clip", "local_epochs", "batch_size"})
 RECORD_KEYS = ("fedskew_version", "environment", "environment_previous", "changes")
 SECTIONS = {"dataset": DatasetConfig, "partition": PartitionConfig, "model": ModelConfig}

@@ -39,6 +39,30 @@ def sample_clients(seed: int, round_idx: int, num_clients: int, per_round: int) 
     return sorted(int(i) for i in rng.choice(num_clients, size=per_round, replace=False))
 
 
+def dropped_clients(seed: int, round_idx: int, selected: list[int], fraction: float) -> list[int]:
+    """The selected clients that drop out of a round after receiving the model (stream
+    ``client_dropout``): each with probability ``fraction``, a function of (seed, round, client)
+    only; at least one stays (of all drawn to drop, the one with the highest draw)."""
+    if fraction <= 0 or not selected:
+        return []
+    draws = {k: numpy_rng(seed, "client_dropout", round_idx, k).random() for k in selected}
+    dropped = [k for k in selected if draws[k] < fraction]
+    if len(dropped) == len(selected):
+        dropped.remove(max(selected, key=lambda k: (draws[k], -k)))
+    return dropped
+
+
+def straggler_steps(seed: int, round_idx: int, client_id: int, fraction: float, steps: int) -> int:
+    """A client's local steps in a round where a ``fraction`` of clients straggle (stream
+    ``stragglers``): with probability ``fraction`` a number drawn uniformly from 1 .. steps - 1
+    (fewer than its ``steps``, FedProx's systems heterogeneity in steps instead of epochs), else
+    ``steps``; a function of (seed, round, client) only."""
+    if fraction <= 0 or steps <= 1:
+        return steps
+    rng = numpy_rng(seed, "stragglers", round_idx, client_id)
+    return int(rng.integers(1, steps)) if rng.random() < fraction else steps
+
+
 def batch_order(seed: int, round_idx: int, client_id: int, num_samples: int, epochs: int) -> list[np.ndarray]:
     """One permutation of the client's local indices per local epoch."""
     rng = numpy_rng(seed, "batch_order", round_idx, client_id)

@@ -243,6 +243,10 @@ CASES = [
      "adam_eps=1e-3"],
     ["optimizer=adamw", "method=fedsam", "lr=0.003", "pad_batches=false"],
     ["lr_schedule=cosine", "lr_min=0.001", "rounds=3"],
+    # issue 48: stragglers (each its own shorter schedule: grouped lanes end early) and dropped clients,
+    # on one stage and on two (the cut budget split between them)
+    ["stragglers=0.5", "client_dropout=0.3", "rounds=3"],
+    ["stragglers=0.6", "method=fedrep", "model=cnnbn", "model.width=4"],
 ]
 
 
@@ -259,7 +263,7 @@ def registry_cases(cases: list[list[str]]) -> list[list[str]]:
 CASES += registry_cases(CASES)  # (appended: the indices of the cases above stay; test_lanes names some)
 # the cases the fast subset runs (README: `-m "not slow"`; here and in tests/test_lanes.py); the full
 # suite runs every case
-FAST = {0, 1, 2, 5, 13, 15, 20, 35, 84}
+FAST = {0, 1, 2, 5, 13, 15, 20, 35, 84, 88}
 PARITY = [pytest.param(c, marks=() if i in FAST else pytest.mark.slow, id=f"case{i}") for i, c in enumerate(CASES)]
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from fedskew.algorithms.base import ClientReport, FederationInfo, Forward, Method, State
 from fedskew.data.augment import crop_flip_params
 from fedskew.models.functional import training_calls
-from fedskew.streams import batch_order
+from fedskew.streams import batch_order, straggler_steps
 
 Stage = Literal["upload", "personal"]
 
@@ -49,6 +49,8 @@ class LocalSettings:
     optimizer: str = "sgd"  # sgd | adam | adamw
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    stragglers: float = 0.0  # the fraction of clients that do fewer local steps in a round (streams.straggler_steps)
+    rounds: int | None = None  # the run's rounds: the final personalisation pass (round `rounds`) never straggles
 
     @property
     def sgd_momentum(self) -> float:
@@ -94,14 +96,25 @@ def batch_schedule(settings: LocalSettings, round_idx: int, client_id: int, n: i
     return batches
 
 
+def local_budget(settings: LocalSettings, method: Method, round_idx: int, client_id: int, n: int) -> tuple[int, int]:
+    """A client's local steps in a round (both stages): its budget (``Method.local_steps`` of E
+    epochs over its ``n`` samples) and what it does, fewer when it straggles
+    (:func:`~fedskew.streams.straggler_steps`; never in the final personalisation pass)."""
+    per_epoch = math.ceil(n / settings.batch_size)
+    budget = method.local_steps(round_idx, settings.epochs * per_epoch, per_epoch)
+    if settings.stragglers and (settings.rounds is None or round_idx < settings.rounds):
+        return budget, straggler_steps(settings.seed, round_idx, client_id, settings.stragglers, budget)
+    return budget, budget
+
+
 def stage_schedules(settings: LocalSettings, method: Method, round_idx: int, client_id: int,
                     n: int, lr: float) -> tuple[list[np.ndarray], list[np.ndarray], float]:
     """The batches of the uploaded model's training and of the personalisation stage (if the
-    method has one; the round's step budget is ``Method.local_steps``), consecutive on the client's batch stream in the order the stages run, and
-    the latter's learning rate."""
+    method has one; the round's step budget is ``Method.local_steps``, cut for a straggler),
+    consecutive on the client's batch stream in the order the stages run, and the latter's
+    learning rate."""
     per_epoch = math.ceil(n / settings.batch_size)
-    steps_a, steps_b, lr_b = method.split_steps(method.local_steps(round_idx, settings.epochs * per_epoch, per_epoch),
-                                                lr)
+    steps_a, steps_b, lr_b = method.split_steps(local_budget(settings, method, round_idx, client_id, n)[1], lr)
     batches = batch_schedule(settings, round_idx, client_id, n, math.ceil((steps_a + steps_b) / max(per_epoch, 1)))
     if method.personal_first:
         return batches[steps_b:steps_a + steps_b], batches[:steps_b], lr_b
@@ -294,4 +307,4 @@ def to_device(state: State, device: torch.device) -> State:
 
 
 __all__ = ["ClientResult", "Executor", "LocalSettings", "StagePlan", "StageRunner", "batch_schedule", "client_round",
-           "dispatch", "make_forward", "plan_stage", "stage_loss", "stage_schedules", "to_device"]
+           "dispatch", "local_budget", "make_forward", "plan_stage", "stage_loss", "stage_schedules", "to_device"]

@@ -31,7 +31,7 @@ from fedskew.data.federated import load_federation, public_pool, public_samples
 from fedskew.engine.durable import LOCK_NAME, STOP, FolderLock, RunInterrupted, append_line, atomic_write_text, blocking_file
 from fedskew.engine.lanes import LaneExecutor
 from fedskew.engine.local import SequentialExecutor, federated_state, load_state
-from fedskew.engine.protocol import LocalSettings, dispatch, to_device
+from fedskew.engine.protocol import LocalSettings, dispatch, local_budget, to_device
 from fedskew.engine.rundir import (STORAGE_ERRNOS, ClientStates, RunDir, RunResult, StorageError, default_run_dir,
                                    environment, run_identity)
 from fedskew.engine.tracking import Trackers, check_available
@@ -40,7 +40,7 @@ from fedskew.metrics import (client_means, communication, feature_stats, forgett
                              proxy_record, run_summary)
 from fedskew.models import build_model
 from fedskew.models.functional import model_caller, norm_names, predict
-from fedskew.streams import sample_clients, seeded_torch
+from fedskew.streams import dropped_clients, sample_clients, seeded_torch
 
 
 def resolve_device(name: str) -> torch.device:
@@ -271,7 +271,9 @@ class Experiment:
         # between rounds; only the selected clients' states visit the device.
         payload, on_device, downloads = dispatch(method, self.info, t, selected, global_state, server_state,
                                                  client_states, self.device)
-        results, failed = self._train(t, selected, payload, on_device, lr, **self._downloads_for(downloads))
+        dropped = dropped_clients(cfg.seed, t, selected, cfg.client_dropout)  # (received the model, never answer)
+        training = [k for k in selected if k not in dropped]
+        results, failed = self._train(t, training, payload, on_device, lr, **self._downloads_for(downloads))
         train_s = time.perf_counter() - t1
         for r in results:
             if not math.isfinite(r.train_loss):
@@ -287,7 +289,7 @@ class Experiment:
         # fixed architecture tensors (the ETF head): counted once, in round 0, as if sent at setup
         fixed = sum(v.numel() for k, v in self.model.state_dict().items() if k in self.model.fixed_keys) if t == 0 else 0
         samples_seen = sum(r.report.num_samples * cfg.local_epochs for r in results)
-        record = {"round": t, "clients": selected, "clients_failed": failed, "lr": lr,
+        record = {"round": t, "clients": selected, "clients_failed": failed, "lr": lr, **self._system(t, training, dropped),
                   **client_means(results),
                   **communication(payload, downloads, uploads, len(selected), fixed, totals),
                   "time/client_train_s": train_s, "time/samples_per_s": samples_seen / max(train_s, 1e-9)}
@@ -350,6 +352,18 @@ class Experiment:
                                 f"{failed[0]['error']}")
         return results, failed
 
+    def _system(self, t: int, training: list[int], dropped: list[int]) -> dict:
+        """The round's system heterogeneity, when asked for: the clients that dropped out and those
+        that straggled (``streams.straggler_steps`` drew fewer steps than their budget)."""
+        cfg, out = self.cfg, {}
+        if cfg.client_dropout:
+            out["clients_dropped"] = dropped
+        if cfg.stragglers:
+            budgets = {k: local_budget(local_settings(cfg), self.method, t, k, len(self.fed.train_idx[k]))
+                       for k in training}
+            out["clients_straggling"] = [k for k, (full, done) in budgets.items() if done < full]
+        return out
+
     def _downloads_for(self, downloads: dict) -> dict:
         """Flower's executor (``remote_states``: client states on the nodes) takes the downloads apart."""
         return {"downloads": downloads} if self.executor.remote_states else {}
@@ -389,12 +403,17 @@ class Experiment:
         return summary
 
 
+def local_settings(cfg) -> LocalSettings:
+    """How the clients of a run (``cfg`` a RunConfig) train locally."""
+    return LocalSettings(cfg.local_epochs, cfg.batch_size, cfg.momentum, cfg.weight_decay, cfg.grad_clip, cfg.seed,
+                         4 if cfg.dataset.augment else 0, cfg.precision, cfg.optimizer, tuple(cfg.adam_betas),
+                         cfg.adam_eps, cfg.stragglers, cfg.rounds)
+
+
 def make_executor(cfg, model, fed, method, device, pack=None):
     """The run's executor (``cfg`` a RunConfig); with ``pack`` (a :class:`~fedskew.engine.lanes.Pack`) the vectorised one
     whose stages train as lanes of the pack's stacked program."""
-    settings = LocalSettings(cfg.local_epochs, cfg.batch_size, cfg.momentum, cfg.weight_decay,
-                             cfg.grad_clip, cfg.seed, 4 if cfg.dataset.augment else 0, cfg.precision, cfg.optimizer,
-                             tuple(cfg.adam_betas), cfg.adam_eps)
+    settings = local_settings(cfg)
     if pack is not None:
         return LaneExecutor(model, fed, method, settings, device, cfg.max_parallel_clients, cfg.pad_batches, pack=pack)
     if cfg.executor == "vectorized":

@@ -1,0 +1,121 @@
+"""System heterogeneity that interacts with label skew (issue 48, item 4): stragglers (clients that
+do fewer local steps) and clients that drop out after selection. Both are drawn from named streams
+per (seed, round, client), so every executor sees the same; tests/test_vectorized.py's parity list
+runs them on both executors and tests/test_lanes.py packed."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from fedskew.config import load_config
+from fedskew.engine.protocol import local_budget, stage_schedules
+from fedskew.engine.runner import Experiment
+from fedskew.streams import dropped_clients, straggler_steps
+
+TINY = ["rounds=3", "partition.num_clients=8", "clients_per_round=6", "local_epochs=2", "batch_size=16",
+        "model.hidden=[32,16]", "final_personalization=false"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_dropout_draws_each_client_with_its_probability_and_always_leaves_one():
+    selected = list(range(10))
+    counts = [len(dropped_clients(3, t, selected, 0.3)) for t in range(400)]
+    assert abs(np.mean(counts) / 10 - 0.3) < 0.02
+    assert dropped_clients(3, 7, selected, 0.3) == dropped_clients(3, 7, selected, 0.3)  # seeded
+    assert dropped_clients(3, 7, selected, 0.0) == []
+    # a client's fate depends on (seed, round, client) only, not on who else was selected
+    both = dropped_clients(3, 7, [2, 5], 0.5)
+    assert [k for k in dropped_clients(3, 7, selected, 0.5) if k in (2, 5)] == both or len(both) == 1
+    assert all(len(dropped_clients(1, t, selected, 0.99)) == 9 for t in range(20))  # one always stays
+
+
+def test_a_straggler_does_uniformly_fewer_steps_and_the_others_their_budget():
+    draws = [straggler_steps(0, t, k, 0.4, 20) for t in range(50) for k in range(10)]
+    cut = [d for d in draws if d < 20]
+    assert abs(len(cut) / len(draws) - 0.4) < 0.05
+    assert min(cut) >= 1 and max(cut) <= 19 and len(set(cut)) > 12  # 1 .. 19, uniformly
+    assert straggler_steps(0, 1, 2, 1.0, 1) == 1  # a single step cannot be cut
+    assert straggler_steps(0, 1, 2, 0.0, 20) == 20
+
+
+def test_the_final_personalisation_pass_never_straggles():
+    exp = Experiment(load_config(None, TINY + ["stragglers=1.0"]), run_dir=None)
+    s = exp.executor.settings
+    for k in range(8):
+        n = len(exp.fed.train_idx[k])
+        full, done = local_budget(s, exp.method, 0, k, n)
+        assert done < full
+        assert local_budget(s, exp.method, 3, k, n) == (full, full)  # round `rounds`: the final pass
+        assert len(stage_schedules(s, exp.method, 0, k, n, 0.01)[0]) == done
+
+
+def spy(monkeypatch, exp) -> list:
+    """What the run's aggregation receives each round: {client: (upload, report)}."""
+    seen = []
+    aggregate = exp.method.aggregate
+
+    def recording(server_state, global_state, uploads, reports):
+        seen.append({r.client_id: (u, r) for u, r in zip(uploads, reports)})
+        return aggregate(server_state, global_state, uploads, reports)
+    monkeypatch.setattr(exp.method, "aggregate", recording)
+    return seen
+
+
+def test_dropped_clients_are_left_out_and_the_others_train_as_without_dropout(tmp_path, monkeypatch):
+    """Round 1 (from the same global model): the clients that stay upload bit for bit what they upload
+    in a run without dropout; the dropped ones upload nothing, are recorded, and their download is
+    counted (they received the model)."""
+    plain = Experiment(load_config(None, TINY + ["rounds=1"]), tmp_path / "plain")
+    seen_plain = spy(monkeypatch, plain)
+    res_plain = plain.run()
+    drop = Experiment(load_config(None, TINY + ["rounds=1", "client_dropout=0.4"]), tmp_path / "drop")
+    seen_drop = spy(monkeypatch, drop)
+    res = drop.run()
+    record = res.history[0]
+    dropped = dropped_clients(0, 0, record["clients"], 0.4)
+    assert record["clients_dropped"] == dropped and dropped, record
+    assert sorted(seen_drop[0]) == sorted(set(record["clients"]) - set(dropped))
+    for k, (upload, _) in seen_drop[0].items():
+        assert all(torch.equal(v, seen_plain[0][k][0][n]) for n, v in upload.items()), k
+    assert record["comm/down_floats"] == res_plain.history[0]["comm/down_floats"]
+    assert record["comm/up_floats"] < res_plain.history[0]["comm/up_floats"]
+    assert "clients_straggling" not in record and "clients_dropped" not in res_plain.history[0]
+
+
+def test_stragglers_report_the_steps_they_did_and_are_recorded(tmp_path, monkeypatch):
+    exp = Experiment(load_config(None, TINY + ["stragglers=0.5", "method=fednova"]), tmp_path / "r")
+    seen = spy(monkeypatch, exp)
+    res = exp.run()
+    s = exp.executor.settings
+    cut_any = False
+    for t, (record, reports) in enumerate(zip(res.history, seen)):
+        for k, (_, report) in reports.items():
+            full, done = local_budget(s, exp.method, t, k, len(exp.fed.train_idx[k]))
+            assert report.num_steps == done  # (FedNova normalises by each client's own steps)
+            assert (done < full) == (k in record["clients_straggling"])
+            cut_any |= done < full
+    assert cut_any
+
+
+@pytest.mark.parametrize("args, text", [
+    (["stragglers=1.5"], "config key 'stragglers' = 1.5 is not allowed: Input should be less than or equal to 1"),
+    (["client_dropout=1"], "config key 'client_dropout' = 1 is not allowed: Input should be less than 1"),
+    (["client_dropout=-0.1"], "config key 'client_dropout' = -0.1 is not allowed: Input should be greater than or "
+                              "equal to 0"),
+])
+def test_a_fraction_outside_its_range_is_one_sentence_exit_2_and_writes_nothing(tmp_path, args, text):
+    out = subprocess.run([sys.executable, "-m", "fedskew.cli", "run", *args, "rounds=1", f"out_dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert text in out.stderr, out.stderr
+    assert not any(tmp_path.iterdir())
