@@ -100,9 +100,14 @@ class PartitionConfig(_Section):
     classes_per_client: int = Field(3, ge=1, description="pcdd: y of PxCy; label_k: k of #C=k; label_count: k; "
                                                                "exdir: the classes each client draws")
     samples_per_class: int = Field(100, ge=1, description="label_count: n samples of each held class per client")
-    alpha: float = Field(0.5, gt=0, description="dirichlet, exdir: concentration")
+    alpha: float = Field(0.5, gt=0, description="dirichlet, exdir, inner_dirichlet: concentration")
     min_size: int = Field(10, ge=1, description="dirichlet, exdir: minimum samples per client")
-    size_sigma: float = Field(0.0, ge=0, description="random_classes: LogNormal size-factor sigma")
+    size_sigma: float = Field(0.0, ge=0, description="random_classes, inner_dirichlet: LogNormal size-factor sigma")
+    size_exponent: float = Field(0.0, ge=0, description="inner_dirichlet: power-law sizes, client k's weight "
+                                                        "(k + 1) ** -size_exponent")
+    partitioner: str | None = Field(None, description="flwr: a Flower Datasets partitioner's class name "
+                                                      "(InnerDirichletPartitioner, DirichletPartitioner, ...)")
+    partitioner_options: dict[str, Any] = Field(default_factory=dict, description="flwr: its parameters")
     min_classes: int = Field(2, ge=1, description="random_classes: fewest classes per client")
     shards_per_client: int = Field(2, ge=1, description="shards: s shards of sorted labels per client")
     local_test_fraction: float = Field(0.2, ge=0, lt=1, description="per-client local test hold-out")
@@ -354,7 +359,24 @@ class RunConfig(_Strict):
 # that means "as before the key existed": at that value a run keeps its sweep run id and its
 # checkpoints' identity (experiments.spec.ADDED_KEYS, engine.rundir.run_identity).
 ADDED_RUN_KEYS = {"optimizer": "sgd", "adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "lr_schedule": "step",
-                  "lr_decay_every": 1, "lr_min": 0.0, "stragglers": 0.0, "client_dropout": 0.0}
+                  "lr_decay_every": 1, "lr_min": 0.0, "stragglers": 0.0, "client_dropout": 0.0,
+                  "partition.size_exponent": 0.0, "partition.partitioner": None, "partition.partitioner_options": {}}
+
+
+def without_added(resolved: dict, added: dict) -> dict:
+    """A resolved config (plain data) without the ``added`` keys (dotted: in their section) that
+    are at their as-before value."""
+    out = dict(resolved)
+    for dotted, before in added.items():
+        head, _, leaf = dotted.rpartition(".")
+        section = out.get(head) if head else out
+        if isinstance(section, dict) and leaf in section and section[leaf] == before:
+            section = {k: v for k, v in section.items() if k != leaf}
+            if head:
+                out[head] = section
+            else:
+                out = section
+    return out
 RUN_DEFAULT_KEYS = frozenset({"lr", "momentum", "weight_decay", "grad_clip", "local_epochs", "batch_size"})
 RECORD_KEYS = ("fedskew_version", "environment", "environment_previous", "changes")
 SECTIONS = {"dataset": DatasetConfig, "partition": PartitionConfig, "model": ModelConfig}

@@ -187,3 +187,96 @@ def test_federation_is_deterministic_and_disjoint():
         assert np.array_equal(a.train_idx[k], b.train_idx[k])
         assert not set(a.train_idx[k].tolist()) & set(a.test_idx[k].tolist())
     assert (a.counts("train") > 0).sum(1).tolist() == [2] * 10
+
+
+# -- InnerDirichlet, size laws and Flower Datasets' partitioners (issue 48, item 2) -------------------
+
+
+def test_inner_dirichlet_gives_every_client_its_size_and_a_prior_shaped_label_mix():
+    lab = np.random.default_rng(1).permutation(labels(100))
+    parts = P.inner_dirichlet(lab, 8, 0.05, 10, rng())
+    check_exact_cover(parts, len(lab))
+    assert sorted(len(p) for p in parts) == [125] * 8  # equal sizes: 1,000 / 8 exactly
+    top = [np.bincount(lab[p], minlength=10).max() / len(p) for p in parts]
+    assert np.mean(top) > 0.5  # alpha 0.05: a few classes dominate each client
+    flat = P.inner_dirichlet(lab, 8, 1000.0, 10, rng())
+    share = np.array([np.bincount(lab[p], minlength=10) / len(p) for p in flat])
+    assert np.abs(share - 0.1).max() < 0.1  # alpha 1,000: every client near the global mix
+    again = P.inner_dirichlet(lab, 8, 0.05, 10, rng())
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+
+
+def test_client_sizes_follow_the_power_law_or_the_lognormal_and_add_up():
+    sizes = P.client_sizes(1000, 5, rng(), size_exponent=1.0)
+    exact = 1000 * np.array([1, 1 / 2, 1 / 3, 1 / 4, 1 / 5]) / sum([1, 1 / 2, 1 / 3, 1 / 4, 1 / 5])
+    assert sizes.sum() == 1000 and np.abs(sizes - exact).max() < 1
+    logn = P.client_sizes(1000, 5, rng(), size_sigma=1.0)
+    assert logn.sum() == 1000 and len(set(logn.tolist())) == 5
+    assert P.client_sizes(10, 4, rng()).tolist() == [3, 3, 2, 2]
+    parts = P.inner_dirichlet(labels(100), 5, 0.5, 10, rng(), size_exponent=1.0)
+    assert [len(p) for p in parts] == sizes.tolist()
+    with pytest.raises(PartitionError, match=r"size_sigma = 1.0 and partition.size_exponent = 2.0 are both set"):
+        P.client_sizes(1000, 5, rng(), 1.0, 2.0)
+    with pytest.raises(PartitionError, match=r"gives client \d+ no sample \(100 samples among 10 clients\)"):
+        P.client_sizes(100, 10, rng(), size_exponent=4.0)
+
+
+def flower_partitions(partitioner, lab):
+    datasets = pytest.importorskip("datasets")  # (with flwr-datasets, a test dependency: pyproject's `test` extra)
+
+    partitioner.dataset = datasets.Dataset.from_dict({"label": lab, "row": np.arange(len(lab))})
+    return [np.sort(partitioner.load_partition(i)["row"]) for i in range(partitioner.num_partitions)]
+
+
+@pytest.mark.parametrize("sizes", [[125] * 8, [300, 200, 200, 150, 100, 50]])
+def test_inner_dirichlet_is_flower_datasets_inner_dirichlet_partitioner(sizes):
+    """The same sizes, alpha and generator seed: the same clients, sample for sample."""
+    InnerDirichletPartitioner = pytest.importorskip("flwr_datasets.partitioner").InnerDirichletPartitioner
+
+    lab = np.random.default_rng(1).permutation(labels(100))
+    ours = P.inner_dirichlet_assign(lab, np.array(sizes), np.full(10, 0.3), rng(7))
+    theirs = flower_partitions(InnerDirichletPartitioner(sizes, "label", 0.3, seed=7), lab)
+    assert len(ours) == len(theirs) and all(np.array_equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_a_flower_partitioner_in_the_config_partitions_as_it_does_alone():
+    from fedskew.config import load_config
+
+    DirichletPartitioner = pytest.importorskip("flwr_datasets.partitioner").DirichletPartitioner
+
+    lab = np.random.default_rng(1).permutation(labels(100))
+    cfg = load_config(None, ["partition=flwr", "partition.num_clients=6", "clients_per_round=3",
+                             "partition.partitioner=DirichletPartitioner",
+                             'partition.partitioner_options={"alpha": 0.5, "min_partition_size": 5, "seed": 3}'])
+    parts = P.partition_labels(cfg.partition, lab, 10, rng())
+    alone = flower_partitions(DirichletPartitioner(6, "label", 0.5, min_partition_size=5, seed=3), lab)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, alone)) and len(parts) == 6
+    # the seed from the run's partition stream where the options give none: a fedskew seed decides it
+    cfg = load_config(None, ["partition=flwr", "partition.num_clients=4", "clients_per_round=3",
+                             "partition.partitioner=InnerDirichletPartitioner",
+                             'partition.partitioner_options={"partition_sizes": [250, 250, 250, 250], "alpha": 0.5}'])
+    a, b = (P.partition_labels(cfg.partition, lab, 10, rng(s)) for s in (0, 0))
+    c = P.partition_labels(cfg.partition, lab, 10, rng(1))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b)) and not all(np.array_equal(x, y) for x, y in zip(a, c))
+    seed = int(rng(0).integers(2**31))
+    assert all(np.array_equal(x, y) for x, y in zip(a, P.inner_dirichlet_assign(lab, np.full(4, 250), np.full(10, 0.5),
+                                                                                np.random.default_rng(seed))))
+    check_exact_cover(a, len(lab))
+
+
+@pytest.mark.parametrize("args, text", [
+    (["partition.partitioner=Nope"], "partition.partitioner = 'Nope' is not a Flower Datasets partitioner; allowed: ["),
+    (["partition.partitioner=IidPartitioner", 'partition.partitioner_options={"alpah": 1}'],
+     "partition.partitioner_options ['alpah'] are not parameters of IidPartitioner; it takes ['num_partitions']"),
+    (["partition.partitioner=InnerDirichletPartitioner",
+      'partition.partitioner_options={"partition_sizes": [500, 500], "alpha": 0.5}'],
+     "partition InnerDirichletPartitioner makes 2 partitions but partition.num_clients = 4; set them equal"),
+])
+def test_a_flower_partitioner_that_cannot_run_is_one_sentence(args, text):
+    from fedskew.config import load_config
+
+    pytest.importorskip("flwr_datasets")
+    cfg = load_config(None, ["partition=flwr", "partition.num_clients=4", "clients_per_round=3", *args])
+    with pytest.raises(PartitionError) as err:
+        P.partition_labels(cfg.partition, labels(100), 10, rng())
+    assert text in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -212,6 +212,118 @@ def _dirichlet_draw(labels: np.ndarray, num_clients: int, alpha: float, holders:
     return [np.sort(np.asarray(q, dtype=np.int64)) for q in parts]
 
 
+def client_sizes(total: int, num_clients: int, rng: np.random.Generator, size_sigma: float = 0.0,
+                 size_exponent: float = 0.0, *, name: str = "inner_dirichlet") -> np.ndarray:
+    """How many of ``total`` samples each client holds: equal; LogNormal(0, ``size_sigma``)
+    weights (FedDyn's unbalanced clients, ``unbalanced_sgm``); or a power law, client k's weight
+    (k + 1) ** -``size_exponent``. Sizes are the weights' shares of ``total``, rounded down, the
+    remainder given one by one to the largest fractional parts; every client holds one or more."""
+    _check_clients(num_clients, total)
+    if size_sigma > 0 and size_exponent > 0:
+        raise PartitionError(f"partition.size_sigma = {size_sigma} and partition.size_exponent = {size_exponent} "
+                             f"are both set; {name} takes one size law (LogNormal or power law).")
+    if size_sigma > 0:
+        weights = rng.lognormal(0.0, size_sigma, size=num_clients)
+    else:
+        weights = np.arange(1, num_clients + 1, dtype=float) ** -size_exponent
+    exact = weights / weights.sum() * total
+    sizes = np.floor(exact).astype(np.int64)
+    sizes[np.argsort(-(exact - sizes), kind="stable")[: total - sizes.sum()]] += 1
+    if sizes.min() < 1:
+        raise PartitionError(f"partition {name} gives client {int(sizes.argmin())} no sample ({total} samples among "
+                             f"{num_clients} clients); lower partition.size_sigma or partition.size_exponent.")
+    return sizes
+
+
+def inner_dirichlet(labels: np.ndarray, num_clients: int, alpha: float, num_classes: int, rng: np.random.Generator,
+                    size_sigma: float = 0.0, size_exponent: float = 0.0) -> list[np.ndarray]:
+    """InnerDirichlet (Acar et al., FedDyn, ICLR 2021; Flower Datasets' ``InnerDirichletPartitioner``):
+    client sizes fixed first (:func:`client_sizes`), each client's class prior ~ Dir(alpha); then,
+    sample by sample, a client that still has room is drawn uniformly and a class from its prior
+    (a class run out has its probability set to 0 for every client, the priors renormalised), and
+    it takes that class's last unassigned sample. The draws are Flower Datasets' own, in its order:
+    with its generator the assignment is its assignment (tests/test_partitions.py)."""
+    if alpha <= 0:
+        raise PartitionError(f"partition.alpha = {alpha} is not allowed; it must be > 0.")
+    sizes = client_sizes(len(labels), num_clients, rng, size_sigma, size_exponent)
+    return inner_dirichlet_assign(labels, sizes, np.full(num_classes, float(alpha)), rng)
+
+
+def inner_dirichlet_assign(labels: np.ndarray, sizes: np.ndarray, alpha: np.ndarray, rng: np.random.Generator
+                           ) -> list[np.ndarray]:
+    """:func:`inner_dirichlet`'s assignment for given client ``sizes`` and per-class ``alpha``."""
+    num_clients, num_classes = len(sizes), len(alpha)
+    priors = rng.dirichlet(alpha=alpha, size=num_clients)
+    pools = [np.flatnonzero(labels == c) for c in range(num_classes)]
+    left_in_class = [len(q) for q in pools]
+    parts = [np.zeros(n, dtype=np.int64) for n in sizes]
+    room = dict(zip(range(num_clients), (int(n) for n in sizes)))
+    open_clients = list(range(num_clients))
+    classes = list(range(num_classes))
+    left = int(sum(room.values()))
+    while left:
+        k = rng.choice(open_clients)
+        if room[k] == 0:
+            open_clients.remove(k)
+            continue
+        room[k] -= 1
+        left -= 1
+        while True:
+            c = rng.choice(classes, p=priors[k])
+            if left_in_class[c] == 0:  # run out: never drawn again, by any client
+                priors[:, c] = 0
+                priors = priors / priors.sum(axis=1, keepdims=True)
+                continue
+            left_in_class[c] -= 1
+            parts[k][room[k]] = pools[c][left_in_class[c]]
+            break
+    return [np.sort(q) for q in parts]
+
+
+def flwr(labels: np.ndarray, num_clients: int, partitioner: str | None, partitioner_options: dict,
+         rng: np.random.Generator) -> list[np.ndarray]:
+    """A Flower Datasets partitioner (``flwr_datasets.partitioner.<partitioner>``, built with
+    ``partitioner_options``) applied to the training labels (a ``label`` column): its partitions,
+    as index arrays. ``num_partitions`` is ``num_clients`` unless the options give it (or
+    ``partition_sizes``), ``partition_by`` is ``label``, and ``seed`` (where the partitioner takes
+    one) comes from the run's partition stream unless given. Needs ``pip install flwr-datasets``."""
+    try:
+        import datasets
+        import flwr_datasets.partitioner as fp
+    except ImportError:
+        raise PartitionError("partition flwr needs Flower Datasets: pip install flwr-datasets.") from None
+    names = sorted(n for n in fp.__all__ if n.endswith("Partitioner") and n != "Partitioner")
+    cls = getattr(fp, partitioner or "", None)
+    if partitioner not in names:
+        raise PartitionError(f"partition.partitioner = {partitioner!r} is not a Flower Datasets partitioner; "
+                             f"allowed: {names}.")
+    takes = inspect.signature(cls).parameters
+    options = dict(partitioner_options)
+    if "num_partitions" in takes:
+        options.setdefault("num_partitions", num_clients)
+    if "partition_by" in takes:
+        options.setdefault("partition_by", "label")
+    if "seed" in takes:
+        options.setdefault("seed", int(rng.integers(2**31)))
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        raise PartitionError(f"partition.partitioner_options {unknown} are not parameters of {partitioner}; it takes "
+                             f"{sorted(set(takes) - {'self'})}.")
+    try:
+        part = cls(**options)
+        part.dataset = datasets.Dataset.from_dict({"label": labels.astype(np.int64), "_row": np.arange(len(labels))})
+        count = part.num_partitions
+        if count != num_clients:
+            raise PartitionError(f"partition {partitioner} makes {count} partitions but partition.num_clients = "
+                                 f"{num_clients}; set them equal.")
+        return [np.sort(np.asarray(part.load_partition(i)["_row"], dtype=np.int64)) for i in range(count)]
+    except PartitionError:
+        raise
+    except (ValueError, TypeError, KeyError, AssertionError) as exc:
+        raise PartitionError(f"partition {partitioner} with {partitioner_options} failed: "
+                             f"{(str(exc).splitlines() or [''])[0][:200] or type(exc).__name__}.") from None
+
+
 def random_classes(labels: np.ndarray, num_clients: int, num_classes: int, rng: np.random.Generator,
                    size_sigma: float = 0.0, min_classes: int = 2) -> list[np.ndarray]:
     """MAP's partition: each client draws its number of classes uniformly from {min_classes..C}
@@ -299,7 +411,8 @@ def natural(groups: np.ndarray | None, num_clients: int, rng: np.random.Generato
 # ``partition`` section of the same name (keyword-only ones are not configurable): what
 # PartitionConfig.applies() accepts is read from these signatures.
 PARTITIONERS = {"iid": iid, "pcdd": pcdd, "label_k": label_k, "dirichlet": dirichlet, "exdir": exdir,
-                "random_classes": random_classes, "label_count": label_count, "shards": shards, "natural": natural}
+                "inner_dirichlet": inner_dirichlet, "random_classes": random_classes, "label_count": label_count,
+                "shards": shards, "natural": natural, "flwr": flwr}
 PARTITIONS = tuple(PARTITIONERS)
 FROM_DATA = frozenset({"labels", "num_clients", "num_classes", "rng", "groups"})  # (num_clients: a common key)
 

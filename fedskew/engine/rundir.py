@@ -27,7 +27,7 @@ import torch
 import yaml
 
 from fedskew import __version__
-from fedskew.config import ADDED_RUN_KEYS, ConfigError, RunConfig, former_architecture_keys
+from fedskew.config import ADDED_RUN_KEYS, ConfigError, RunConfig, former_architecture_keys, without_added
 from fedskew.engine.durable import (atomic_save, atomic_write, atomic_write_text, fsync_folder, read_records,
                                    save_png)
 
@@ -141,9 +141,8 @@ RESUMABLE = ("lr", "lr_decay", "lr_decay_every", "lr_schedule", "lr_min", "grad_
 def run_identity(cfg: RunConfig) -> str:
     """What a run is (its config but the :data:`RESUMABLE` settings), as a hash a checkpoint
     carries: a checkpoint of another run (another method, data or model) is never taken."""
-    what = {k: v for k, v in cfg.model_dump(mode="json").items()
-            if k not in RESUMABLE and k not in ("out_dir", "run_name", "logger_group")
-            and not (k in ADDED_RUN_KEYS and v == ADDED_RUN_KEYS[k])}
+    what = {k: v for k, v in without_added(cfg.model_dump(mode="json"), ADDED_RUN_KEYS).items()
+            if k not in RESUMABLE and k not in ("out_dir", "run_name", "logger_group")}
     what["model"] = {**former_architecture_keys(what["method"]), **what["model"]}  # keys that left the schema
     if isinstance(what.get("dataset"), dict):  # where the data set's files lie is not what the run is
         what["dataset"] = {k: v for k, v in what["dataset"].items() if k not in ("root", "download")}

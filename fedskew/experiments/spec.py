@@ -15,8 +15,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from fedskew.algorithms.base import StrictOptions
-from fedskew.config import (ADDED_RUN_KEYS, ConfigError, did_you_mean, former_architecture_keys, load_yaml, nested, set_key,
-                            validate_config)
+from fedskew.config import (ADDED_RUN_KEYS, ConfigError, did_you_mean, former_architecture_keys, load_yaml, nested,
+                            set_key, validate_config, without_added)
 
 _Strict = StrictOptions  # unknown keys are errors (one strict base for every schema)
 
@@ -183,15 +183,7 @@ def run_identity(cfg: dict) -> dict:
     out = {k: v for k, v in cfg.items() if k not in NOT_IDENTITY}
     if isinstance(out.get("model"), dict) and isinstance(out.get("method"), dict):  # keys that left the schema
         out["model"] = {**former_architecture_keys(out["method"]), **out["model"]}
-    for dotted, before in ADDED_KEYS.items():
-        if "." not in dotted:
-            if dotted in out and out[dotted] == before:
-                del out[dotted]
-            continue
-        head, leaf = dotted.split(".")
-        if isinstance(out.get(head), dict) and out[head].get(leaf, before) == before:
-            out[head] = {k: v for k, v in out[head].items() if k != leaf}
-    return out
+    return without_added(out, ADDED_KEYS)
 
 
 def tune_seeds(spec: SweepSpec) -> list[int]:
