@@ -75,12 +75,12 @@ def _progress(console: Console, rounds: int):
 
 
 RESULT_ROWS = {  # summary key -> what it is (README, "Metrics: which model, on which data")
-    "global/test_acc": "global model, global test set, final round",
+    "global/test_acc_final": "global model, global test set, final round",
     "global/test_acc_best": "global model, best round",
     "global/test_acc_mean_last10": "global model, mean of the last 10 evaluations",
     "global/test_acc_mean_last50": "global model, mean of the last 50 evaluations (the ETF paper's Table 1)",
-    "personal/acc_before": "received model, local test sets, last round's clients",
-    "personal/acc_after": "personalised models, local test sets, last round's clients",
+    "personal/acc_before_last_round": "received model, local test sets, last round's clients",
+    "personal/acc_after_last_round": "personalised models, local test sets, last round's clients",
     "personal/final_acc_before": "final global model on every client's local test set",
     "personal/final_acc_after": "every client after one more local pass",
     "comm/down_floats_total": "floats sent to clients, whole run",

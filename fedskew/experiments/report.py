@@ -151,7 +151,8 @@ def cell_text(s: dict, scale: float = 100.0, failed: int = 0) -> str:
 
 def metric_title(metric: str) -> tuple[str, float, str]:
     """(title, scale, unit) of a summary metric: accuracies are shown in %, other values as they are."""
-    names = {"global/test_acc": "Global accuracy, final round", "global/test_acc_mean_last10":
+    names = {"global/test_acc": "Global accuracy, final round", "global/test_acc_final": "Global accuracy, final round",
+             "global/val_acc_final": "Global validation accuracy, final round", "global/test_acc_mean_last10":
              "Global accuracy, mean of the last 10 evaluations", "global/test_acc_mean_last50":
              "Global accuracy, mean of the last 50 evaluations", "global/test_acc_best": "Global accuracy, best round",
              "global/val_acc": "Global validation accuracy, final round", "global/val_acc_mean_last10":

@@ -200,29 +200,36 @@ def communication(payload: dict, downloads: dict, uploads: list[dict], selected:
 
 
 def run_summary(history: list[dict], totals: dict) -> dict:
-    """What ``summary.json`` reports of a run's rounds: the last global accuracy, its best and the
-    mean of the last 10 evaluations (none without a global model), the last round's local
-    accuracies, communication totals and the extra share beyond the model (FedMR Table 3)."""
+    """What ``summary.json`` reports of a run's rounds, each name saying which rounds it reads: the
+    global accuracy of the last evaluation (``_final``), the best one (``_best``, ``_best_round``)
+    and the mean of the last 10 and 50 evaluations (none without a global model); the last round's
+    local accuracies (``_last_round``); communication totals and the extra share beyond the model
+    (FedMR Table 3). ``global/test_acc``, ``global/val_acc`` and ``personal/acc_before|after`` are
+    the ``_final`` / ``_last_round`` values under their former names."""
     evals = [h for h in history if h.get("global/test_acc") is not None]
     if evals:
         last = evals[-1]
         accs = [h["global/test_acc"] for h in evals]
         best = max(range(len(accs)), key=accs.__getitem__)
-        out = {"global/test_acc": last["global/test_acc"],
+        out = {"global/test_acc": last["global/test_acc"], "global/test_acc_final": last["global/test_acc"],
                "global/test_acc_best": accs[best], "global/test_acc_best_round": evals[best]["round"],
                "global/test_acc_mean_last10": sum(accs[-10:]) / len(accs[-10:]),
                "global/test_acc_mean_last50": sum(accs[-50:]) / len(accs[-50:]),  # the ETF paper's Table 1
                **{k: v for k, v in last.items() if k.startswith("global/class_acc/")}}
         vals = [h["global/val_acc"] for h in evals if "global/val_acc" in h]
         if vals:
-            out.update({"global/val_acc": vals[-1], "global/val_acc_mean_last10": sum(vals[-10:]) / len(vals[-10:])})
+            out.update({"global/val_acc": vals[-1], "global/val_acc_final": vals[-1],
+                        "global/val_acc_mean_last10": sum(vals[-10:]) / len(vals[-10:])})
     else:  # the method has no global model
-        out = {k: None for k in ("global/test_acc", "global/test_acc_best", "global/test_acc_best_round",
-                                 "global/test_acc_mean_last10", "global/test_acc_mean_last50")}
+        out = {k: None for k in ("global/test_acc", "global/test_acc_final", "global/test_acc_best",
+                                 "global/test_acc_best_round", "global/test_acc_mean_last10",
+                                 "global/test_acc_mean_last50")}
     model_total = totals["up_model"] + totals["down_model"]
     return {**out,
             "personal/acc_before": history[-1]["personal/acc_before"],
             "personal/acc_after": history[-1]["personal/acc_after"],
+            "personal/acc_before_last_round": history[-1]["personal/acc_before"],
+            "personal/acc_after_last_round": history[-1]["personal/acc_after"],
             "comm/down_floats_total": history[-1]["comm/down_floats_total"],
             "comm/up_floats_total": history[-1]["comm/up_floats_total"],
             # (None when no model is exchanged at all: FedProto)
