@@ -111,10 +111,13 @@ class PartitionConfig(_Section):
     min_classes: int = Field(2, ge=1, description="random_classes: fewest classes per client")
     shards_per_client: int = Field(2, ge=1, description="shards: s shards of sorted labels per client")
     local_test_fraction: float = Field(0.2, ge=0, lt=1, description="per-client local test hold-out")
+    held_out: float = Field(0.0, ge=0, lt=1, description="the fraction of clients (drawn from the seed) that never "
+                                                         "train; unseen/* scores the final model and each method's "
+                                                         "personalisation on them")
 
     def applies(self) -> set[str]:
         """The keys partition ``name``'s builder reads (its signature: :func:`partition_keys`)."""
-        return {"name", "num_clients", "local_test_fraction", *partition_keys(self.name)}
+        return {"name", "num_clients", "local_test_fraction", "held_out", *partition_keys(self.name)}
 
 
 class ModelConfig(_Section):
@@ -318,6 +321,7 @@ class RunConfig(_Strict):
         if self.clients_per_round > self.partition.num_clients:
             raise ValueError(f"clients_per_round = {self.clients_per_round} exceeds partition.num_clients = "
                              f"{self.partition.num_clients}")
+        self._check_held_out()
         return self
 
     def _check_optimiser(self) -> None:
@@ -341,6 +345,23 @@ class RunConfig(_Strict):
         if self.lr_min >= self.lr and self.lr_schedule == "cosine":
             raise ValueError(f"lr_min = {self.lr_min} must be below lr = {self.lr}")
 
+    def _check_held_out(self) -> None:
+        """Held-out clients leave clients to train, at least one is held out, and they are scored."""
+        part = self.partition
+        if not part.held_out:
+            return
+        held = int(round(part.held_out * part.num_clients))
+        if held == 0:
+            raise ValueError(f"partition.held_out = {part.held_out} of {part.num_clients} clients holds out none; "
+                             f"raise it to at least {0.5 / part.num_clients:.3g} or set 0")
+        if part.num_clients - held < self.clients_per_round:
+            raise ValueError(f"partition.held_out = {part.held_out} holds out {held} of {part.num_clients} clients, "
+                             f"leaving {part.num_clients - held} to train, fewer than clients_per_round = "
+                             f"{self.clients_per_round}")
+        if not self.final_personalization or part.local_test_fraction == 0:
+            raise ValueError("partition.held_out needs final_personalization = true and partition.local_test_fraction "
+                             "> 0: the held-out clients are scored by the final pass on their local test splits")
+
     def round_lr(self, t: int) -> float:
         """The local learning rate of round ``t`` (counted from 0; ``t = rounds``: the final
         personalisation pass). step: lr * lr_decay ** (t // lr_decay_every); cosine: lr_min + (lr -
@@ -360,7 +381,8 @@ class RunConfig(_Strict):
 # checkpoints' identity (experiments.spec.ADDED_KEYS, engine.rundir.run_identity).
 ADDED_RUN_KEYS = {"optimizer": "sgd", "adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "lr_schedule": "step",
                   "lr_decay_every": 1, "lr_min": 0.0, "stragglers": 0.0, "client_dropout": 0.0,
-                  "partition.size_exponent": 0.0, "partition.partitioner": None, "partition.partitioner_options": {}}
+                  "partition.size_exponent": 0.0, "partition.partitioner": None, "partition.partitioner_options": {},
+                  "partition.held_out": 0.0}
 
 
 def without_added(resolved: dict, added: dict) -> dict:

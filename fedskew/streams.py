@@ -39,6 +39,16 @@ def sample_clients(seed: int, round_idx: int, num_clients: int, per_round: int) 
     return sorted(int(i) for i in rng.choice(num_clients, size=per_round, replace=False))
 
 
+def held_out_clients(seed: int, num_clients: int, fraction: float) -> list[int]:
+    """The clients that never train (stream ``held_out``): round(fraction * num_clients) of them,
+    drawn once per seed, sorted; scored on what the final model and each method's personalisation
+    give a client never trained on (``unseen/*``)."""
+    count = int(round(fraction * num_clients))
+    if count == 0:
+        return []
+    return sorted(int(k) for k in numpy_rng(seed, "held_out").choice(num_clients, size=count, replace=False))
+
+
 def dropped_clients(seed: int, round_idx: int, selected: list[int], fraction: float) -> list[int]:
     """The selected clients that drop out of a round after receiving the model (stream
     ``client_dropout``): each with probability ``fraction``, a function of (seed, round, client)

@@ -119,3 +119,71 @@ def test_a_fraction_outside_its_range_is_one_sentence_exit_2_and_writes_nothing(
     assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert text in out.stderr, out.stderr
     assert not any(tmp_path.iterdir())
+
+
+# -- clients never trained on (issue 48, item 1) -----------------------------------------------------
+
+HELD = TINY + ["partition.num_clients=10", "clients_per_round=4", "partition.held_out=0.3",
+               "final_personalization=true"]
+
+
+def test_held_out_clients_never_train_and_are_scored_apart(tmp_path):
+    """round(0.3 * 10) = 3 clients drawn from the seed never train; the final pass scores the final
+    global model on their local test splits (unseen/final_acc_before, checked here by predicting
+    with the final model) and what the method's personalisation gives them (unseen/final_acc_after);
+    personal/final_* covers the others."""
+    from fedskew.models.functional import predict
+    from fedskew.streams import held_out_clients
+
+    exp = Experiment(load_config(None, HELD + ["rounds=4"]), tmp_path / "r")
+    res = exp.run()
+    held = held_out_clients(0, 10, 0.3)
+    assert len(held) == 3 and res.summary["unseen/clients"] == held == exp.held_out
+    assert not set(held) & {k for h in res.history for k in h["clients"]}
+    assert len(res.summary["personal/final_acc_after_per_client"]) == 7
+    assert len(res.summary["unseen/final_acc_after_per_client"]) == 3
+    fed = exp.fed
+    accs = []
+    for k in held:
+        idx = fed.test_idx[k]
+        accs.append((predict(res.model, res.global_state, fed.data.x_train[idx]) == fed.data.y_train[idx])
+                    .float().mean().item())
+    assert res.summary["unseen/final_acc_before_per_client"] == pytest.approx(accs, abs=1e-6)
+    assert res.summary["unseen/final_acc_before"] == pytest.approx(np.mean(accs), abs=1e-6)
+    # a local pass from the final model on a new client's own data beats the global model there
+    assert res.summary["unseen/final_acc_after"] > res.summary["unseen/final_acc_before"]
+
+
+def test_without_held_out_clients_the_run_is_the_run_it_was():
+    """held_out = 0: the same selection as before the option existed (every client a candidate)."""
+    from fedskew.streams import sample_clients
+
+    exp = Experiment(load_config(None, TINY), run_dir=None)
+    assert exp.training_clients == list(range(8)) and exp.held_out == []
+    assert [exp.training_clients[i] for i in sample_clients(0, 5, 8, 6)] == sample_clients(0, 5, 8, 6)
+
+
+@pytest.mark.parametrize("args, text", [
+    (["partition.held_out=0.01"], "partition.held_out = 0.01 of 10 clients holds out none; raise it to at least 0.05"),
+    (["partition.held_out=0.7"], "partition.held_out = 0.7 holds out 7 of 10 clients, leaving 3 to train, fewer than "
+                                 "clients_per_round = 4"),
+    (["partition.held_out=0.3", "final_personalization=false"], "partition.held_out needs final_personalization = "
+                                                                "true and partition.local_test_fraction > 0"),
+])
+def test_held_out_settings_that_cannot_work_are_one_sentence(tmp_path, args, text):
+    base = [a for a in HELD if not a.startswith(("partition.held_out", "final_personalization"))]
+    out = subprocess.run([sys.executable, "-m", "fedskew.cli", "run", *base, *args, f"out_dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert text in out.stderr, out.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_both_executors_score_held_out_clients_alike(tmp_path):
+    from fedskew.engine.runner import run
+
+    a, b = (run(load_config(None, HELD + ["method=fedrep", f"executor={ex}"]), tmp_path / ex)
+            for ex in ("sequential", "vectorized"))
+    for key in ("unseen/final_acc_before_per_client", "unseen/final_acc_after_per_client",
+                "personal/final_acc_after_per_client"):
+        assert a.summary[key] == pytest.approx(b.summary[key], abs=1e-6), key

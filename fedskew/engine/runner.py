@@ -15,6 +15,7 @@ and the `fedskew resume DIR lr=...` that continues from the last checkpoint.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -40,7 +41,7 @@ from fedskew.metrics import (client_means, communication, feature_stats, forgett
                              proxy_record, run_summary)
 from fedskew.models import build_model
 from fedskew.models.functional import model_caller, norm_names, predict
-from fedskew.streams import dropped_clients, sample_clients, seeded_torch
+from fedskew.streams import dropped_clients, held_out_clients, sample_clients, seeded_torch
 
 
 def resolve_device(name: str) -> torch.device:
@@ -264,7 +265,8 @@ class Experiment:
     def _round(self, t, global_state, server_state, client_states, totals) -> dict:
         cfg, method = self.cfg, self.method
         t0 = time.perf_counter()
-        selected = sample_clients(cfg.seed, t, self.fed.num_clients, cfg.clients_per_round)
+        train = self.training_clients
+        selected = [train[i] for i in sample_clients(cfg.seed, t, len(train), cfg.clients_per_round)]
         lr = cfg.round_lr(t)
         t1 = time.perf_counter()
         # Persistent client states (HPMs, control variates, previous models) live in host memory
@@ -368,11 +370,24 @@ class Experiment:
         """Flower's executor (``remote_states``: client states on the nodes) takes the downloads apart."""
         return {"downloads": downloads} if self.executor.remote_states else {}
 
+    @functools.cached_property
+    def held_out(self) -> list[int]:
+        """The clients that never train (``partition.held_out``: :func:`~fedskew.streams.held_out_clients`)."""
+        return held_out_clients(self.cfg.seed, self.fed.num_clients, self.cfg.partition.held_out)
+
+    @functools.cached_property
+    def training_clients(self) -> list[int]:
+        held = set(self.held_out)
+        return [k for k in range(self.fed.num_clients) if k not in held]
+
     def _final_personalization(self, global_state, server_state, client_states) -> dict:
-        """Every client receives the final global model and trains once (no aggregation, no state
-        kept): ``personal/final_acc_before`` and ``personal/final_acc_after`` over all clients, and
-        with a validation hold-out ``personal/final_val_acc_after`` (what selection reads for a
-        method without a global model)."""
+        """Every client receives the final global model and trains once, as the method personalises
+        (its personal stage, or a local pass; no aggregation, no state kept):
+        ``personal/final_acc_before`` and ``personal/final_acc_after`` over the clients that trained
+        in the rounds, with a validation hold-out ``personal/final_val_acc_after`` (what selection
+        reads for a method without a global model), and ``unseen/final_acc_before`` (the final
+        global model) and ``unseen/final_acc_after`` (what the method gives a new client) over the
+        held-out clients."""
         cfg = self.cfg
         clients = list(range(self.fed.num_clients))
         # (a copy: the states of clients never selected are made for this pass and not kept)
@@ -385,14 +400,24 @@ class Experiment:
                                                 cfg.round_lr(cfg.rounds), **self._downloads_for(downloads))
         finally:
             self.executor.score_validation = False
-        before, before_std = mean_std([r.acc_before for r in results])
-        after, after_std = mean_std([r.acc_after for r in results])
-        val = {"personal/final_val_acc_after": mean_std([r.val_after for r in results])[0]} if validate else {}
-        return {"personal/final_acc_before": before, "personal/final_acc_before_std": before_std,
-                "personal/final_acc_after": after, "personal/final_acc_after_std": after_std, **val,
-                # per client, in client order (the fairness histogram of MAP Figure 10)
-                "personal/final_acc_before_per_client": [r.acc_before for r in results],
-                "personal/final_acc_after_per_client": [r.acc_after for r in results]}
+        held = set(self.held_out)
+        out = {}
+        for prefix, part in (("personal", [r for r in results if r.client_id not in held]),
+                             ("unseen", [r for r in results if r.client_id in held])):
+            if not part:
+                continue
+            before, before_std = mean_std([r.acc_before for r in part])
+            after, after_std = mean_std([r.acc_after for r in part])
+            out.update({f"{prefix}/final_acc_before": before, f"{prefix}/final_acc_before_std": before_std,
+                        f"{prefix}/final_acc_after": after, f"{prefix}/final_acc_after_std": after_std,
+                        # per client, in client order (the fairness histogram of MAP Figure 10)
+                        f"{prefix}/final_acc_before_per_client": [r.acc_before for r in part],
+                        f"{prefix}/final_acc_after_per_client": [r.acc_after for r in part]})
+            if validate and prefix == "personal":
+                out["personal/final_val_acc_after"] = mean_std([r.val_after for r in part])[0]
+        if held:
+            out["unseen/clients"] = sorted(held)
+        return out
 
     def _summary(self, history, global_state, server_state, client_states, totals) -> dict:
         c = self.cfg

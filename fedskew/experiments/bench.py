@@ -432,7 +432,9 @@ def _fmt(x: float | None, digits: int = 2) -> str:
 
 BOARD_METRICS = {"global/test_acc_mean_last10": "global accuracy (test set, mean of the last 10 rounds)",
                  "personal/final_acc_after": "personalised accuracy (each client's local test split, after one "
-                                             "final local pass from the last global model)"}
+                                             "final local pass from the last global model)",
+                 "unseen/final_acc_after": "accuracy on held-out clients never trained on (their local test "
+                                           "splits, after the method's personalisation pass from the last model)"}
 @dataclass
 class Board:
     """One part of a suite for one metric: the selected point's value per method, setting and seed.

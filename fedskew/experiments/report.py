@@ -159,6 +159,8 @@ def metric_title(metric: str) -> tuple[str, float, str]:
              "Global validation accuracy, mean of the last 10 evaluations",
              "personal/final_acc_after": "Personalised accuracy (all clients, after one more local pass)",
              "personal/final_acc_before": "Accuracy of the final global model on every client's local test split",
+             "unseen/final_acc_after": "Accuracy on clients never trained on, after the method's personalisation",
+             "unseen/final_acc_before": "Accuracy of the final global model on clients never trained on",
              "personal/final_val_acc_after": "Personalised validation accuracy (hold-out, weighted to each "
                                               "client's classes)"}
     title = names.get(metric, metric)
