@@ -22,6 +22,8 @@ reference below recomputes every round in float64 from the papers' rules:
     FedAdam:  m <- b1 m + (1-b1) Delta;  v <- b2 v + (1-b2) Delta^2 (v0 = tau^2);
               x <- x + eta_g m / (sqrt v + tau)
     FedYogi:  v <- v - (1-b2) Delta^2 sign(v - Delta^2)
+    FedExP:   eta_g = max(1, sum p_k ||y_k - x||^2 / (2 (||Delta||^2 + |S| eps)));  x <- x + eta_g Delta;
+              scored: the mean of the last two x (from the second round on)
 
 The batches are the engine's (``batch_schedule``): the order is an input here, the arithmetic is not.
 """
@@ -32,6 +34,7 @@ import torch
 
 from fedskew.config import load_config
 from fedskew.engine.protocol import batch_schedule
+from fedskew.engine.rundir import read_checkpoint
 from fedskew.engine.runner import Experiment, run
 from fedskew.algorithms.drift import FedNova
 
@@ -119,6 +122,15 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
             else:
                 x = [sum(ys_out[k][j] for k in selected) / len(selected) + sum(hk[k][j] for k in range(3)) / 3
                      for j in range(2)]
+        elif method == "fedexp":  # Algorithm 1 with the official code's |S| eps, scored on the last-two mean
+            spread = sum(pk * sum(((ys_out[k][j] - x[j]) ** 2).sum() for j in range(2)) for pk, k in zip(p, selected))
+            delta = [avg[j] - x[j] for j in range(2)]
+            eps = opts.get("epsilon", 1e-3) * (len(selected) if opts.get("epsilon_scale", "clients") == "clients" else 1)
+            eta_g = max(1.0, 0.5 * spread / (sum((d ** 2).sum() for d in delta) + eps))
+            opts.setdefault("_etas", []).append(eta_g)
+            prev, x = x, [x[j] + eta_g * delta[j] for j in range(2)]
+            if t == len(schedule) - 1 and t > 0 and opts.get("eval_average", True):
+                return [(x[j] + prev[j]) / 2 for j in range(2)]
         elif method == "fednova":
             a_k = np.array([taus[k] for k in selected], dtype=float)
             tau_eff = (p * a_k).sum()
@@ -156,20 +168,32 @@ CASES = [
     ("fedyogi", {"server_lr": 0.05}),
     ("fedadagrad", {"server_lr": 0.05}),                 # its default: no server momentum
     ("fedadagrad", {"server_lr": 0.05, "beta1": 0.5}),   # Algorithm 2's momentum
+    ("fedexp", {"epsilon": 1e-3}),  # the official code's step size, scored on the mean of the last two
+    ("fedexp", {"epsilon": 0.1, "epsilon_scale": "paper", "eval_average": False}),
 ]
 
 
 @pytest.mark.parametrize("method,opts", CASES)
 @pytest.mark.parametrize("executor", ["sequential", "vectorized"])
 def test_two_rounds_match_the_papers_rules(tmp_path, method, opts, executor):
-    cfg = load_config(None, SETUP + [f"method={method}", f"executor={executor}"]
+    setup = SETUP
+    if method == "fedexp":  # it extrapolates where the clients' updates disagree: three clients of one class each
+        setup = [a for a in SETUP if not a.startswith(("partition", "rounds", "local_epochs", "clients_per_round"))] + [
+            "partition=pcdd", "partition.classes_per_client=1", "partition.num_clients=3",
+            "partition.local_test_fraction=0", "clients_per_round=3", "rounds=4", "local_epochs=5"]
+    cfg = load_config(None, setup + [f"method={method}", f"executor={executor}"]
                       + [f"method.{k}={v}" for k, v in opts.items()])
     exp = Experiment(cfg, tmp_path / "probe")
     sizes = sorted(len(i) for i in exp.fed.train_idx)
-    assert len(set(sizes)) > 1  # unequal clients, so FedNova's tau_k differ
+    assert len(set(sizes)) > 1 or method == "fedexp"  # unequal clients, so FedNova's tau_k differ
     res = run(cfg, tmp_path / "run")
+    opts = dict(opts)
     w_ref, b_ref = reference(method, opts, exp, [h["clients"] for h in res.history])
-    assert all(len(h["clients"]) == 2 for h in res.history)  # N = 3 differs from |S| = 2
+    if method == "fedexp":  # it extrapolated (eta_g > 1) in this problem, as the server state says
+        assert max(opts["_etas"]) > 1.1, opts["_etas"]
+        assert float(read_checkpoint(res.run_dir / "checkpoint.pt")["server_state"]["eta_g"]) == \
+            pytest.approx(opts["_etas"][-1], rel=1e-5)
+    assert all(len(h["clients"]) == 2 + (method == "fedexp") for h in res.history)  # N = 3 differs from |S| = 2
     np.testing.assert_allclose(res.global_state["classifier.weight"].double().numpy(), w_ref, atol=2e-6)
     np.testing.assert_allclose(res.global_state["classifier.bias"].double().numpy(), b_ref, atol=2e-6)
 

@@ -58,7 +58,7 @@ def test_keys_that_apply_are_taken_and_the_record_holds_only_those(tmp_path):
     cfg = load_config(None, ["partition=dirichlet", "partition.alpha=0.1", "model.hidden=[8]"])
     record = cfg.resolved()
     assert record["partition"] == {"name": "dirichlet", "num_clients": 20, "alpha": 0.1, "min_size": 10,
-                                   "local_test_fraction": 0.2}
+                                   "local_test_fraction": 0.2, "held_out": 0.0}
     assert "width" not in record["model"] and "etf_scale" not in record["model"] and record["model"]["hidden"] == [8]
     assert "dim" not in record["dataset"] and record["dataset"]["test_fraction"] == 0.2
     etf = load_config(None, ["method=etf_gmv"]).resolved()["model"]  # a method default makes the ETF keys apply
@@ -607,7 +607,7 @@ def test_the_data_partition_and_model_sections_accept_what_their_builders_read()
     for name in PARTITIONS:
         keys = partition_keys(name)
         assert keys <= set(PartitionConfig.model_fields), (name, keys)
-        assert PartitionConfig(name=name).applies() == {"name", "num_clients", "local_test_fraction", *keys}
+        assert PartitionConfig(name=name).applies() == {"name", "num_clients", "local_test_fraction", "held_out", *keys}
     assert partition_keys("dirichlet") == {"alpha", "min_size"}  # not max_tries (keyword-only)
     for name in MODEL_NAMES:
         assert model_keys(name) <= set(ModelConfig.model_fields), name

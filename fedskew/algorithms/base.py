@@ -535,6 +535,12 @@ class Method:
             w = reweight(w, reports)
         return w
 
+    def evaluation_state(self, global_state: State, server_state: State) -> State:
+        """The global model a round's metrics score (and a run's result holds), given the new
+        global model and server state; the next round still starts from ``global_state``. Default:
+        the global model itself (FedExP: the mean of the last two)."""
+        return global_state
+
     def aggregate(self, server_state: State, global_state: State, uploads: list[State],
                   reports: list[ClientReport]) -> tuple[State, State]:
         """theta <- sum_k p_k theta_k over the selected clients, BatchNorm buffers included."""

@@ -1,5 +1,6 @@
 """Server optimisers: FedAvgM, FedAdagrad, FedAdam, FedYogi (Reddi et al., 2021, "Adaptive
-Federated Optimization", Algorithm 2; FedAvgM: Hsu et al., 2019).
+Federated Optimization", Algorithm 2; FedAvgM: Hsu et al., 2019), and FedExP's extrapolated server
+step (Jhunjhunwala et al., 2023).
 
 Pseudo-gradient Delta = sum_k p_k theta_k - x (FedAvg weights p_k). Then
 - FedAvgM: m <- beta m + Delta; x <- x + eta_g m.
@@ -129,6 +130,58 @@ class FedYogi(ServerOpt):
     source = Source(**REDDI, implements="Algorithm 2 (FedYogi)")
 
     name, kind, Options = "fedyogi", "yogi", AdaptiveOptions
+
+
+class FedExPOptions(FedAvgOptions):
+    """FedExP's step size reads epsilon; the official code scales it by the clients of the round."""
+    search = {"epsilon": [1e-3, 1e-2, 1e-1]}  # the bench's search space (fedskew bench)
+    epsilon: float = Field(1e-3, gt=0, description="eps of eta_g's denominator (official code: CIFAR-10/100 and "
+                                                    "CINIC-10 0.001, EMNIST 0.1)")
+    epsilon_scale: Literal["clients", "paper"] = Field(
+        "clients", description="clients: the official code's ||Delta||^2 + |S| eps; paper: + eps")
+    eval_average: bool = Field(True, description="score the mean of the last two global models (the official "
+                                                 "code's net_eval; training goes on from the last)")
+
+
+@builtin
+class FedExP(Method):
+    """FedExP (Jhunjhunwala, Wang, Joshi, ICLR 2023, Algorithm 1): FedAvg's pseudo-gradient taken with
+    an adaptive server step, x <- x + eta_g Delta, Delta = sum_k p_k Delta_k, Delta_k = theta_k - x,
+    eta_g = max(1, sum_k p_k ||Delta_k||^2 / (2 (||Delta||^2 + |S| eps))) (the official code's
+    ``eta_g``; the paper's text writes + eps), over the trainable parameters (BatchNorm statistics
+    take the weighted mean). The metrics score the mean of the last two global models
+    (``eval_average``, the official code's ``w_vec_avg``), from the second round on."""
+    source = Source(authors="Jhunjhunwala, Wang, Joshi",
+                    title="FedExP: Speeding Up Federated Averaging via Extrapolation", venue="ICLR", year=2023,
+                    arxiv="2301.09604", implements="Algorithm 1 (the server step size eta_g), the last-two average",
+                    code="Divyansh03/FedExP main.py (eta_g, w_vec_avg), util_general.py (LocalUpdate)")
+    name, Options = "fedexp", FedExPOptions
+    # the official client: plain SGD (momentum 0), weight decay 1e-4, gradient norm clipped at 10
+    run_defaults = {"momentum": 0.0, "weight_decay": 1e-4, "grad_clip": 10.0}
+
+    def server_init(self, global_state, info):
+        return {"eta_g": torch.ones((), dtype=torch.float64), "rounds": torch.zeros((), dtype=torch.long)}
+
+    def aggregate(self, server_state, global_state, uploads, reports):
+        o, names = self.opt, self.info.param_names
+        w, models = self.client_weights(reports), [model_part(u) for u in uploads]
+        mean = weighted_mean(models, w)
+        spread = sum(float(p) * sum(float((m[k] - global_state[k]).double().pow(2).sum()) for k in names)
+                     for p, m in zip(w, models))
+        delta = {k: mean[k] - global_state[k] for k in names}
+        norm = sum(float(d.double().pow(2).sum()) for d in delta.values())
+        eps = o.epsilon * (len(uploads) if o.epsilon_scale == "clients" else 1)
+        eta = max(1.0, 0.5 * spread / (norm + eps))
+        new = {**mean, **{k: global_state[k] + eta * d for k, d in delta.items()}}
+        state = {"eta_g": torch.tensor(eta, dtype=torch.float64), "rounds": server_state["rounds"] + 1}
+        if o.eval_average:
+            state.update({"prev." + k: global_state[k] for k in names})
+        return new, state
+
+    def evaluation_state(self, global_state, server_state):
+        if not self.opt.eval_average or int(server_state.get("rounds", 0)) < 2:
+            return global_state
+        return {**global_state, **{k: (global_state[k] + server_state["prev." + k]) / 2 for k in self.info.param_names}}
 
 
 def spreadout(weight: torch.Tensor, margin: float) -> torch.Tensor:

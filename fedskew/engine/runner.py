@@ -231,12 +231,13 @@ class Experiment:
         if ckpt is None or ckpt["next_round"] != self.cfg.rounds:
             return None
         summary = json.loads((self.run_dir / "summary.json").read_text())
-        return self._result(summary, self.files.history_before(ckpt["next_round"]), ckpt["global_state"])
+        return self._result(summary, self.files.history_before(ckpt["next_round"]),
+                            self.method.evaluation_state(ckpt["global_state"], ckpt["server_state"]))
 
     def _rounds(self, start, history, global_state, server_state, client_states, totals, trackers,
                  on_round) -> tuple[dict, dict]:
         """Rounds ``start`` .. the last (records appended to ``history``), then the summary; returns
-        (summary, final global state)."""
+        (summary, the final global model as its metrics scored it: ``Method.evaluation_state``)."""
         cfg = self.cfg
         for t in range(start, cfg.rounds):
             record = self._round(t, global_state, server_state, client_states, totals)
@@ -260,7 +261,7 @@ class Experiment:
 
         summary = self._summary(history, global_state, server_state, client_states, totals)
         atomic_write_text(json.dumps(summary, indent=2), self.run_dir / "summary.json")
-        return summary, global_state
+        return summary, self.method.evaluation_state(global_state, server_state)  # (the model the metrics scored)
 
     def _round(self, t, global_state, server_state, client_states, totals) -> dict:
         cfg, method = self.cfg, self.method
@@ -299,12 +300,13 @@ class Experiment:
         if evaluate and not method.has_global_model:
             record["global/test_acc"] = None  # no model serves the global test set (FedProto, FedRep)
         elif evaluate:
-            record.update(global_metrics(self.model, new_global, self.x_test, self.y_test, self.fed.num_classes))
+            scored = method.evaluation_state(new_global, new_server)
+            record.update(global_metrics(self.model, scored, self.x_test, self.y_test, self.fed.num_classes))
             if self.fed.data.x_val is not None:
                 x_val, y_val = self.fed.data.x_val.to(self.device), self.fed.data.y_val.to(self.device)
-                record["global/val_acc"] = (predict(self.model, new_global, x_val) == y_val).float().mean().item()
+                record["global/val_acc"] = (predict(self.model, scored, x_val) == y_val).float().mean().item()
             if cfg.feature_stats:
-                record.update(feature_stats(self.model, new_global, self.x_test))
+                record.update(feature_stats(self.model, scored, self.x_test))
         record["memory/client_state_bytes"] = sum(v.numel() * v.element_size() for st in client_states.values()
                                                   for v in st.values())
         key = "model.classifier.weight"
