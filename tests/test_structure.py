@@ -301,6 +301,33 @@ def test_batched_adam_equals_torch_optim_adam_lane_by_lane(kind):
         assert state["step"][lane] == 4 - sum(1 for (_, ln) in skip if ln == lane)
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_gradient_in_another_layout_than_its_weight_takes_the_weights_layout(momentum):
+    """Stacked linear weights live transposed in memory ([G, in, out]); a gradient that arrives
+    contiguous (a loss term of the parameters, such as FedCM's <Delta, w>, beside the forward's) was
+    handed to the fused kernel as it was, which pairs entries by memory position: the step went to
+    the wrong entries (found by FedCM's parity test). Now every lane's step is torch.optim.SGD's."""
+    from fedskew.engine.batched_sgd import sgd_
+    from fedskew.engine.protocol import LocalSettings
+
+    g0 = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 4, 5, generator=g0)
+    stacked = w.transpose(1, 2).contiguous().transpose(1, 2)  # the executor's layout (_stacked_copy)
+    assert not stacked.is_contiguous() and torch.equal(stacked, w)
+    settings = LocalSettings(1, 1, momentum=momentum, weight_decay=0.01)
+    mom = {"w": torch.zeros_like(stacked)} if momentum else None
+    grads = [torch.randn(3, 4, 5, generator=g0) for _ in range(3)]  # contiguous
+    for g in grads:
+        sgd_({"w": stacked}, {"w": g.clone()}, mom, 0.1, settings)
+    for lane in range(3):
+        ref = w[lane].clone().requires_grad_(True)
+        opt = torch.optim.SGD([ref], lr=0.1, momentum=momentum, weight_decay=0.01)
+        for g in grads:
+            ref.grad = g[lane].clone()
+            opt.step()
+        assert torch.allclose(stacked[lane], ref.detach(), atol=1e-6), lane
+
+
 def test_a_missing_fused_kernel_falls_back(monkeypatch, tmp_path):
     ref = run(load_config(None, TINY + ["executor=vectorized"]), tmp_path / "a")
     monkeypatch.delattr(torch, "_fused_sgd_")

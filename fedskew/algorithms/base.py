@@ -101,6 +101,8 @@ class ClientData:
     frozen: Callable[[dict, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (state, x) -> (z, logits), eval mode
     x_val: torch.Tensor | None = None  # the client's validation split (``Method.validation_fraction``)
     y_val: torch.Tensor | None = None
+    lr: float = 0.0  # the round's local learning rate
+    steps: int = 0  # the client's local steps this round (both stages; fewer for a straggler)
 
 
 @dataclass(frozen=True)

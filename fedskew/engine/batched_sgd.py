@@ -13,13 +13,18 @@ FP16_INIT_SCALE, FP16_GROWTH_INTERVAL = 2.0 ** 16, 2000  # torch.amp.GradScaler'
 
 
 def _dense(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """(param, grad[, momentum]) viewed so that the fused SGD kernel, fast on contiguous memory
-    only, sees contiguous memory: transposed views when all three share the transposed layout of
-    a stacked linear weight; else the gradient in the parameter's layout."""
-    p = tensors[0]
-    if not p.is_contiguous() and p.transpose(-1, -2).is_contiguous() and all(t.stride() == p.stride() for t in tensors):
-        return [t.transpose(-1, -2) for t in tensors]
-    return [p, tensors[1] if tensors[1].stride() == p.stride() else tensors[1].contiguous(), *tensors[2:]]
+    """(param, grad[, momentum]) in one memory layout, the parameter's (the momentum buffer has it
+    by construction; a gradient that arrives in another, e.g. a loss term of the parameters beside
+    the forward's transposed one, is copied into it: the fused kernel pairs elements by memory
+    position, so a contiguous gradient beside a transposed weight was applied to the wrong
+    entries), then viewed so that the fused SGD kernel, fast on contiguous memory only, sees
+    contiguous memory: transposed views for the transposed layout of a stacked linear weight."""
+    p, g, *rest = tensors
+    if g.stride() != p.stride():
+        g = torch.empty_like(p).copy_(g)
+    if not p.is_contiguous() and p.transpose(-1, -2).is_contiguous():
+        return [t.transpose(-1, -2) for t in (p, g, *rest)]
+    return [p, g, *rest]
 
 
 @torch.no_grad()

@@ -13,7 +13,8 @@ from fedskew.algorithms.tensors import sam_perturbation
 from fedskew.data.augment import crop_flip
 from fedskew.data.federated import Federation
 from fedskew.engine.batched_sgd import FP16_GROWTH_INTERVAL, FP16_INIT_SCALE
-from fedskew.engine.protocol import ClientResult, Executor, LocalSettings, StagePlan, client_round, make_forward
+from fedskew.engine.protocol import (ClientResult, Executor, LocalSettings, StagePlan, client_round, local_budget,
+                                     make_forward)
 from fedskew.models.functional import bn_recalibration_fn, feature_fn, frozen_fn, low_precision, predict
 from fedskew.models.nets import DROPOUT_MASKS, GeneratorMasks
 from fedskew.streams import dropout_generator, torch_seed
@@ -133,15 +134,17 @@ class SequentialExecutor(Executor):
                             bn_recalibration_fn(self.model, self.x, self.settings.batch_size, idx),
                             lambda: (self.x[idx], self.y[idx]))
 
-    def prepare(self, round_idx: int, client_id: int, payload: State, client_state: State) -> State:
-        """``Method.prepare`` with the client's local training data."""
+    def prepare(self, round_idx: int, client_id: int, payload: State, client_state: State, lr: float = 0.0) -> State:
+        """``Method.prepare`` with the client's local training data, the round's ``lr`` and the
+        client's local steps."""
         if type(self.method).prepare is Method.prepare:  # unchanged: no need to gather the data
             return client_state
         idx = self.train_idx[client_id]
         val = self.val_idx[client_id] if self.val_idx is not None else None
         return self.method.prepare(payload, client_state, ClientData(
             client_id, round_idx, self.x[idx], self.y[idx], frozen_fn(self.model),
-            None if val is None else self.x[val], None if val is None else self.y[val]))
+            None if val is None else self.x[val], None if val is None else self.y[val], lr,
+            local_budget(self.settings, self.method, round_idx, client_id, len(idx))[1]))
 
     def run_stage(self, plan: StagePlan, starts, states, clients, payload, round_idx):
         """Each client in turn: its start state loaded into the one model, a fresh torch.optim.SGD,

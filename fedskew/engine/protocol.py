@@ -187,8 +187,8 @@ class StageRunner(Protocol):
     def num_samples(self, client_id: int) -> int:
         """The client's number of local training samples."""
 
-    def prepare(self, round_idx: int, client_id: int, payload: State, client_state: State) -> State:
-        """``Method.prepare`` with the client's data."""
+    def prepare(self, round_idx: int, client_id: int, payload: State, client_state: State, lr: float) -> State:
+        """``Method.prepare`` with the client's data (and the round's ``lr`` and its local steps)."""
 
     def report(self, client_id: int, num_steps: int, lr: float) -> ClientReport:
         """The client's :class:`ClientReport` for a round of ``num_steps`` uploaded-model steps."""
@@ -212,7 +212,7 @@ def client_round(runner: StageRunner, round_idx: int, clients: list[int], payloa
                  client_states: list[State], lr: float) -> list[ClientResult]:
     """One round of local work of ``clients`` (in that order), whatever the executor."""
     method, settings = runner.method, runner.settings
-    states = [runner.prepare(round_idx, k, payload, st) for k, st in zip(clients, client_states)]
+    states = [runner.prepare(round_idx, k, payload, st, lr) for k, st in zip(clients, client_states)]
     pairs = [None] * len(clients)
     for i, st in enumerate(states):
         pairs[i], states[i] = method.paired_samples(st)

@@ -360,8 +360,8 @@ class VectorizedExecutor(Executor):
     def num_samples(self, client_id: int) -> int:
         return self.sequential.num_samples(client_id)
 
-    def prepare(self, round_idx: int, client_id: int, payload: State, client_state: State) -> State:
-        return self.sequential.prepare(round_idx, client_id, payload, client_state)
+    def prepare(self, round_idx: int, client_id: int, payload: State, client_state: State, lr: float = 0.0) -> State:
+        return self.sequential.prepare(round_idx, client_id, payload, client_state, lr)
 
     def report(self, client_id: int, num_steps: int, lr: float) -> ClientReport:
         return self.sequential.report(client_id, num_steps, lr)
