@@ -247,6 +247,10 @@ CASES = [
     # on one stage and on two (the cut budget split between them)
     ["stragglers=0.5", "client_dropout=0.3", "rounds=3"],
     ["stragglers=0.6", "method=fedrep", "model=cnnbn", "model.width=4"],
+    # a loss term of the parameters whose gradient arrives in another memory layout than the stacked
+    # linear weight (these stepped the wrong entries before batched_sgd._dense copied it into place)
+    ["method=scaffold", "method.correction=loss"],
+    ["method=feddc", "method.correction=loss", "momentum=0"],
 ]
 
 
