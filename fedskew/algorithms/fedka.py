@@ -1,6 +1,5 @@
 """FedNTD (Lee et al., NeurIPS 2022), FedLMD (Lu et al., ACM MM 2023), FedVLS (Guo et al., AAAI 2025)
-and FedKA (knowledge anchor, 2023) (docs/methods.md, "FedNTD and FedKA"; FedLMD and FedVLS in
-"Issue 33's methods").
+and FedKA (knowledge anchor, 2023) (docs/methods.md, "Keeping what the global model knows").
 
 Both keep the received global model's knowledge of the classes a client lacks: FedNTD distils the
 global model's *not-true* class distribution on every batch; FedKA distils the global model's

@@ -1,4 +1,4 @@
-"""Personalised-FL baselines of the MAP paper's Table II (docs/methods.md, "Baselines"): Ditto, FedRep,
+"""Personalised-FL baselines of the MAP paper's Table II (docs/methods.md, "Personalised heads, stages and meta-learning"): Ditto, FedRep,
 FedBABU, FedROD, FedProto, and FedLC's calibrated loss; and GPFL and FedCP (issue 34).
 
 Each method states its personalised model (scored as ``personal/acc_after``) and whether a global
