@@ -22,6 +22,7 @@ reference below recomputes every round in float64 from the papers' rules:
     FedAdam:  m <- b1 m + (1-b1) Delta;  v <- b2 v + (1-b2) Delta^2 (v0 = tau^2);
               x <- x + eta_g m / (sqrt v + tau)
     FedYogi:  v <- v - (1-b2) Delta^2 sign(v - Delta^2)
+    GHBM:     local gradient g + beta m / (eta tau_k), m = (x_{t+1-tau} - x_{t+1}) / tau once tau rounds ran
     FedCM:    local gradient alpha g + (1 - alpha) Delta / (eta tau_k);  x <- sum p_k y_k;  Delta <- x_old - x
     FedExP:   eta_g = max(1, sum p_k ||y_k - x||^2 / (2 (||Delta||^2 + |S| eps)));  x <- x + eta_g Delta;
               scored: the mean of the last two x (from the second round on)
@@ -69,6 +70,7 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
     hk = {k: zeros() for k in range(3)}  # FedDC drifts
     m, v = zeros(), [np.full_like(x[0], opts.get("tau", 1e-3) ** 2), np.full_like(x[1], opts.get("tau", 1e-3) ** 2)]
     eta = 0.1
+    past, ghbm_m = [], zeros()  # GHBM's queue of models and its momentum
     wk = n / n.mean() if opts.get("by_data_size", True) else np.ones_like(n)  # FedDC client weights
     fixed_steps = s.epochs * int(np.ceil(n.mean() / s.batch_size))
     for t, selected in enumerate(schedule):
@@ -89,6 +91,8 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
                     if method == "fedcm":  # alpha g + (1 - alpha) Delta / (lr K_k), K_k the client's steps
                         a = opts.get("alpha", 0.1)
                         g[j] = a * g[j] + (1 - a) * m[j] / (eta * len(batches))
+                    if method == "ghbm":  # g + beta m / (lr K_k)
+                        g[j] = g[j] + opts.get("beta", 0.9) * ghbm_m[j] / (eta * len(batches))
                     if method == "feddc":
                         g[j] = g[j] + opts["alpha"] / wk[k] * (w[j] + hk[k][j] - x[j]) + cs[j] / wk[k] - ck[k][j]
                     w[j] = w[j] - eta * g[j]
@@ -97,6 +101,10 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
         avg = [sum(pk * ys_out[k][j] for pk, k in zip(p, selected)) for j in range(2)]
         if method in ("fedavg", "fedprox"):
             x = avg
+        elif method == "ghbm":  # the last tau pre-aggregation models; m = (oldest - new) / tau once tau are held
+            past = (past + [x])[-opts["tau"]:]
+            x = avg
+            ghbm_m = [(past[0][j] - x[j]) / opts["tau"] for j in range(2)] if len(past) >= opts["tau"] else zeros()
         elif method == "fedcm":  # FedAvg's mean; Delta = x - mean for the next round
             m = [x[j] - avg[j] for j in range(2)]
             x = avg
@@ -175,6 +183,8 @@ CASES = [
     ("fedyogi", {"server_lr": 0.05}),
     ("fedadagrad", {"server_lr": 0.05}),                 # its default: no server momentum
     ("fedadagrad", {"server_lr": 0.05, "beta1": 0.5}),   # Algorithm 2's momentum
+    ("ghbm", {"tau": 1}),  # classical heavy-ball momentum on the server's displacement
+    ("ghbm", {"tau": 2, "beta": 0.5}),
     ("fedcm", {}),
     ("fedcm", {"alpha": 0.4}),
     ("fedexp", {"epsilon": 1e-3}),  # the official code's step size, scored on the mean of the last two
@@ -190,6 +200,8 @@ def test_two_rounds_match_the_papers_rules(tmp_path, method, opts, executor):
         setup = [a for a in SETUP if not a.startswith(("partition", "rounds", "local_epochs", "clients_per_round"))] + [
             "partition=pcdd", "partition.classes_per_client=1", "partition.num_clients=3",
             "partition.local_test_fraction=0", "clients_per_round=3", "rounds=4", "local_epochs=5"]
+    if method == "ghbm":  # (tau = 2 rounds of models before the momentum exists, then a round that uses it)
+        setup = [a for a in SETUP if not a.startswith("rounds")] + ["rounds=3"]
     cfg = load_config(None, setup + [f"method={method}", f"executor={executor}"]
                       + [f"method.{k}={v}" for k, v in opts.items()])
     exp = Experiment(cfg, tmp_path / "probe")
@@ -210,12 +222,14 @@ def test_two_rounds_match_the_papers_rules(tmp_path, method, opts, executor):
 def test_methods_differ_from_fedavg_on_this_problem(tmp_path):
     """Guard against a reference that degenerates to FedAvg: every method moves the result."""
     base = run(load_config(None, SETUP), tmp_path / "avg").global_state["classifier.weight"]
+    base3 = run(load_config(None, SETUP + ["rounds=3"]), tmp_path / "avg3").global_state["classifier.weight"]
     for i, (method, opts) in enumerate(CASES[1:]):
         if method == "fedexp":  # (FedAvg wherever eta_g = 1, as here: its own setting checks eta_g > 1)
             continue
-        cfg = load_config(None, SETUP + [f"method={method}"] + [f"method.{k}={v}" for k, v in opts.items()])
+        rounds = ["rounds=3"] if method == "ghbm" else []
+        cfg = load_config(None, SETUP + rounds + [f"method={method}"] + [f"method.{k}={v}" for k, v in opts.items()])
         other = run(cfg, tmp_path / f"{method}{i}").global_state["classifier.weight"]
-        assert (other - base).abs().max() > 1e-4, method
+        assert (other - (base3 if rounds else base)).abs().max() > 1e-4, method
 
 
 def test_fednova_a_i_with_momentum_by_hand():

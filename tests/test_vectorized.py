@@ -251,6 +251,7 @@ CASES = [
     # linear weight (these stepped the wrong entries before batched_sgd._dense copied it into place)
     ["method=scaffold", "method.correction=loss"],
     ["method=feddc", "method.correction=loss", "momentum=0"],
+    ["method=ghbm", "method.tau=1", "rounds=3"],  # the momentum from round 2 on (the default tau waits 2 rounds)
 ]
 
 
