@@ -333,3 +333,63 @@ def test_perfedavg_personal_model_adapts_the_received_model(tmp_path):
     _, personal_batches, lr = stages(exp, k)
     assert len(personal_batches) == 2 and lr == 0.02
     close(own(state, "perfedavg."), replay(exp, k, init, personal_batches, lr, ce))
+
+
+# -- FedGH (issue 48) --------------------------------------------------------------------------------
+
+
+def test_fedgh_server_step_is_sgd_on_a_linear_head_over_the_prototypes():
+    from fedskew.algorithms.personalized import train_head
+
+    g = torch.Generator().manual_seed(0)
+    protos, labels = torch.randn(7, 5, generator=g), torch.tensor([0, 2, 1, 2, 0, 1, 2])
+    w0, b0 = torch.randn(3, 5, generator=g), torch.randn(3, generator=g)
+    order = torch.randperm(7, generator=g)
+    w, b = train_head(w0, b0, protos, labels, 0.3, 3, order)
+    head = torch.nn.Linear(5, 3)
+    head.weight.data, head.bias.data = w0.clone(), b0.clone()
+    opt = torch.optim.SGD(head.parameters(), lr=0.3)
+    for idx in (order[:3], order[3:6], order[6:]):  # batches of 3, the last one smaller
+        opt.zero_grad()
+        F.cross_entropy(head(protos[idx]), labels[idx]).backward()
+        opt.step()
+    assert torch.allclose(w, head.weight.detach(), atol=1e-6) and torch.allclose(b, head.bias.detach(), atol=1e-6)
+    assert not torch.equal(w, w0)
+
+
+def test_fedgh_round_trains_own_models_from_the_global_head_and_the_head_on_their_prototypes(tmp_path, monkeypatch):
+    """Two rounds, two clients each: round 2 starts each client from its own kept model with the
+    head the server trained in round 1; the uploads are the class means of the trained model's
+    eval-mode features over the client's data; the new head is train_head over them in the seeded
+    order."""
+    from fedskew.algorithms.personalized import train_head
+    from fedskew.algorithms.tensors import class_feature_means
+    from fedskew.models.functional import frozen_fn
+    from fedskew.streams import torch_seed
+
+    cfg = load_config(None, ONE + ["method=fedgh", "rounds=2", "clients_per_round=2", "partition.num_clients=4"])
+    exp = Experiment(cfg, tmp_path / "r")
+    seen = []
+    aggregate = exp.method.aggregate
+    monkeypatch.setattr(exp.method, "aggregate", lambda s, g, u, r: seen.append((g, u, r)) or aggregate(s, g, u, r))
+    res = exp.run()
+    ckpt = read_checkpoint(tmp_path / "r" / "checkpoint.pt")
+    for t, (glob, uploads, reports) in enumerate(seen):
+        protos = torch.cat([u["fedgh.mean"][u["fedgh.count"] > 0] for u in uploads])
+        labels = torch.cat([torch.nonzero(u["fedgh.count"] > 0).flatten() for u in uploads])
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(torch_seed(0, "fedgh_order", t)))
+        w, b = train_head(glob["classifier.weight"], glob["classifier.bias"], protos, labels, 1.0, 16, order)
+        after = seen[t + 1][0] if t + 1 < len(seen) else res.global_state
+        assert torch.allclose(after["classifier.weight"], w, atol=1e-6) and torch.allclose(after["classifier.bias"], b)
+    for u, r in zip(seen[1][1], seen[1][2]):  # round 2's uploads: the kept models' class means
+        k = r.client_id
+        idx = exp.fed.train_idx[k]
+        z, _ = frozen_fn(exp.model)(own(ckpt["client_states"][k], "fedgh.model."), exp.fed.data.x_train[idx])
+        means, counts = class_feature_means(z, exp.fed.data.y_train[idx], exp.fed.num_classes)
+        assert torch.allclose(u["fedgh.mean"], means, atol=1e-5) and torch.equal(u["fedgh.count"], counts)
+    assert res.history[-1]["global/test_acc"] is None
+    # a round starts from the client's own kept model with the global head
+    kept = ckpt["client_states"][seen[1][2][0].client_id]
+    start = exp.method.local_start(exp.method.broadcast(res.global_state, {}), kept)
+    assert torch.equal(start["classifier.weight"], res.global_state["classifier.weight"])
+    assert all(torch.equal(v, kept["fedgh.model." + k]) for k, v in start.items() if not k.startswith("classifier."))
