@@ -15,7 +15,7 @@ from conftest import crash_after
 from fedskew.config import ConfigError, load_config
 from fedskew.engine.local import federated_state, load_state, module_forward
 from fedskew.engine.protocol import stage_schedules
-from fedskew.engine.runner import Experiment
+from fedskew.engine.runner import Experiment, run
 from fedskew.models.nets import PrivateExpertNet
 from fedskew.algorithms.base import ClientData, ClientReport
 from fedskew.algorithms.classifier import class_statistics, cosine_logits, pooled_statistics, sample_virtual
@@ -2040,3 +2040,65 @@ def test_fedfed_resumes_exactly(tmp_path, cut):
         assert torch.equal(first.global_state[k], again.global_state[k]), k
     assert [h["comm/down_floats"] for h in first.history] == [h["comm/down_floats"] for h in again.history]
     assert first.summary["personal/final_acc_after"] == again.summary["personal/final_acc_after"]
+
+
+# -- CFL (issue 48) ----------------------------------------------------------------------------------
+
+
+def test_cfl_splits_a_cluster_whose_members_disagree_and_averages_each_half(tmp_path):
+    """Four clients in one cluster: two pull along u, two against it (mean update ~0, each ~1): the
+    criterion holds (eps_1 0.2, eps_2 0.9), the complete-linkage bipartition of their cosine
+    similarities gives {0, 1} and {2, 3}, and each half's model is the cluster's plus its members'
+    mean update. With eps_2 above every update norm, nothing splits and the four updates average."""
+    from fedskew.algorithms import build_method
+    from fedskew.algorithms.base import ClientReport
+
+    cfg = load_config(None, ["method=cfl", "partition.num_clients=4", "clients_per_round=4", "method.start_round=0",
+                             "method.eps_1=0.2", "method.eps_2=0.9"])
+    exp = Experiment(cfg, tmp_path / "probe")
+    method, names = exp.method, exp.info.param_names
+    g = federated_state(exp.model)
+    gen = torch.Generator().manual_seed(0)
+    u = {k: torch.randn(g[k].shape, generator=gen) for k in names}
+    norm = math.sqrt(sum(float(v.pow(2).sum()) for v in u.values()))
+    u = {k: v / norm for k, v in u.items()}
+    v = {k: torch.randn(g[k].shape, generator=gen) / norm for k in names}
+    steps = [(1.0, 0.1), (1.1, 0.0), (-1.0, 0.0), (-1.0, -0.1)]
+    uploads = [{"model." + k: g[k] + a * u[k] + b * v[k] for k in names} for a, b in steps]
+    reports = [ClientReport(k, 10, 1) for k in range(4)]
+    server = method.server_init(g, exp.info)
+    _, state = method.aggregate(server, g, uploads, reports)
+    groups = sorted(sorted(np.flatnonzero(state["cfl.cluster"].numpy() == c).tolist()) for c in range(2))
+    assert groups == [[0, 1], [2, 3]] and int(state["cfl.cluster"].max()) == 1
+    for members in groups:
+        c = int(state["cfl.cluster"][members[0]])
+        for k in names:
+            mean = torch.stack([uploads[j]["model." + k] - g[k] for j in members]).mean(0)
+            assert torch.allclose(state["cfl.models." + k][c], g[k] + mean, atol=1e-6)
+    calm = build_method(load_config(None, ["method=cfl", "partition.num_clients=4", "clients_per_round=4",
+                                           "method.start_round=0", "method.eps_2=5"]).method, exp.info)
+    _, state = calm.aggregate(server, g, uploads, reports)
+    assert state["cfl.cluster"].tolist() == [0, 0, 0, 0]
+    for k in names:
+        mean = torch.stack([up["model." + k] - g[k] for up in uploads]).mean(0)
+        assert torch.allclose(state["cfl.models." + k][0], g[k] + mean, atol=1e-6)
+
+
+def test_cfl_clients_train_their_clusters_model(tmp_path):
+    """A run whose clusters split (criterion loosened): each client's round starts from its cluster's
+    model, and the two executors agree."""
+    extra = ["method=cfl", "method.start_round=1", "method.eps_1=10", "method.eps_2=0.01", "rounds=3",
+             "partition.num_clients=6", "clients_per_round=4", "final_personalization=false", "local_epochs=1"]
+    seq = run(load_config(None, extra + ["executor=sequential"]), tmp_path / "seq")
+    vec = run(load_config(None, extra + ["executor=vectorized"]), tmp_path / "vec")
+    a, b = (read_checkpoint(r.run_dir / "checkpoint.pt")["server_state"] for r in (seq, vec))
+    assert int(a["cfl.cluster"].max()) >= 1 and torch.equal(a["cfl.cluster"], b["cfl.cluster"])
+    for k, t in a.items():
+        if k.startswith("cfl.models."):
+            assert torch.allclose(t, b[k], atol=1e-5), k
+    exp = Experiment(load_config(None, extra), tmp_path / "probe")
+    k = 3
+    sent = exp.method.download(a, k, 3)
+    start = exp.method.local_start({}, sent)
+    c = int(a["cfl.cluster"][k])
+    assert all(torch.equal(start[n], a["cfl.models." + n][c]) for n in exp.info.param_names)

@@ -252,6 +252,7 @@ CASES = [
     ["method=scaffold", "method.correction=loss"],
     ["method=feddc", "method.correction=loss", "momentum=0"],
     ["method=ghbm", "method.tau=1", "rounds=3"],  # the momentum from round 2 on (the default tau waits 2 rounds)
+    ["method=cfl", "method.start_round=1", "method.eps_1=10", "method.eps_2=0.01", "rounds=3"],  # clusters split
 ]
 
 
