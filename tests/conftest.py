@@ -76,6 +76,15 @@ def idx_folder(tmp_path):
     return tmp_path
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Torch at one thread for the test (results that tests compare exactly depend on the count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def crash_after(round_idx):
     """An ``on_round`` callback that interrupts a run after round ``round_idx`` (as Ctrl-C would)."""
     def on_round(record):

@@ -19,12 +19,7 @@ TINY = ["rounds=3", "partition.num_clients=8", "clients_per_round=6", "local_epo
         "model.hidden=[32,16]", "final_personalization=false"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (tests/conftest.py)
 
 
 def test_dropout_draws_each_client_with_its_probability_and_always_leaves_one():
