@@ -185,4 +185,5 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
-__all__ = ["FolderLock", "append_line", "blocking_file", "atomic_save", "atomic_write_text", "fsync_folder", "read_records"]
+__all__ = ["FolderLock", "append_line", "blocking_file", "atomic_save", "atomic_write_text", "fsync_folder",
+           "read_records"]

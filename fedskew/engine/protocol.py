@@ -8,8 +8,9 @@ differ only in how a stage trains (:class:`StageRunner`): the sequential executo
 Flower's ClientApp) one client after another with torch.optim.SGD, the vectorised one all clients
 stacked in one ``torch.func`` program. What a stage trains (loss, trainable parameters, schedules,
 learning rates, the step correction, SAM, paired samples, crop/flip draws, whether it may be padded)
-is one :class:`StagePlan` made here and read by both: a new stage knob is a field and its two readers. :func:`dispatch` is what the server sends a round's
-clients (``broadcast`` + ``download``), for the rounds and the final personalisation alike.
+is one :class:`StagePlan` made here and read by both: a new stage knob is a field and its two
+readers. :func:`dispatch` is what the server sends a round's clients (``broadcast`` +
+``download``), for the rounds and the final personalisation alike.
 :func:`make_forward` builds the :class:`Forward` a method's loss receives, for both executors.
 """
 

@@ -133,7 +133,8 @@ def _check_inflated_size(path: Path) -> None:
 
 # Settings a run may change when resumed (`fedskew resume DIR lr=0.005`): how it is optimised from now
 # on, evaluated and recorded; not what it is (data, partition, model, method, seed).
-RESUMABLE = ("lr", "lr_decay", "lr_decay_every", "lr_schedule", "lr_min", "grad_clip", "rounds", "eval_every", "checkpoint_every", "fail_fast", "logger",
+RESUMABLE = ("lr", "lr_decay", "lr_decay_every", "lr_schedule", "lr_min", "grad_clip", "rounds", "eval_every",
+             "checkpoint_every", "fail_fast", "logger",
              "final_personalization", "device", "executor", "distributed", "max_parallel_clients", "pad_batches",
              "precision", "feature_stats", "classifier_stats", "forgetting_stats", "forgetting_test_samples")
 
