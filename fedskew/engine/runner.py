@@ -95,6 +95,9 @@ class Experiment:
         except ValueError as exc:  # a method's own check of the federation or model (one sentence)
             raise ConfigError(str(exc).rstrip(".") + ".") from None
         self.pack = pack  # runs as lanes (fedskew.engine.lanes): its stop flag is read once per step of the pack
+        # what the run is, as its checkpoints record it: computed once here, never inside the round loop,
+        # where a Ctrl-C landing in pydantic's model_dump came out as a PydanticSerializationError (exit 1)
+        self.identity = run_identity(cfg)
         self.executor = make_executor(cfg, self.model, self.fed, self.method, self.device, pack)
         if self.group is not None:
             if self.group.rank > 0:
@@ -137,7 +140,7 @@ class Experiment:
                               f"`fedskew resume {self.run_dir}` or choose another run_name.")
 
     def _checkpoint(self, state: dict) -> None:
-        self.files.checkpoint({**state, "run": run_identity(self.cfg)})
+        self.files.checkpoint({**state, "run": self.identity})
 
     # -- the loop ------------------------------------------------------------------------------
     @property
@@ -214,7 +217,7 @@ class Experiment:
 
     def _load_checkpoint(self, clients: bool = True) -> dict | None:
         return self.files.load_checkpoint({k: v.shape for k, v in federated_state(self.model).items()}, self.device,
-                                          run_identity(self.cfg), clients)
+                                          self.identity, clients)
 
     def _result(self, summary: dict, history: list[dict], global_state: dict) -> RunResult:
         """The result, with the final global state loaded into ``self.model`` (eval mode)."""
