@@ -23,6 +23,10 @@ reference below recomputes every round in float64 from the papers' rules:
               x <- x + eta_g m / (sqrt v + tau)
     FedYogi:  v <- v - (1-b2) Delta^2 sign(v - Delta^2)
     GHBM:     local gradient g + beta m / (eta tau_k), m = (x_{t+1-tau} - x_{t+1}) / tau once tau rounds ran
+    LocalGHBM: local gradient g + beta C (a_k - x) / (eta tau_k), C = 2/3, a_k the model client k received
+              when it last took part (no term at its first round); then a_k <- x
+    FedHBM:   local gradient g + beta C (a_k - w) / (eta tau_k), a_k the model client k trained when it last
+              took part; then a_k <- y_k
     FedCM:    local gradient alpha g + (1 - alpha) Delta / (eta tau_k);  x <- sum p_k y_k;  Delta <- x_old - x
     FedExP:   eta_g = max(1, sum p_k ||y_k - x||^2 / (2 (||Delta||^2 + |S| eps)));  x <- x + eta_g Delta;
               scored: the mean of the last two x (from the second round on)
@@ -71,6 +75,7 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
     m, v = zeros(), [np.full_like(x[0], opts.get("tau", 1e-3) ** 2), np.full_like(x[1], opts.get("tau", 1e-3) ** 2)]
     eta = 0.1
     past, ghbm_m = [], zeros()  # GHBM's queue of models and its momentum
+    anchors = {}  # LocalGHBM's and FedHBM's per-client anchors
     wk = n / n.mean() if opts.get("by_data_size", True) else np.ones_like(n)  # FedDC client weights
     fixed_steps = s.epochs * int(np.ceil(n.mean() / s.batch_size))
     for t, selected in enumerate(schedule):
@@ -93,13 +98,18 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
                         g[j] = a * g[j] + (1 - a) * m[j] / (eta * len(batches))
                     if method == "ghbm":  # g + beta m / (lr K_k)
                         g[j] = g[j] + opts.get("beta", 0.9) * ghbm_m[j] / (eta * len(batches))
+                    if method in ("localghbm", "fedhbm") and k in anchors:  # g + beta C (a_k - x or w) / (lr K_k)
+                        beta = opts.get("beta", 0.9 if method == "localghbm" else 1.0)
+                        end = x[j] if method == "localghbm" else w[j]
+                        g[j] = g[j] + beta * (2 / 3) * (anchors[k][j] - end) / (eta * len(batches))
                     if method == "feddc":
                         g[j] = g[j] + opts["alpha"] / wk[k] * (w[j] + hk[k][j] - x[j]) + cs[j] / wk[k] - ck[k][j]
                     w[j] = w[j] - eta * g[j]
             ys_out[k], taus[k] = w, len(batches)
+            anchors[k] = x if method == "localghbm" else w
         p = n[selected] / n[selected].sum()
         avg = [sum(pk * ys_out[k][j] for pk, k in zip(p, selected)) for j in range(2)]
-        if method in ("fedavg", "fedprox"):
+        if method in ("fedavg", "fedprox", "localghbm", "fedhbm"):
             x = avg
         elif method == "ghbm":  # the last tau pre-aggregation models; m = (oldest - new) / tau once tau are held
             past = (past + [x])[-opts["tau"]:]
@@ -185,6 +195,9 @@ CASES = [
     ("fedadagrad", {"server_lr": 0.05, "beta1": 0.5}),   # Algorithm 2's momentum
     ("ghbm", {"tau": 1}),  # classical heavy-ball momentum on the server's displacement
     ("ghbm", {"tau": 2, "beta": 0.5}),
+    ("localghbm", {}),
+    ("fedhbm", {}),
+    ("fedhbm", {"beta": 0.5}),
     ("fedcm", {}),
     ("fedcm", {"alpha": 0.4}),
     ("fedexp", {"epsilon": 1e-3}),  # the official code's step size, scored on the mean of the last two
@@ -200,7 +213,8 @@ def test_two_rounds_match_the_papers_rules(tmp_path, method, opts, executor):
         setup = [a for a in SETUP if not a.startswith(("partition", "rounds", "local_epochs", "clients_per_round"))] + [
             "partition=pcdd", "partition.classes_per_client=1", "partition.num_clients=3",
             "partition.local_test_fraction=0", "clients_per_round=3", "rounds=4", "local_epochs=5"]
-    if method == "ghbm":  # (tau = 2 rounds of models before the momentum exists, then a round that uses it)
+    if method in ("ghbm", "localghbm", "fedhbm"):  # (tau = 2 rounds of models before the momentum exists,
+        # then a round that uses it; a client that returns in round 2 or 3 has an anchor)
         setup = [a for a in SETUP if not a.startswith("rounds")] + ["rounds=3"]
     cfg = load_config(None, setup + [f"method={method}", f"executor={executor}"]
                       + [f"method.{k}={v}" for k, v in opts.items()])
@@ -226,7 +240,7 @@ def test_methods_differ_from_fedavg_on_this_problem(tmp_path):
     for i, (method, opts) in enumerate(CASES[1:]):
         if method == "fedexp":  # (FedAvg wherever eta_g = 1, as here: its own setting checks eta_g > 1)
             continue
-        rounds = ["rounds=3"] if method == "ghbm" else []
+        rounds = ["rounds=3"] if method in ("ghbm", "localghbm", "fedhbm") else []
         cfg = load_config(None, SETUP + rounds + [f"method={method}"] + [f"method.{k}={v}" for k, v in opts.items()])
         other = run(cfg, tmp_path / f"{method}{i}").global_state["classifier.weight"]
         assert (other - (base3 if rounds else base)).abs().max() > 1e-4, method

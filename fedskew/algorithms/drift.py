@@ -1,5 +1,6 @@
-"""Client-drift baselines: FedProx, SCAFFOLD, FedCM, GHBM, FedDyn, FedNova; and sharpness-aware local steps,
-FedSAM and FedASAM (FedAvg + the ``sam`` component; the two passes live in the executors' step).
+"""Client-drift baselines: FedProx, SCAFFOLD, FedCM, GHBM (with LocalGHBM and FedHBM), FedDyn, FedNova;
+and sharpness-aware local steps, FedSAM and FedASAM (FedAvg + the ``sam`` component; the two passes
+live in the executors' step).
 
 Each is FedAvg with the pieces its paper changes. SCAFFOLD's and FedDC's control correction is a
 step correction applied after each optimizer step, outside momentum (``Method.step_correction``);
@@ -15,13 +16,21 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedskew.algorithms.base import builtin, FedAvgOptions, Method, Source, as_model_part, model_part, weighted_mean
+from fedskew.algorithms.base import (MODEL, builtin, FedAvgOptions, Method, Source, as_model_part, model_part,
+                                    weighted_mean)
 from fedskew.algorithms.components import SAMOptions, SharpnessAware
 from fedskew.algorithms.compose import Composed, options_of
 
 
 def _params(names, state, prefix=""):
     return {prefix + k: state[k] for k in names}
+
+
+def _step_scale(weight: float, data, like: torch.Tensor) -> torch.Tensor:
+    """weight / (lr K), K the client's local steps this round: the factor by which FedCM's and the GHBM
+    family's official clients divide a round-level displacement added to every step's gradient
+    (``_before_opt_step``); 0 at lr 0."""
+    return torch.tensor(weight / (data.lr * max(data.steps, 1)) if data.lr > 0 else 0.0, dtype=like.dtype)
 
 
 class FedProxOptions(FedAvgOptions):
@@ -192,9 +201,8 @@ class FedCM(Method):
         return {**as_model_part(global_state), **server_state}
 
     def prepare(self, payload, client_state, data):
-        scale = (1 - self.opt.alpha) / (data.lr * max(data.steps, 1)) if data.lr > 0 else 0.0
-        dtype = payload["delta." + self.info.param_names[0]].dtype
-        return {**client_state, "fedcm.scale": torch.tensor(scale, dtype=dtype)}
+        return {**client_state, "fedcm.scale": _step_scale(1 - self.opt.alpha, data,
+                                                           payload["delta." + self.info.param_names[0]])}
 
     def local_loss(self, fwd, params, x, y, payload, client_state):
         loss, aux = super().local_loss(fwd, params, x, y, payload, client_state)
@@ -251,9 +259,8 @@ class GHBM(Method):
         return {**as_model_part(global_state), **{k: v for k, v in server_state.items() if k.startswith("m.")}}
 
     def prepare(self, payload, client_state, data):
-        scale = self.opt.beta / (data.lr * max(data.steps, 1)) if data.lr > 0 else 0.0
-        dtype = payload["model." + self.info.param_names[0]].dtype
-        return {**client_state, "ghbm.scale": torch.tensor(scale, dtype=dtype)}
+        return {**client_state, "ghbm.scale": _step_scale(self.opt.beta, data,
+                                                          payload["model." + self.info.param_names[0]])}
 
     def local_loss(self, fwd, params, x, y, payload, client_state):
         loss, aux = super().local_loss(fwd, params, x, y, payload, client_state)
@@ -274,6 +281,95 @@ class GHBM(Method):
         full = len(queue) >= tau
         state.update({"m." + k: (queue[0][k] - mean[k]) / tau if full else torch.zeros_like(mean[k]) for k in names})
         return mean, state
+
+
+class LocalGHBMOptions(FedAvgOptions):
+    search = {"beta": [0.5, 0.9, 0.99]}  # the bench's search space (fedskew bench)
+    beta: float = Field(0.9, ge=0, description="momentum weight: each step adds beta m / (lr K)")
+    participation: float | None = Field(
+        None, gt=0, le=1, description="C, the factor of the client's displacement (default: clients_per_round / "
+                                      "num_clients, the official configs' participation ratio)")
+
+
+class FedHBMOptions(LocalGHBMOptions):
+    search = {"beta": [0.5, 0.9, 1.0]}  # the bench's search space (fedskew bench)
+    beta: float = Field(1.0, ge=0, description="momentum weight: each step adds beta m / (lr K) (the official "
+                                               "config's 1)")
+
+
+@builtin
+class LocalGHBM(Method):
+    """LocalGHBM (Zaccone et al., ICLR 2025, Sec. 4, the communication-efficient GHBM): GHBM's
+    momentum from what the client itself saw, so nothing but the model travels. The client keeps
+    the model it received when it last took part (its anchor a_i); this round's momentum is
+    m = C (a_i - x_t), C the participation ratio standing for 1 / tau, zero at its first round
+    (the official ``LocalGHBMClient._set_momentum``), and every local step adds beta m / (lr K) to
+    the gradient, as GHBM (written as the loss CE + beta <m, w> / (lr K)). Afterwards the anchor
+    becomes x_t. The server averages as FedAvg."""
+
+    name = "localghbm"
+    Options = LocalGHBMOptions
+    source = Source(authors="Zaccone, Karimireddy, Masone, Ciccone",
+                    title="Communication-Efficient Federated Learning with Generalized Heavy-Ball Momentum",
+                    venue="ICLR", year=2025, arxiv="2311.18578",
+                    implements="Sec. 4, LocalGHBM (the client's anchor: the model it last received)",
+                    code="RickZack/GHBM src/algo/fed_clients/ghbm_client.py (LocalGHBMClient, variant standard), "
+                         "config/algo/localghbm.yaml")
+    per_sample_loss = True  # Method.padding_exact
+    run_defaults = GHBM.run_defaults
+
+    def client_init(self, client_id, global_state, info):
+        anchor = {k: torch.zeros_like(v) for k, v in _params(info.param_names, global_state, "anchor.").items()}
+        return {**anchor, "anchor.seen": torch.zeros((), dtype=next(iter(anchor.values())).dtype)}
+
+    def prepare(self, payload, client_state, data):
+        info = self.info
+        c = self.opt.participation or info.clients_per_round / info.num_clients
+        scale = _step_scale(self.opt.beta * c, data, client_state["anchor.seen"]) * client_state["anchor.seen"]
+        return {**client_state, "ghbm.scale": scale}
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        loss, aux = super().local_loss(fwd, params, x, y, payload, client_state)
+        pull = sum(((client_state["anchor." + k] - payload[MODEL + k]) * p).sum() for k, p in params.items())
+        return loss + client_state["ghbm.scale"] * pull, aux
+
+    def next_anchor(self, trained, payload):
+        """The anchor the client keeps for its next round: the model it received (LocalGHBM)."""
+        return model_part(payload)
+
+    def after_training(self, trained, payload, client_state, report):
+        new = self.next_anchor(trained, payload)
+        state = {**{"anchor." + k: new[k] for k in self.info.param_names},
+                 "anchor.seen": torch.ones_like(client_state["anchor.seen"])}
+        return as_model_part(trained), state
+
+
+@builtin
+class FedHBM(LocalGHBM):
+    """FedHBM (Zaccone et al., ICLR 2025, Sec. 4): LocalGHBM whose anchor is the model the client
+    itself trained when it last took part, and whose momentum follows the model being trained:
+    step s adds beta C (a_i - w_s) / (lr K) to the gradient (the official ``FedHBMClient`` recomputes
+    the momentum before every step), the gradient of the loss term -beta C ||a_i - w||^2 / (2 lr K);
+    zero at the client's first round. beta is 1 in the official config."""
+
+    name = "fedhbm"
+    Options = FedHBMOptions
+    source = Source(authors="Zaccone, Karimireddy, Masone, Ciccone",
+                    title="Communication-Efficient Federated Learning with Generalized Heavy-Ball Momentum",
+                    venue="ICLR", year=2025, arxiv="2311.18578",
+                    implements="Sec. 4, FedHBM (the client's anchor: the model it last trained)",
+                    code="RickZack/GHBM src/algo/fed_clients/ghbm_client.py (FedHBMClient, variant standard), "
+                         "config/algo/fedhbm.yaml")
+    per_sample_loss = True  # Method.padding_exact
+
+    def local_loss(self, fwd, params, x, y, payload, client_state):
+        loss, aux = Method.local_loss(self, fwd, params, x, y, payload, client_state)
+        spread = sum(((client_state["anchor." + k] - p) ** 2).sum() for k, p in params.items())
+        return loss - client_state["ghbm.scale"] / 2 * spread, aux
+
+    def next_anchor(self, trained, payload):
+        """The model the client trained this round (FedHBM)."""
+        return trained
 
 
 class FedDynOptions(FedAvgOptions):
