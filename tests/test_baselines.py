@@ -361,3 +361,78 @@ def test_momentum_aware_control_update_by_hand():
     assert control_scale(r, "momentum") == pytest.approx(1 / 0.425)
     plain = ClientReport(0, 10, 3, lr=0.1, momentum=0.0)
     assert control_scale(plain, "momentum") == control_scale(plain, "steps")
+
+
+def fedcross_reference(exp: Experiment, schedule: list[list[int]], alpha: float, strategy: str):
+    """FedCross (PFLlib's servercross, re-derived): K = 3 middleware models; the round's i-th client
+    trains model slot_i (the run's seeded assignment: an input here); the global model is the
+    n_k-weighted mean of the trained models; model j <- alpha w_j + (1 - alpha) w_c, c the least
+    (most) similar other model by the cosine of [W, b] (PFLlib counts the one weight/bias pair
+    twice: the same order), or j + (t mod 2) + 1 in order."""
+    from fedskew.streams import numpy_rng
+
+    fed, s = exp.fed, exp.executor.settings
+    xs = [fed.data.x_train[i].double().numpy().reshape(len(i), -1) for i in fed.train_idx]
+    ys = [fed.data.y_train[i].numpy() for i in fed.train_idx]
+    n = np.array([len(y) for y in ys], dtype=float)
+    init = {k: v.double().numpy() for k, v in exp.model.state_dict().items()}
+    models = [[init["classifier.weight"].copy(), init["classifier.bias"].copy()] for _ in range(3)]
+    for t, selected in enumerate(schedule):
+        slots = numpy_rng(exp.cfg.seed, "fedcross", t).permutation(3)[:len(selected)]
+        trained = {}
+        for k, j in zip(selected, slots):
+            w = [models[j][0].copy(), models[j][1].copy()]
+            for pos in batch_schedule(s, t, k, len(ys[k])):
+                gw, gb = grad(w[0], w[1], xs[k][pos], ys[k][pos], 3)
+                w = [w[0] - 0.1 * gw, w[1] - 0.1 * gb]
+            trained[k] = models[j] = w
+        p = n[selected] / n[selected].sum()
+        glob = [sum(pk * trained[k][i] for pk, k in zip(p, selected)) for i in range(2)]
+        flat = [np.concatenate([m[0].ravel(), m[1]]) for m in models]
+        sim = np.array([[flat[a] @ flat[b] / np.linalg.norm(flat[a]) / np.linalg.norm(flat[b]) for b in range(3)]
+                        for a in range(3)])
+        partner = []
+        for j in range(3):
+            others = [c for c in range(3) if c != j]
+            if strategy == "in_order":
+                partner.append((j + t % 2 + 1) % 3)
+            else:
+                pick = min if strategy == "lowest" else max
+                partner.append(pick(others, key=lambda c: sim[j, c]))
+        models = [[alpha * models[j][i] + (1 - alpha) * models[partner[j]][i] for i in range(2)] for j in range(3)]
+    return glob, models
+
+
+@pytest.mark.parametrize("executor", ["sequential", "vectorized"])
+@pytest.mark.parametrize("opts", [{}, {"alpha": 0.6}, {"alpha": 0.6, "strategy": "highest"},
+                                  {"alpha": 0.6, "strategy": "in_order"}])
+def test_fedcross_matches_a_replay_of_its_cross_aggregation(tmp_path, opts, executor):
+    setup = [a for a in SETUP if not a.startswith(("partition.num_clients", "clients_per_round", "rounds"))]
+    cfg = load_config(None, setup + ["partition.num_clients=4", "clients_per_round=3", "rounds=3", "method=fedcross",
+                                     f"executor={executor}"] + [f"method.{k}={v}" for k, v in opts.items()])
+    exp = Experiment(cfg, tmp_path / "probe")
+    res = run(cfg, tmp_path / "run")
+    glob, models = fedcross_reference(exp, [h["clients"] for h in res.history], opts.get("alpha", 0.99),
+                                      opts.get("strategy", "lowest"))
+    np.testing.assert_allclose(res.global_state["classifier.weight"].double().numpy(), glob[0], atol=2e-6)
+    np.testing.assert_allclose(res.global_state["classifier.bias"].double().numpy(), glob[1], atol=2e-6)
+    kept = read_checkpoint(res.run_dir / "checkpoint.pt")["server_state"]
+    for j in range(3):
+        np.testing.assert_allclose(kept["cross.models.classifier.weight"][j].double().numpy(), models[j][0], atol=2e-6)
+    # the global model is not what the next round trains from: the middleware models differ from it
+    assert np.abs(models[0][0] - glob[0]).max() > 1e-3
+
+
+def test_fedcross_similarity_pairs_tensors_as_pflib_does():
+    from fedskew.algorithms.clustered import collaborator, layer_pair_similarity
+
+    x = [torch.tensor([1.0, 0.0]), torch.tensor([1.0]), torch.tensor([0.0, 2.0])]
+    y = [torch.tensor([0.0, 1.0]), torch.tensor([1.0]), torch.tensor([1.0, 0.0])]
+    # cos([1, 0, 1], [0, 1, 1]) = 1/2 for the pair, cos([0, 2], [1, 0]) = 0 for the single last tensor
+    assert layer_pair_similarity(x, y) == pytest.approx(0.5)
+    # two tensors: the pair, then the same pair again (PFLlib's trailing term)
+    assert layer_pair_similarity(x[:2], y[:2]) == pytest.approx(1.0)
+    sim = np.array([[0.0, 0.3, 0.1, 0.1], [0.3, 0.0, 0.5, 0.2], [0.1, 0.5, 0.0, 0.9], [0.1, 0.2, 0.9, 0.0]])
+    assert [collaborator(sim, j, "lowest", 0) for j in range(4)] == [2, 3, 0, 0]  # ties: the first from j + 1
+    assert [collaborator(sim, j, "highest", 0) for j in range(4)] == [1, 2, 3, 2]
+    assert [collaborator(sim, j, "in_order", 4) for j in range(4)] == [2, 3, 0, 1]

@@ -7,6 +7,8 @@ the same functions:
 =====================  =======================================================================
 ``server_init``        global model state -> server state (control variates, prototypes, ...)
 ``client_init``        client id -> that client's persistent state (created on first selection)
+``round_start``        (server state, the round's clients, round) -> the round's server state
+                       (FedCross's assignment of its models to the selected clients)
 ``broadcast``          (global state, server state) -> payload, the flat dict sent to a client
 ``prepare``            (payload, client state, client data) -> client state, before training
                        (e.g. FedKA's anchor set; default: unchanged)
@@ -430,6 +432,13 @@ class Method:
         Eq. 1): a class with less than this share of a client's samples is non-dominant there. 1 / C
         unless the method sets its own (FedKA's ``gamma``)."""
         return 1.0 / num_classes
+
+    def round_start(self, server_state: State, clients: list[int], round_idx: int) -> State:
+        """The server state of a training round, given the clients selected for it (sorted), before
+        anything is sent: what a method decides per round from who takes part (FedCross: which of
+        its models each client trains). Not called for the final personalisation pass. Default:
+        ``server_state``."""
+        return server_state
 
     def download(self, server_state: State, client_id: int, round_idx: int) -> State:
         """Entries sent to one selected client only (FedFOMO's chosen models), merged into its

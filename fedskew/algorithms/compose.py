@@ -119,7 +119,7 @@ FOLD = {
     **dict.fromkeys(("split_steps", "trained_params", "personal_start", "personal_loss", "after_personal",
                      "personal_state", "personal_first"), "personal"),
     # the rest is the base's (forwarded below where Composite does not filter the client state)
-    **dict.fromkeys(("download", "local_start", "step_correction", "local_steps", "paired_samples", "client_weights",
+    **dict.fromkeys(("round_start", "download", "local_start", "step_correction", "local_steps", "paired_samples", "client_weights",
                      "class_role_threshold", "evaluation_state", "has_global_model", "requires_classifier",
                      "fedavg_weighted", "per_sample_loss", "vectorizable"), "base"),
     # read from the registered class by the config layer, never from an instance
@@ -184,6 +184,9 @@ class Composite(Method):
         for c in self.components:
             payload.update(c.broadcast(_own(server_state, c.prefix)))
         return payload
+
+    def round_start(self, server_state, clients, round_idx):
+        return {**server_state, **self.base.round_start(_others(server_state, self._prefixes), clients, round_idx)}
 
     def download(self, server_state, client_id, round_idx):
         return self.base.download(_others(server_state, self._prefixes), client_id, round_idx)

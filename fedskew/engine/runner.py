@@ -272,6 +272,7 @@ class Experiment:
         train = self.training_clients
         selected = [train[i] for i in sample_clients(cfg.seed, t, len(train), cfg.clients_per_round)]
         lr = cfg.round_lr(t)
+        server_state = method.round_start(server_state, selected, t)
         t1 = time.perf_counter()
         # Persistent client states (HPMs, control variates, previous models) live in host memory
         # between rounds; only the selected clients' states visit the device.
