@@ -436,3 +436,60 @@ def test_fedcross_similarity_pairs_tensors_as_pflib_does():
     assert [collaborator(sim, j, "lowest", 0) for j in range(4)] == [2, 3, 0, 0]  # ties: the first from j + 1
     assert [collaborator(sim, j, "highest", 0) for j in range(4)] == [1, 2, 3, 2]
     assert [collaborator(sim, j, "in_order", 4) for j in range(4)] == [2, 3, 0, 1]
+
+
+def fedcac_reference(exp: Experiment, schedule: list[list[int]], tau: float, beta: int):
+    """FedCAC (the authors' Fling code, re-derived in numpy): client k starts from
+    g + m_k (u_k - g) (m_k its critical mask, u_k its customised model), trains, and marks the
+    int(tau n) entries of each tensor with the largest |(y - start) y| critical; the server keeps
+    FedAvg's mean g and, for each client of the round, u_k = the plain mean of the trained models
+    whose masks overlap its own by 1 - |m_k - m_j|_1 / (2 |m_k|_1) >= mean + (t + 1) / beta (max - mean)."""
+    fed, s = exp.fed, exp.executor.settings
+    xs = [fed.data.x_train[i].double().numpy().reshape(len(i), -1) for i in fed.train_idx]
+    ys = [fed.data.y_train[i].numpy() for i in fed.train_idx]
+    n = np.array([len(y) for y in ys], dtype=float)
+    init = {k: v.double().numpy() for k, v in exp.model.state_dict().items()}
+    g = [init["classifier.weight"], init["classifier.bias"]]
+    clients = range(len(ys))
+    masks = {k: [np.zeros_like(g[0]), np.zeros_like(g[1])] for k in clients}
+    custom = {k: [g[0].copy(), g[1].copy()] for k in clients}
+    for t, selected in enumerate(schedule):
+        trained = {}
+        for k in selected:
+            start = [g[i] + masks[k][i] * (custom[k][i] - g[i]) for i in range(2)]
+            w = [start[0].copy(), start[1].copy()]
+            for pos in batch_schedule(s, t, k, len(ys[k])):
+                gw, gb = grad(w[0], w[1], xs[k][pos], ys[k][pos], 3)
+                w = [w[0] - 0.1 * gw, w[1] - 0.1 * gb]
+            trained[k] = w
+            for i in range(2):
+                c = np.abs((w[i] - start[i]) * w[i])
+                masks[k][i] = (c >= np.sort(c.ravel())[::-1][int(tau * c.size) - 1]).astype(float)
+        p = n[selected] / n[selected].sum()
+        g = [sum(pk * trained[k][i] for pk, k in zip(p, selected)) for i in range(2)]
+        flat = {k: np.concatenate([masks[k][0].ravel(), masks[k][1]]) for k in selected}
+        ov = {(a, b): 1 - np.abs(flat[a] - flat[b]).sum() / (2 * flat[a].sum()) for a in selected for b in selected
+              if a != b}
+        mean, top = np.mean(list(ov.values())), max(ov.values())
+        threshold = mean + (t + 1) / beta * (top - mean)
+        for a in selected:
+            peers = [a] + [b for b in selected if b != a and ov[a, b] >= threshold]
+            custom[a] = [sum(trained[b][i] for b in peers) / len(peers) for i in range(2)]
+    return g, custom
+
+
+@pytest.mark.parametrize("executor", ["sequential", "vectorized"])
+def test_fedcac_matches_a_replay_of_the_authors_rules(tmp_path, executor):
+    setup = [a for a in SETUP if not a.startswith(("partition.num_clients", "clients_per_round", "rounds"))]
+    cfg = load_config(None, setup + ["partition.num_clients=4", "clients_per_round=4", "rounds=3", "method=fedcac",
+                                     "method.tau=0.4", "method.beta=2", f"executor={executor}"])
+    exp = Experiment(cfg, tmp_path / "probe")
+    res = run(cfg, tmp_path / "run")
+    g, custom = fedcac_reference(exp, [h["clients"] for h in res.history], 0.4, 2)
+    np.testing.assert_allclose(res.global_state["classifier.weight"].double().numpy(), g[0], atol=2e-6)
+    np.testing.assert_allclose(res.global_state["classifier.bias"].double().numpy(), g[1], atol=2e-6)
+    kept = read_checkpoint(res.run_dir / "checkpoint.pt")["server_state"]
+    for k in range(4):
+        np.testing.assert_allclose(kept["cac.custom.classifier.weight"][k].double().numpy(), custom[k][0], atol=2e-6)
+    # the threshold separated the clients: some customised models are not the mean of all four
+    assert max(np.abs(custom[k][0] - np.mean([custom[j][0] for j in range(4)], 0)).max() for k in range(4)) > 1e-3

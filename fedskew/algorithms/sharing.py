@@ -1,5 +1,5 @@
 """Partial model sharing and model mixing: FedBN, FedPer, LG-FedAvg, APFL, FedALA, FedFOMO, FedAMP,
-FLDA, FedDBE and FedAS.
+FLDA, FedDBE, FedAS and FedCAC.
 
 Methods of this family differ from FedAvg in *which* tensors of the model a client shares and how
 it combines what it receives with what it keeps:
@@ -18,6 +18,8 @@ fedamp     its own model                          its model (server keeps all, m
 flda       a private model and the gate           the model (FedAvg's)                   FedAvg's
 feddbe     its representation bias mu_k (d)       the model without mu_k (FedAvg's)      FedAvg's
 fedas      its head (the body: the aligned global) the model + its Fisher trace            Fisher-weighted
+fedcac     its critical-parameter mask            the model + the mask (server keeps a   FedAvg's
+                                                  customised model per client)
 =========  =====================================  =====================================  ==============
 
 A method without a global model reports ``global/*`` as none (``has_global_model``); FedBN has one
@@ -911,3 +913,106 @@ def fisher_trace(model_call, state: State, names, x: torch.Tensor, y: torch.Tens
 
 __all__ = ["APFL", "FLDA", "FedALA", "FedAMP", "FedAS", "FedBN", "FedDBE", "FedFOMO", "FedPer", "LGFedAvg",
            "PartialSharing", "align_body", "attention_weights", "fisher_trace", "layer_names", "own_prototypes"]
+
+
+class FedCACOptions(FedAvgOptions):
+    search = {"tau": [0.3, 0.5, 0.7], "beta": [20, 100]}  # the bench's search space (fedskew bench)
+    tau: float = Field(0.5, gt=0, le=1, description="share of each layer's parameters that are critical (the largest "
+                                                    "|Delta theta * theta|)")
+    beta: int = Field(100, ge=1, description="the collaboration threshold rises from the mean overlap to the largest "
+                                             "by (t + 1) / beta per round t")
+
+
+def critical_masks(start: State, trained: State, names, tau: float) -> State:
+    """FedCAC's critical parameters of each layer (Wu et al., Sec. 3.2; Fling's
+    ``evaluate_critical_parameter``): c = |(theta - theta_start) * theta|; the int(tau n) largest of
+    a layer's n entries are critical (c >= the smallest of them; if that is <= 1e-10, the smallest
+    c above 1e-20 is the threshold instead). 1 marks a critical entry."""
+    out = {}
+    for n in names:
+        c = ((trained[n] - start[n]) * trained[n]).abs()
+        metric = c.reshape(-1)
+        k = int(tau * metric.numel())
+        thresh = torch.topk(metric, k).values[-1] if k > 0 else torch.tensor(float("inf"))
+        if thresh <= 1e-10:
+            nonzero = metric[metric > 1e-20]
+            if len(nonzero):
+                thresh = nonzero.min()
+        out[n] = (c >= thresh).to(trained[n].dtype)
+    return out
+
+
+def overlap_matrix(masks: torch.Tensor) -> torch.Tensor:
+    """overlap[i, j] = 1 - sum |m_i - m_j| / (2 sum m_i) of clients' flattened critical masks (rows)."""
+    diff = (masks[:, None, :] - masks[None, :, :]).abs().sum(-1)
+    return 1 - diff / (2 * masks.sum(1, keepdim=True))
+
+
+@builtin
+class FedCAC(Method):
+    """FedCAC (Wu, Liu, Wang, Lu, Wang, ICCV 2023): each client marks the critical share tau of each
+    layer's parameters (``critical_masks``) after its local training and uploads the model with the
+    mask. The server averages FedAvg's global model, and for every client of the round a customised
+    model: the plain mean of the trained models of it and of the round's clients whose masks overlap
+    its own by at least the threshold mean + (t + 1) / beta (max - mean) (``overlap_matrix``; round t
+    counted from 0, so collaboration narrows as training goes on). A client starts its next round from
+    its critical parameters taken from its customised model and the others from the global model
+    (``local_start``). The personalised model is the trained one (Fling's 'before aggregation'); the
+    final pass starts from the mixture (its 'after aggregation')."""
+
+    name = "fedcac"
+    Options = FedCACOptions
+    source = Source(authors="Wu, Liu, Wang, Lu, Wang",
+                    title="Bold but Cautious: Unlocking the Potential of Personalized Federated Learning through "
+                          "Cautiously Aggressive Collaboration",
+                    venue="ICCV", year=2023, arxiv="2309.11103",
+                    implements="Sec. 3 (critical parameter selection, overlap threshold, customised global models)",
+                    code="kxzxvbk/Fling fling/component/client/fedcac_client.py, group/fedcac_group.py, "
+                         "flzoo/cifar10/cifar10_fedcac_resnet_config.py (tau 0.5, beta 100); PFLlib servercac.py")
+    per_sample_loss = True  # Method.padding_exact (FedAvg's loss)
+
+    def server_init(self, global_state, info):
+        state = {"cac.custom." + k: v[None].repeat(info.num_clients, *([1] * v.dim())) for k, v in global_state.items()}
+        return {**state, "cac.round": torch.zeros((), dtype=torch.long)}
+
+    def client_init(self, client_id, global_state, info):
+        # no critical entry before the first training: the first round starts from the global model
+        return {"cac.mask." + k: torch.zeros_like(global_state[k]) for k in info.param_names}
+
+    def download(self, server_state, client_id, round_idx):
+        return {"cac.model." + k[len("cac.custom."):]: v[client_id] for k, v in server_state.items()
+                if k.startswith("cac.custom.")}
+
+    def local_start(self, payload, client_state):
+        glob = model_part(payload)
+        custom = strip_prefix(client_state, "cac.model.")
+        return {k: g + client_state["cac.mask." + k] * (custom[k] - g) if "cac.mask." + k in client_state else g
+                for k, g in glob.items()}
+
+    def after_training(self, trained, payload, client_state, report):
+        start = self.local_start(payload, client_state)
+        masks = critical_masks(start, trained, self.info.param_names, self.opt.tau)
+        return ({**as_model_part(trained), **add_prefix(masks, "cac.critical.")},
+                add_prefix(masks, "cac.mask."))
+
+    def aggregate(self, server_state, global_state, uploads, reports):
+        new = weighted_mean([model_part(u) for u in uploads], self.client_weights(reports))
+        state = {k: v.clone() if k.startswith("cac.custom.") else v for k, v in server_state.items()}
+        n, names = len(uploads), self.info.param_names
+        together = torch.ones(n, n, dtype=torch.bool)
+        if n > 1:
+            masks = torch.stack([torch.cat([u["cac.critical." + k].reshape(-1).double() for k in names]) for u in uploads])
+            overlap = overlap_matrix(masks)
+            off = ~torch.eye(n, dtype=torch.bool)
+            mean, top = overlap[off].mean(), overlap[off].max()
+            t = int(server_state["cac.round"])
+            threshold = mean + (t + 1) / self.opt.beta * (top - mean)
+            together = (overlap >= threshold) | ~off
+        models = [model_part(u) for u in uploads]
+        for i, r in enumerate(reports):
+            peers = [models[j] for j in range(n) if together[i, j]]
+            for k in global_state:
+                state["cac.custom." + k][r.client_id] = (sum(p[k].double() for p in peers) / len(peers)).to(
+                    state["cac.custom." + k].dtype)
+        state["cac.round"] = server_state["cac.round"] + 1
+        return new, state
