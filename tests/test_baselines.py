@@ -493,3 +493,61 @@ def test_fedcac_matches_a_replay_of_the_authors_rules(tmp_path, executor):
         np.testing.assert_allclose(kept["cac.custom.classifier.weight"][k].double().numpy(), custom[k][0], atol=2e-6)
     # the threshold separated the clients: some customised models are not the mean of all four
     assert max(np.abs(custom[k][0] - np.mean([custom[j][0] for j in range(4)], 0)).max() for k in range(4)) > 1e-3
+
+
+def fedem_reference(exp: Experiment, schedule: list[list[int]], m: int):
+    """FedEM (Marfoq et al., Algorithm 1, re-derived in numpy) with M linear components: E-step
+    q_i(m) = softmax_m(log pi_km - CE_m(x_i, y_i)) under the received components, pi_k <- mean_i q_i;
+    M-step: SGD on the batch mean of sum_m q_i(m) CE_m; FedAvg of the components and of pi."""
+    fed, s = exp.fed, exp.executor.settings
+    xs = [fed.data.x_train[i].double().numpy().reshape(len(i), -1) for i in fed.train_idx]
+    ys = [fed.data.y_train[i].numpy() for i in fed.train_idx]
+    n = np.array([len(y) for y in ys], dtype=float)
+    init = {k: v.double().numpy() for k, v in exp.model.state_dict().items()}
+    comps = [[init[f"learners.{j}.classifier.weight"], init[f"learners.{j}.classifier.bias"]] for j in range(m)]
+    pis = {k: np.full(m, 1 / m) for k in range(len(ys))}
+    for t, selected in enumerate(schedule):
+        trained = {}
+        for k in selected:
+            x, y = xs[k], ys[k]
+            nll = np.stack([-np.log(softmax(x @ w.T + b)[np.arange(len(y)), y]) for w, b in comps], 1)
+            q = softmax(np.log(pis[k])[None] - nll)
+            pis[k] = q.mean(0)
+            local = [[w.copy(), b.copy()] for w, b in comps]
+            for pos in batch_schedule(s, t, k, len(y)):
+                for j in range(m):
+                    g = q[pos, j, None] * (softmax(x[pos] @ local[j][0].T + local[j][1]) - np.eye(3)[y[pos]]) / len(pos)
+                    local[j] = [local[j][0] - 0.1 * g.T @ x[pos], local[j][1] - 0.1 * g.sum(0)]
+            trained[k] = local
+        p = n[selected] / n[selected].sum()
+        comps = [[sum(pk * trained[k][j][i] for pk, k in zip(p, selected)) for i in range(2)] for j in range(m)]
+        mix = sum(pk * pis[k] for pk, k in zip(p, selected))
+    return comps, mix, pis
+
+
+@pytest.mark.parametrize("executor", ["sequential", "vectorized"])
+def test_fedem_matches_a_replay_of_its_em_steps(tmp_path, executor):
+    cfg = load_config(None, SETUP + ["method=fedem", "method.learners=2", f"executor={executor}"])
+    exp = Experiment(cfg, tmp_path / "probe")
+    res = run(cfg, tmp_path / "run")
+    comps, mix, pis = fedem_reference(exp, [h["clients"] for h in res.history], 2)
+    for j in range(2):
+        np.testing.assert_allclose(res.global_state[f"learners.{j}.classifier.weight"].double().numpy(), comps[j][0],
+                                   atol=2e-6)
+        np.testing.assert_allclose(res.global_state[f"learners.{j}.classifier.bias"].double().numpy(), comps[j][1],
+                                   atol=2e-6)
+    np.testing.assert_allclose(res.global_state["classifier.mix"].double().numpy(), mix, atol=2e-6)
+    states = read_checkpoint(res.run_dir / "checkpoint.pt")["client_states"]
+    for k, st in states.items():
+        np.testing.assert_allclose(st["em.pi"].double().numpy(), pis[int(k)], atol=2e-6)
+    assert np.abs(mix - 0.5).max() > 1e-3  # the E-step moved the weights off uniform
+
+
+def test_mixture_logits_are_the_log_of_the_mixed_probabilities():
+    from fedskew.models.nets import MixtureHead
+
+    head = MixtureHead(2)
+    head.mix.copy_(torch.tensor([0.25, 0.75]))
+    z = torch.tensor([[1.0, 0.0, 0.0, 2.0]])  # learner 0: (1, 0), learner 1: (0, 2)
+    p = 0.25 * torch.softmax(torch.tensor([1.0, 0.0]), 0) + 0.75 * torch.softmax(torch.tensor([0.0, 2.0]), 0)
+    torch.testing.assert_close(head(z)[0].exp(), p)

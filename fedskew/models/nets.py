@@ -293,6 +293,39 @@ class PrivateExpertNet(SkewNet):
         return (z, logits) if return_features else logits
 
 
+class MixtureHead(nn.Module):
+    """The mixture's log-probabilities from M learners' logits side by side ([B, M C]):
+    log sum_m pi_m softmax(l_m), pi the buffer ``mix``."""
+
+    def __init__(self, learners: int):
+        super().__init__()
+        self.register_buffer("mix", torch.full((learners,), 1.0 / learners))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        per = z.reshape(z.shape[0], len(self.mix), -1)
+        return torch.logsumexp(torch.log(self.mix)[:, None] + F.log_softmax(per, -1), 1)
+
+
+class MixtureNet(SkewNet):
+    """FedEM's ensemble (Marfoq et al., 2021): M learners of one configuration (``learners.m.*``)
+    and the mixture weights pi (``classifier.mix``). The features z are the learners' logits side
+    by side ([B, M C]), which FedEM's loss reads; the logits are the mixture's log-probabilities
+    (:class:`MixtureHead`), so cross-entropy and argmax score the mixture."""
+
+    def __init__(self, learners: list[SkewNet]):
+        nn.Module.__init__(self)
+        self.learners = nn.ModuleList(learners)
+        self.feature_dim = len(learners) * learners[0].classifier.out_features
+        self.classifier = MixtureHead(len(learners))
+        self.fixed_keys = frozenset(f"learners.{m}.{k}" for m, net in enumerate(learners) for k in net.fixed_keys)
+        self.shift = self.valve = self.policy = None
+
+    def forward(self, x: torch.Tensor, return_features: bool = False):
+        z = torch.cat([net(x) for net in self.learners], 1)
+        logits = self.classifier(z)
+        return (z, logits) if return_features else logits
+
+
 def with_projection_head(model: SkewNet, out_dim: int, num_classes: int, bias: bool = True) -> SkewNet:
     """MOON's architecture: backbone -> projection head (Linear d->d, ReLU, Linear d->out_dim) ->
     classifier. The features z are the projection's output."""
