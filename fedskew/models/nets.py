@@ -326,6 +326,52 @@ class MixtureNet(SkewNet):
         return (z, logits) if return_features else logits
 
 
+class Datastore(nn.Module):
+    """kNN-Per's datastore: ``keys`` [capacity, d] (features of local training samples),
+    ``labels`` [capacity, C] (one-hot) and ``valid`` [capacity] (1 for a filled row); all zero,
+    so unused, in a model that has none (the global model)."""
+
+    def __init__(self, capacity: int, d: int, num_classes: int):
+        super().__init__()
+        self.register_buffer("keys", torch.zeros(capacity, d))
+        self.register_buffer("labels", torch.zeros(capacity, num_classes))
+        self.register_buffer("valid", torch.zeros(capacity))
+
+
+class KNNNet(SkewNet):
+    """kNN-Per's model (Marfoq et al., ICML 2022): the configured model (its ``backbone`` and
+    ``classifier``) and a datastore (``knn.*``). With a filled datastore the output is the
+    interpolation weight * p_kNN + (1 - weight) * softmax(logits) (``mix='probabilities'``, the
+    paper's Eq. 3) or weight * p_kNN + (1 - weight) * logits (``'logits'``, FL-bench's), returned
+    as its log (probabilities) or as is (logits); p_kNN(c | x) = sum over the k nearest keys
+    (squared L2 distance d_j) of exp(-d_j / (dim scale)) [label_j = c], normalised by the sum of
+    the weights plus 1e-9 (FL-bench's ``get_knn_logits``). With an empty one: the model's logits."""
+
+    def __init__(self, model: SkewNet, capacity: int, k: int, weight: float, scale: float, mix: str):
+        nn.Module.__init__(self)
+        self.backbone, self.classifier, self.feature_dim = model.backbone, model.classifier, model.feature_dim
+        self.shift, self.valve, self.policy = model.shift, model.valve, model.policy
+        self.fixed_keys = model.fixed_keys
+        self.knn = Datastore(capacity, model.feature_dim, model.classifier.out_features)
+        self.k, self.weight, self.scale, self.mix = min(k, capacity), weight, scale, mix
+
+    def forward(self, x: torch.Tensor, return_features: bool = False):
+        z, logits = SkewNet.forward(self, x, True)
+        store = self.knn
+        d2 = (z.pow(2).sum(1, keepdim=True) - 2 * z @ store.keys.T + store.keys.pow(2).sum(1)).clamp_min(0)
+        d2 = d2 + (1 - store.valid) * 1e30  # empty rows never among the nearest
+        near, idx = torch.topk(-d2, self.k, dim=1)
+        sim = torch.exp(near / (z.shape[1] * self.scale)) * store.valid[idx]  # (near = -d2)
+        p_knn = (sim[..., None] * store.labels[idx]).sum(1) / (sim.sum(1, keepdim=True) + 1e-9)
+        if self.mix == "probabilities":
+            mixed = torch.log(self.weight * p_knn + (1 - self.weight) * torch.softmax(logits, 1) + 1e-12)
+        else:
+            mixed = self.weight * p_knn + (1 - self.weight) * logits
+        on = (store.valid.sum() > 0).to(logits.dtype)  # (no branch: vmap-able)
+        out = on * mixed + (1 - on) * logits
+        return (z, out) if return_features else out
+
+
 def with_projection_head(model: SkewNet, out_dim: int, num_classes: int, bias: bool = True) -> SkewNet:
     """MOON's architecture: backbone -> projection head (Linear d->d, ReLU, Linear d->out_dim) ->
     classifier. The features z are the projection's output."""
