@@ -173,6 +173,56 @@ def test_fedala_weight_learning_matches_a_replay_of_the_official_loop(tmp_path):
     assert method.prepare({"model." + n: t for n, t in init.items()}, state, data) is state
 
 
+def test_fedah_head_weights_match_a_replay_of_fl_benchs_loop(tmp_path):
+    cfg = load_config(None, ["method=fedah", "method.eta=1.0", "method.head_epochs=2", "batch_size=8"])
+    exp = Experiment(cfg, tmp_path / "ah")
+    method, model, info = exp.method, exp.model, exp.info
+    init = federated_state(model)
+    gen = torch.Generator().manual_seed(0)
+    glob = {n: t + 0.05 * torch.randn(t.shape, generator=gen) for n, t in init.items()}
+    state = method.client_init(3, init, info)  # the client's own head: the initial one
+    idx = exp.fed.train_idx[3]
+    x, y = exp.fed.data.x_train[idx], exp.fed.data.y_train[idx]
+    new = method.prepare({"model." + n: t for n, t in glob.items()}, state, ClientData(3, 1, x, y, None))
+    # replay: the received body, the head mixed element-wise; W learns per batch over two shuffled epochs
+    from fedskew.streams import numpy_rng
+    heads = [n for n in init if n.startswith("classifier.")]
+    student = copy.deepcopy(model)
+    load_state(student, glob)
+    student.train()
+    weights = {n: torch.ones_like(init[n]) for n in heads}
+    for epoch in range(2):
+        order = numpy_rng(info.seed, "fedah", 1, 3, epoch).permutation(len(y))
+        for i in range(0, len(y), 8):
+            rows = torch.from_numpy(order[i:i + 8])
+            params = dict(student.named_parameters())
+            for n in heads:
+                params[n].data = init[n] + (glob[n] - init[n]) * weights[n]
+            student.zero_grad()
+            F.cross_entropy(student(x[rows]), y[rows]).backward()
+            for n in heads:
+                weights[n] = torch.clamp(weights[n] - params[n].grad * (glob[n] - init[n]), 0, 1)
+    for n in heads:
+        assert torch.allclose(new["ah.w." + n], weights[n], atol=1e-6), n
+        assert torch.allclose(new["ah.head." + n], init[n] + (glob[n] - init[n]) * weights[n], atol=1e-6)
+    assert 0 < float(weights["classifier.weight"].mean()) < 1
+
+
+def test_fedah_trains_the_head_then_the_body_and_uploads_both(tmp_path):
+    from test_personalized import ce, is_head, one_round, replay, stages
+
+    exp, init, res, k, state = one_round(tmp_path, ["method=fedah"])
+    upload_batches, head_batches, lr = stages(exp, k)
+    assert len(head_batches) * 2 == len(upload_batches)  # one head epoch, then E = 2 body epochs
+    headed = replay(exp, k, init, head_batches, lr, ce, trainable=is_head)  # (round 0: the head is the global one)
+    trained = replay(exp, k, headed, upload_batches, lr, ce, trainable=lambda n: not is_head(n))
+    for key, v in trained.items():  # one client: the global model is its upload
+        assert torch.allclose(res.global_state[key], v, atol=1e-6), key
+    for key in ("classifier.weight", "classifier.bias"):  # it keeps the head it trained
+        assert torch.allclose(state["ah.head." + key], headed[key], atol=1e-6)
+        assert not torch.allclose(headed[key], init[key])
+
+
 # -- FedDecorr -------------------------------------------------------------------------------------
 
 

@@ -1,5 +1,5 @@
 """Partial model sharing and model mixing: FedBN, FedPer, LG-FedAvg, APFL, FedALA, FedFOMO, FedAMP,
-FLDA, FedDBE, FedAS and FedCAC.
+FLDA, FedDBE, FedAS, FedCAC and FedAH.
 
 Methods of this family differ from FedAvg in *which* tensors of the model a client shares and how
 it combines what it receives with what it keeps:
@@ -20,6 +20,7 @@ feddbe     its representation bias mu_k (d)       the model without mu_k (FedAvg
 fedas      its head (the body: the aligned global) the model + its Fisher trace            Fisher-weighted
 fedcac     its critical-parameter mask            the model + the mask (server keeps a   FedAvg's
                                                   customised model per client)
+fedah      its head and the head's mixing weights  the model                              FedAvg's
 =========  =====================================  =====================================  ==============
 
 A method without a global model reports ``global/*`` as none (``has_global_model``); FedBN has one
@@ -37,7 +38,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from fedskew.algorithms.base import (builtin, HEAD, ClientData, FedAvgOptions, Method, Source, State, add_prefix, as_model_part,
-                                     body_names, model_part, reference_tensor, strip_prefix, weighted_mean)
+                                     body_names, head_names, model_part, reference_tensor, strip_prefix, weighted_mean)
 from fedskew.algorithms.compose import PartialSharing
 from fedskew.algorithms.tensors import class_feature_means
 from fedskew.models.nets import PrivateExpertNet
@@ -298,6 +299,23 @@ class APFL(Method):
 # FedALA
 
 
+def ala_epoch(model_call, start: State, local: State, diff: State, weights: State, batches, eta: float
+              ) -> tuple[State, float]:
+    """One pass of adaptive local aggregation (FedALA, Zhang et al., AAAI 2023, Eq. 4-6) over
+    ``batches`` of (x, y): per batch, the mixed tensors theta_hat = theta + (theta_g - theta) * W
+    (``diff`` = theta_g - theta for the tensors in ``weights``; ``start`` gives the others) score
+    the training-mode cross-entropy, and W <- clip(W - eta * grad_theta_hat L * (theta_g - theta),
+    0, 1). Returns the new W and the last batch's loss (FedALA and FedAH)."""
+    loss = torch.zeros(())
+    for x, y in batches:
+        mixed = {k: (local[k] + diff[k] * w).requires_grad_(True) for k, w in weights.items()}
+        _, logits = model_call({**start, **mixed}, x, True)
+        loss = F.cross_entropy(logits, y)
+        grads = torch.autograd.grad(loss, list(mixed.values()))
+        weights = {k: torch.clamp(w - eta * g * diff[k], 0, 1) for (k, w), g in zip(weights.items(), grads)}
+    return weights, float(loss.detach())
+
+
 class FedALAOptions(FedAvgOptions):
     search = {'eta': [0.1, 1.0]}  # the bench's search space (fedskew bench)
     eta: float = Field(1.0, gt=0, description="learning rate of the aggregation weights")
@@ -369,17 +387,11 @@ class FedALA(Method):
         first_time = float(client_state["ala.started"]) == 0
         losses: list[float] = []
         diff = {k: glob[k] - local[k] for k in names}
+        rows = [slice(begin + i * b, begin + (i + 1) * b) for i in range(batches)]
         for _ in range(self.opt.max_start_epochs if first_time else 1):
-            for i in range(batches):
-                rows = slice(begin + i * b, begin + (i + 1) * b)
-                mixed = {k: (local[k] + diff[k] * weights[k]).requires_grad_(True) for k in names}
-                _, logits = self.info.model_call({**start, **mixed}, data.x[rows], True)
-                loss = F.cross_entropy(logits, data.y[rows])
-                grads = torch.autograd.grad(loss, [mixed[k] for k in names])
-                loss = loss.detach()
-                for k, g in zip(names, grads):
-                    weights[k] = torch.clamp(weights[k] - self.opt.eta * g * diff[k], 0, 1)
-            losses.append(loss.item())
+            weights, loss = ala_epoch(self.info.model_call, start, local, diff, weights,
+                                      ((data.x[r], data.y[r]) for r in rows), self.opt.eta)
+            losses.append(loss)
             if len(losses) > self.opt.num_pre_loss and np.std(losses[-self.opt.num_pre_loss:]) < self.opt.threshold:
                 break
         init = {**start, **{k: (local[k] + diff[k] * weights[k]).detach() for k in names}}
@@ -1016,3 +1028,68 @@ class FedCAC(Method):
                     state["cac.custom." + k].dtype)
         state["cac.round"] = server_state["cac.round"] + 1
         return new, state
+
+
+class FedAHOptions(FedAvgOptions):
+    search = {"eta": [0.1, 1.0], "head_epochs": [1, 2]}  # the bench's search space (fedskew bench)
+    eta: float = Field(1.0, gt=0, description="learning rate of the head's aggregation weights")
+    head_epochs: int = Field(1, ge=1, description="epochs of the weight learning and of the head's training "
+                                                  "(FL-bench's plocal_epochs)")
+
+
+@builtin
+class FedAH(Method):
+    """FedAH (aggregated head, as FL-bench's ``fedah`` runs it): FedALA's adaptive local aggregation
+    (:func:`ala_epoch`) applied to the head. Before training, a client mixes its own head theta
+    (kept from its last round) with the received global head theta_g element-wise,
+    theta + (theta_g - theta) * W, W in [0, 1] learned per batch over ``head_epochs`` passes of its
+    data with the received body (``prepare``; W kept across rounds, initially ones). Then it trains
+    the head for ``head_epochs`` epochs with the body frozen, then the body for its E epochs with the
+    head frozen (``personal_first``). The whole model is uploaded and averaged as FedAvg's; the
+    client keeps its trained head."""
+
+    name = "fedah"
+    Options = FedAHOptions
+    source = Source(authors="FL-bench's implementation (KarhouTam et al.)",
+                    title="FedAH: Aggregated Head for Personalized Federated Learning",
+                    venue="arXiv preprint", year=2024, arxiv="2412.01295",
+                    implements="head aggregation by learned element-wise weights, then head and body training",
+                    code="KarhouTam/FL-bench src/client/fedah.py, src/server/fedah.py (eta 1.0, plocal_epochs 1)")
+    requires_classifier = "linear"
+    personal_first = True
+    per_sample_loss = True  # Method.padding_exact (FedAvg's loss, both stages)
+
+    def client_init(self, client_id, global_state, info):
+        heads = head_names(info)
+        return {**{"ah.head." + k: global_state[k].clone() for k in heads},
+                **{"ah.w." + k: torch.ones_like(global_state[k]) for k in heads}}
+
+    def prepare(self, payload, client_state, data: ClientData):
+        glob, heads = model_part(payload), sorted(head_names(self.info))
+        local = {k: client_state["ah.head." + k] for k in heads}
+        diff = {k: glob[k] - local[k] for k in heads}
+        weights = {k: client_state["ah.w." + k] for k in heads}
+        b, n = self.info.batch_size, len(data.y)
+        for epoch in range(self.opt.head_epochs):
+            order = torch.from_numpy(numpy_rng(self.info.seed, "fedah", data.round_idx, data.client_id, epoch)
+                                     .permutation(n))
+            batches = ((data.x[order[i:i + b]], data.y[order[i:i + b]]) for i in range(0, n, b))
+            weights, _ = ala_epoch(self.info.model_call, glob, local, diff, weights, batches, self.opt.eta)
+        mixed = {k: (local[k] + diff[k] * weights[k]).detach() for k in heads}
+        return {**client_state, **add_prefix(mixed, "ah.head."), **add_prefix(weights, "ah.w.")}
+
+    def local_start(self, payload, client_state):
+        return {**model_part(payload), **strip_prefix(client_state, "ah.head.")}
+
+    def split_steps(self, total_steps, lr):
+        head = max(1, round(total_steps * self.opt.head_epochs / max(self.info.local_epochs, 1)))
+        return total_steps, head, lr
+
+    def trained_params(self, stage):
+        return head_names(self.info) if stage == "personal" else body_names(self.info)
+
+    def after_personal(self, personal, payload, client_state, report):
+        return {**client_state, **add_prefix({k: personal[k] for k in head_names(self.info)}, "ah.head.")}
+
+    def after_training(self, trained, payload, client_state, report):
+        return as_model_part(trained), client_state
