@@ -461,3 +461,84 @@ def test_knnper_trains_fedavg_and_personalises_with_its_own_features(tmp_path):
     assert len(set(rows)) == 40  # distinct samples, each stored with its own label
     assert all(state["knn.labels"][i].argmax() == y[r] for i, r in enumerate(rows))
     assert res.summary["personal/final_acc_before"] > avg.summary["personal/final_acc_before"] + 0.1
+
+
+def test_floco_draws_its_point_from_the_client_stream():
+    """Training: alpha from 2M + 1 uniform draws of the stream, on the simplex before projection
+    (normalised exponentials), in the L1 ball of radius rho after; evaluation: the centre."""
+    from fedskew.models.nets import DROPOUT_MASKS, GeneratorMasks, SimplexLinear
+
+    head = SimplexLinear(torch.randn(3, 4, 5), torch.zeros(4)).train()
+    z = torch.randn(6, 5)
+    for projected in (0.0, 1.0):
+        head.projected.fill_(projected)
+        head.center.copy_(torch.tensor([0.5, 0.3, 0.2]))
+        head.radius.fill_(0.1 * projected)
+        token = DROPOUT_MASKS.set(GeneratorMasks(torch.Generator().manual_seed(7)))
+        try:
+            alpha = head.alpha(z)
+        finally:
+            DROPOUT_MASKS.reset(token)
+        u = torch.rand((6, 7), generator=torch.Generator().manual_seed(7))[0]  # the same draws, row 0
+        if projected:
+            v = 2 * u[3:6] - 1
+            want = head.center + u[6] * 0.1 * v / v.abs().sum()
+        else:
+            e = -torch.log(1 - u[:3])
+            want = e / e.sum()
+        torch.testing.assert_close(alpha, want)
+    head.eval()
+    torch.testing.assert_close(head(z), z @ torch.einsum("m,mcd->cd", head.center, head.endpoints).T)
+
+
+def fl_bench_project_clients(stats, endpoints):
+    """FL-bench's ``project_clients`` transcribed (its PCA with svd_solver='full')."""
+    import numpy as np
+    from sklearn import decomposition
+
+    kappas = decomposition.PCA(n_components=endpoints, svd_solver="full").fit_transform(stats)
+    lowest, best = np.inf, None
+    for z in np.linspace(1e-4, 1, 1000):
+        srt = np.sort(kappas, axis=1)[:, ::-1]
+        cssv = np.cumsum(srt, axis=1) - np.ones(len(kappas))[:, None] * z
+        ind = np.arange(kappas.shape[1]) + 1
+        nonzero = np.count_nonzero(srt - cssv / ind > 0, axis=1)
+        betas = np.maximum(kappas - (cssv[np.arange(len(kappas)), nonzero - 1] / nonzero)[:, None], 0)
+        betas /= betas.sum(axis=1, keepdims=True)
+        diff = betas[:, None] - betas[None, :]
+        distance = np.sqrt((diff ** 2).sum(axis=2))
+        np.fill_diagonal(distance, np.inf)
+        distance[distance < 1e-4] = 1e-4
+        mutual = distance[np.triu_indices(len(betas), 1)]
+        energy = -np.log(len(mutual)) + np.log((1 / mutual ** 2).sum())
+        if energy not in [-np.inf, np.inf] and energy < lowest:
+            lowest, best = energy, betas
+    return best
+
+
+def test_floco_projection_equals_fl_benchs_and_lands_on_the_simplex():
+    import numpy as np
+    from fedskew.algorithms.personalized import project_clients, simplex_projection
+
+    # a point already on the simplex of size 1 is its own projection; (1, 0.4, 0.2) moves down by
+    # theta = (1 + 0.4 - 1) / 2 = 0.2 on its two largest entries, the third clipped at 0
+    np.testing.assert_allclose(simplex_projection(np.array([[0.5, 0.2, 0.3], [1.0, 0.4, 0.2]]), 1.0),
+                               [[0.5, 0.2, 0.3], [0.8, 0.2, 0.0]], atol=1e-12)
+    stats = np.random.default_rng(0).normal(size=(9, 40))
+    betas = project_clients(stats, 4)
+    np.testing.assert_allclose(betas, fl_bench_project_clients(stats, 4), atol=1e-12)
+    assert np.all(betas >= 0) and np.allclose(betas.sum(1), 1)
+
+
+def test_floco_projects_the_clients_after_tau_rounds_and_personalises_at_their_points(tmp_path):
+    exp = Experiment(load_config(None, ["method=floco", "method.tau=2", "method.endpoints=3", "rounds=3",
+                                        "partition.num_clients=6", "clients_per_round=6"]), tmp_path / "floco")
+    res = exp.run()
+    server = read_checkpoint(tmp_path / "floco" / "checkpoint.pt")["server_state"]
+    centers = server["floco.center"]
+    assert bool(server["floco.on"].all()) and torch.allclose(centers.sum(1), torch.ones(6, dtype=centers.dtype))
+    assert (centers >= 0).all() and (centers.max(0).values - centers.min(0).values).max() > 0.1  # spread apart
+    # the global model stays at the simplex's centre; a client's personalised model sits at its own point
+    assert torch.allclose(res.global_state["classifier.center"], torch.full((3,), 1 / 3))
+    personal = exp.method.personal_state(res.global_state, {"floco.center": centers[2], "floco.on": torch.tensor(1.0)})
+    assert torch.equal(personal["classifier.center"], centers[2]) and float(personal["classifier.radius"]) == pytest.approx(0.1)

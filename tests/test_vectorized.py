@@ -253,6 +253,9 @@ CASES = [
     ["method=feddc", "method.correction=loss", "momentum=0"],
     ["method=ghbm", "method.tau=1", "rounds=3"],  # the momentum from round 2 on (the default tau waits 2 rounds)
     ["method=cfl", "method.start_round=1", "method.eps_1=10", "method.eps_2=0.01", "rounds=3"],  # clusters split
+    # Floco: a point of the simplex drawn per step from the client's stream (StreamUniform), the L1 balls
+    # around the projected points from round 2 on
+    ["method=floco", "method.tau=1", "method.endpoints=3", "rounds=3"],
 ]
 
 

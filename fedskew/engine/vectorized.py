@@ -180,7 +180,7 @@ class VectorizedExecutor(Executor):
                        for stage in ("upload", "personal")}
         self._verified: set = set()  # stages whose padding has been checked against no padding
         # dropout layers, trained on masks drawn ahead from each client's stream (StreamDropout)
-        self._dropouts = [m for m in model.modules() if isinstance(m, StreamDropout) and m.p > 0]
+        self._dropouts = [m for m in model.modules() if isinstance(m, StreamDropout) and m.p != 0]  # (StreamUniform too)
         self._dropout_shapes: list | None = None
         self._mask_blocks: list[int] = []
 

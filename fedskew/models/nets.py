@@ -40,9 +40,30 @@ class StreamDropout(nn.Dropout):
         return x * source.mask(self.p, x)
 
 
+UNIFORM = -1.0  # the "rate" of a StreamUniform: its stream draws uniform numbers, not a mask
+
+
+class StreamUniform(StreamDropout):
+    """Uniform [0, 1) numbers of its input's shape, drawn from the same per-client stream as
+    StreamDropout's masks (so both executors draw the same, in forward order); None outside
+    training or without a source. The randomness of a model that samples per step (Floco's
+    point on the simplex, :class:`SimplexLinear`)."""
+
+    def __init__(self):
+        super().__init__(0.5)
+        self.p = UNIFORM
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        source = DROPOUT_MASKS.get()
+        return source.mask(self.p, x) if self.training and source is not None else None
+
+
 def dropout_mask(p: float, shape, generator: torch.Generator) -> torch.Tensor:
     """One dropout mask (keep with probability 1 - p, kept entries scaled by 1 / (1 - p)), float32,
-    drawn on the CPU from ``generator`` (the same bits on every device)."""
+    drawn on the CPU from ``generator`` (the same bits on every device); for ``p = UNIFORM``
+    (:class:`StreamUniform`) uniform [0, 1) numbers instead."""
+    if p == UNIFORM:
+        return torch.rand(tuple(shape), generator=generator)
     return torch.empty(tuple(shape)).bernoulli_(1 - p, generator=generator).div_(1 - p)
 
 
@@ -370,6 +391,43 @@ class KNNNet(SkewNet):
         on = (store.valid.sum() > 0).to(logits.dtype)  # (no branch: vmap-able)
         out = on * mixed + (1 - on) * logits
         return (z, out) if return_features else out
+
+
+class SimplexLinear(nn.Module):
+    """Floco's classifier (Dennis et al., NeurIPS 2024; FL-bench's ``SimplexLinear``): M endpoint
+    weight matrices (``endpoints`` [M, C, d]) and one bias; the weight is sum_m alpha_m W_m for a
+    point alpha of the simplex spanned by the endpoints. In training, each forward pass draws its
+    alpha from the per-client stream (:class:`StreamUniform`, 2M + 1 numbers): uniformly on the
+    simplex (normalised exponentials) while ``projected`` is 0, else center + U(0, radius) s with s
+    the L1-normalised U(-1, 1)^M (FL-bench's ``_sample_L1_ball``). In evaluation alpha is ``center``
+    (the simplex's centre, or the client's projected point)."""
+
+    def __init__(self, endpoints: torch.Tensor, bias: torch.Tensor):
+        super().__init__()
+        m = endpoints.shape[0]
+        self.endpoints = nn.Parameter(endpoints)
+        self.bias = nn.Parameter(bias)
+        self.out_features = endpoints.shape[1]
+        self.register_buffer("center", torch.full((m,), 1.0 / m))
+        self.register_buffer("radius", torch.zeros(()))
+        self.register_buffer("projected", torch.zeros(()))
+        self.draws = StreamUniform()
+
+    def alpha(self, z: torch.Tensor) -> torch.Tensor:
+        m = len(self.center)
+        u = self.draws(z.new_empty(z.shape[0], 2 * m + 1))
+        if u is None:
+            return self.center
+        u = u[0]
+        e = -torch.log1p(-u[:m])  # Exp(1)
+        on_simplex = e / e.sum()
+        v = 2 * u[m:2 * m] - 1
+        ball = self.center + u[2 * m] * self.radius * v / v.abs().sum()
+        return self.projected * ball + (1 - self.projected) * on_simplex  # (no branch: vmap-able)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        weight = torch.einsum("m,mcd->cd", self.alpha(z), self.endpoints)
+        return F.linear(z, weight, self.bias)
 
 
 def with_projection_head(model: SkewNet, out_dim: int, num_classes: int, bias: bool = True) -> SkewNet:
