@@ -215,12 +215,16 @@ def test_label_skew_smoke_end_to_end(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     folder = tmp_path / "runs" / "bench-label-skew-smoke"
     board = (folder / "leaderboard.md").read_text()
-    assert "| method | #C=1 | #C=2 | Dir0.1 | Dir0.5 | P10C2 | C-10-2 | avg rank | W/T/L vs fedavg |" in board
+    assert "| method | #C=1 | #C=2 | Dir0.1 | Dir0.5 | P10C2 | C-10-2 | Dir0.5-U20 | avg rank | W/T/L vs fedavg |" in board
     assert "global accuracy (test set" in board and "personalised accuracy" in board
     glob = board[board.index("global accuracy (test set"):board.index("## label-skew-fmnist: budget")]
     rows = {line.split("|")[1].strip(): line for line in glob.splitlines() if line.startswith("| fed")}
-    assert rows["fedrep"].count("none") == 6  # FedRep has no global model
-    assert rows["fedavg"].count("(#") == 6 and rows["fedavg"].endswith("| - |")  # ranks; one seed: no test
+    assert rows["fedrep"].count("none") == 7  # FedRep has no global model
+    assert rows["fedavg"].count("(#") == 7 and rows["fedavg"].endswith("| - |")  # ranks; one seed: no test
+    # the clients never trained on: a board of the one setting that holds some out, every method scored
+    unseen = board[board.index("accuracy on held-out clients"):]
+    assert "| method | Dir0.5-U20 | avg rank | W/T/L vs fedavg |" in unseen
+    assert all(unseen.count(f"| {m} | ") == 1 and f"| {m} | none" not in unseen for m in ("fedavg", "fedprox", "fedrep"))
     budget = board[board.index("budget and the configuration"):board.index("## label-skew-fmnist: personalised")]
     trials_of = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in budget.splitlines()
                  if line.startswith("| fed")}
