@@ -363,6 +363,18 @@ def test_momentum_aware_control_update_by_hand():
     assert control_scale(plain, "momentum") == control_scale(plain, "steps")
 
 
+def test_localghbm_is_ghbm_under_full_participation(tmp_path):
+    """With every client in every round, C = 1 and GHBM's tau = 1: the model a client received last
+    round is x_{t-1}, so LocalGHBM's momentum x_{t-1} - x_t is GHBM's, step for step."""
+    setup = [a for a in SETUP if not a.startswith(("clients_per_round", "rounds"))] + ["clients_per_round=3", "rounds=4"]
+    ghbm = run(load_config(None, setup + ["method=ghbm"]), tmp_path / "ghbm").global_state
+    local = run(load_config(None, setup + ["method=localghbm"]), tmp_path / "local").global_state
+    avg = run(load_config(None, setup), tmp_path / "avg").global_state
+    for k, v in ghbm.items():
+        torch.testing.assert_close(local[k], v, rtol=0, atol=1e-6)
+    assert (avg["classifier.weight"] - ghbm["classifier.weight"]).abs().max() > 1e-3  # the momentum acted
+
+
 def fedcross_reference(exp: Experiment, schedule: list[list[int]], alpha: float, strategy: str):
     """FedCross (PFLlib's servercross, re-derived): K = 3 middleware models; the round's i-th client
     trains model slot_i (the run's seeded assignment: an input here); the global model is the
