@@ -2152,3 +2152,92 @@ def test_cfl_clients_train_their_clusters_model(tmp_path):
     start = exp.method.local_start({}, sent)
     c = int(a["cfl.cluster"][k])
     assert all(torch.equal(start[n], a["cfl.models." + n][c]) for n in exp.info.param_names)
+
+
+# -- pFedFDA ---------------------------------------------------------------------------------------
+
+
+def test_pfedfda_head_is_the_shared_covariance_gaussian_classifier():
+    from fedskew.algorithms.classifier import FDA_EPS, lda_head
+
+    mu = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+    pi = torch.tensor([0.25, 0.75], dtype=torch.float64)
+    w, b = lda_head(mu, torch.eye(2, dtype=torch.float64), pi)  # identity: the shrinkage keeps it
+    torch.testing.assert_close(w, mu)
+    torch.testing.assert_close(b, torch.tensor([-0.5, -2.0], dtype=torch.float64) + pi.log())
+    cov = torch.tensor([[2.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
+    shrunk = (1 - FDA_EPS) * cov + FDA_EPS * 1.5 * torch.eye(2, dtype=torch.float64)
+    w, b = lda_head(mu, cov, pi)
+    want = torch.linalg.inv(shrunk) @ mu.T
+    torch.testing.assert_close(w, want.T)
+    torch.testing.assert_close(b, -0.5 * torch.diag(mu @ want) + pi.log())
+
+
+def test_pfedfda_statistics_and_beta(tmp_path):
+    from fedskew.algorithms.classifier import FDA_EPS, gaussian_mle, lda_head
+
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(40, 3, generator=gen, dtype=torch.float64)
+    y = torch.tensor([0] * 20 + [1] * 18 + [2] * 2)
+    z[y == 1] += 2.0
+    gm = torch.full((3, 3), 7.0, dtype=torch.float64)
+    means, cov = gaussian_mle(z, y, gm, 2)
+    torch.testing.assert_close(means[0], z[:20].mean(0))
+    torch.testing.assert_close(means[2], gm[2])  # two samples are not more than min_samples = 2
+    centered = torch.cat([z[:20] - z[:20].mean(0), z[20:38] - z[20:38].mean(0), z[38:] - gm[2]])
+    torch.testing.assert_close(cov, centered.T @ centered / 39 + FDA_EPS + torch.eye(3, dtype=torch.float64))
+    # beta: the L-BFGS solution scores the cross-validated heads at least as well as its start (0.5, 0.5)
+    exp = Experiment(load_config(None, ["method=pfedfda"]), tmp_path / "fda")
+    method = exp.method
+    pi = torch.tensor([0.5, 0.45, 0.05], dtype=torch.float64)
+    gc = 3 * torch.eye(3, dtype=torch.float64)
+    gm = torch.zeros(3, 3, dtype=torch.float64)
+    beta = method.solve_beta(z, y, gm, gc, pi, torch.full((2,), 0.5, dtype=torch.float64))
+    assert beta.shape == (2,) and bool(((beta >= 0) & (beta <= 1)).all())
+    from sklearn.model_selection import StratifiedKFold
+
+    split = list(StratifiedKFold(n_splits=2, random_state=0, shuffle=True).split(z.numpy(), y.numpy()))
+
+    def cv_loss(a):
+        total = 0.0
+        for tr, te in split:
+            mu, cv = gaussian_mle(z[tr], y[tr], gm, 2)
+            w, b = lda_head(a[0] * mu + (1 - a[0]) * gm, a[1] * cv + (1 - a[1]) * gc, pi)
+            total += float(F.cross_entropy(z[te] @ w.T + b, y[te]))
+        return total
+
+    assert cv_loss(beta) < cv_loss(torch.tensor([0.5, 0.5], dtype=torch.float64)) - 1e-3
+
+
+def test_pfedfda_trains_the_body_under_the_global_head_and_averages_the_statistics(tmp_path):
+    from fedskew.algorithms.classifier import gaussian_mle, lda_head
+    from test_personalized import ce, is_head, one_round, replay, stages
+
+    exp, init, res, k, state = one_round(tmp_path, ["method=pfedfda"])
+    method = exp.method
+    server0 = method.server_init(init, exp.info)
+    w, b = lda_head(server0["fda.means"].double(), server0["fda.cov"].double(), method._priors(k))
+    start = {**init, "classifier.weight": w.float(), "classifier.bias": b.float()}
+    upload_batches, _, lr = stages(exp, k)
+    trained = replay(exp, k, start, upload_batches, lr, ce, trainable=lambda n: not is_head(n))
+    for key, v in trained.items():
+        if not is_head(key):  # one client: the global body is its trained body
+            assert torch.allclose(res.global_state[key], v, atol=1e-5), key
+    server = read_checkpoint(tmp_path / "run" / "checkpoint.pt")["server_state"]
+    uniform = torch.full((exp.info.num_classes,), 1 / exp.info.num_classes, dtype=torch.float64)
+    w, b = lda_head(server["fda.means"].double(), server["fda.cov"].double(), uniform)
+    assert torch.allclose(res.global_state["classifier.weight"], w.float(), atol=1e-5)
+    assert torch.allclose(res.global_state["classifier.bias"], b.float(), atol=1e-5)
+    # the upload: the client's statistics interpolated by its beta (the solver's own test is above)
+    gen = torch.Generator().manual_seed(1)
+    y = torch.arange(3).repeat_interleave(12)
+    z = 5 * F.one_hot(y, 200).double() + 0.1 * torch.randn(36, 200, generator=gen, dtype=torch.float64)
+    report = type("Report", (), {"client_id": k, "local_features": staticmethod(lambda st: (z.float(), y))})()
+    payload = {**{"model." + n: v for n, v in init.items()}, **server0}
+    upload, kept = method.after_training(init, payload, method.client_init(k, init, exp.info), report)
+    mu, cov = gaussian_mle(z.float().double(), y, server0["fda.means"].double(), 2)
+    beta = kept["fda.beta"]
+    want = beta[0] * mu + (1 - beta[0]) * server0["fda.means"].double()
+    assert torch.allclose(upload["fda.means"].double(), want, atol=1e-5)
+    want = beta[1] * cov + (1 - beta[1]) * server0["fda.cov"].double()
+    assert torch.allclose(upload["fda.cov"].double(), want, atol=1e-5)

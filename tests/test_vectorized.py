@@ -279,8 +279,11 @@ PARITY = [pytest.param(c, marks=() if i in FAST else pytest.mark.slow, id=f"case
 @pytest.mark.parametrize("extra", PARITY)
 def test_vectorized_matches_sequential(tmp_path, extra):
     # FedMR's paper form amplifies GEMM rounding (docs/benchmarks.md); FedDF's server Adam divides
-    # near-zero gradients by their own size, so rounding-level differences move weights by ~1e-5
-    loose = "method.intra_form=paper" in extra or "method=feddf" in extra
+    # near-zero gradients by their own size, so rounding-level differences move weights by ~1e-5;
+    # pFedFDA's generative head (logits up to ~40) here puts a first-layer ReLU input within
+    # round-off of 0 in its second epoch: one unit's weight and bias then differ by the same ~5e-5
+    # (with one client; with weight decay 0 or 0.01, or no momentum, the executors agree to 1e-7)
+    loose = "method.intra_form=paper" in extra or "method=feddf" in extra or "method=pfedfda" in extra
     assert_parity(tmp_path, extra, *both(tmp_path, extra), tol=5e-5 if loose else TOL)
 
 
