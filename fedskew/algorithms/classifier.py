@@ -462,7 +462,7 @@ def gaussian_mle(z: torch.Tensor, y: torch.Tensor, global_means: torch.Tensor, m
 
 @builtin
 class PFedFDA(Method):
-    """pFedFDA (Mclaughlin, Mao, Chou, Ye, Cao, Zhang, NeurIPS 2024), as the authors' code runs it
+    """pFedFDA (McLaughlin, Su, NeurIPS 2024), as the authors' code runs it
     (cj-mclaughlin/pFedFDA ``client_fedfda.py``, ``server_fedfda.py``): the head is the Gaussian
     generative classifier of shared-covariance class distributions (``lda_head``). A client trains
     the body for its E epochs under the head of the global statistics and its own priors (frozen),
@@ -475,7 +475,7 @@ class PFedFDA(Method):
 
     name = "pfedfda"
     Options = PFedFDAOptions
-    source = Source(authors="Mclaughlin, Mao, Chou, Ye, Cao, Zhang",
+    source = Source(authors="McLaughlin, Su",
                     title="Personalized Federated Learning via Feature Distribution Adaptation", venue="NeurIPS",
                     year=2024, arxiv="2411.00329",
                     implements="the generative head, beta by cross-validation, interpolated statistics (Sec. 4)",

@@ -381,7 +381,7 @@ def collaborator(sim: np.ndarray, j: int, strategy: str, round_idx: int) -> int:
 
 @builtin
 class FedCross(Method):
-    """FedCross (Hu, Cao, Li, Lin, Wang, Li, ICDE 2024): multi-model cross-aggregation. The server
+    """FedCross (Hu et al., ICDE 2024): multi-model cross-aggregation. The server
     keeps K middleware models (K = clients per round), each trained by one selected client a round
     (a random assignment, drawn from the seed: PFLlib gives model i to the i-th client of its random
     selection); after training, middleware model j becomes alpha w_j + (1 - alpha) w_c, w_c its
@@ -392,7 +392,7 @@ class FedCross(Method):
 
     name = "fedcross"
     Options = FedCrossOptions
-    source = Source(authors="Hu, Cao, Li, Lin, Wang, Li",
+    source = Source(authors="Hu, Zhou, Yue, Ling, Huang, Li, Liu, Lian, Chen",
                     title="FedCross: Towards Accurate Federated Learning via Multi-Model Cross-Aggregation",
                     venue="ICDE", year=2024, arxiv="2210.08285",
                     implements="Algorithm 1 (middleware models, cross aggregation with a collaborative model)",

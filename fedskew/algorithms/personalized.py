@@ -839,7 +839,7 @@ class KNNPerOptions(FedAvgOptions):
 
 @builtin
 class KNNPer(Method):
-    """kNN-Per (Marfoq, Neglia, Vidal, Kameni, Bellet, ICML 2022): FedAvg trains the global model;
+    """kNN-Per (Marfoq, Neglia, Vidal, Kameni, ICML 2022): FedAvg trains the global model;
     a client personalises it at inference by interpolating its output with a kNN distribution over
     a datastore of its own training samples' features under that model (:class:`~fedskew.models.
     nets.KNNNet`). Before a client's training (``prepare``) its datastore is built with the
@@ -850,7 +850,7 @@ class KNNPer(Method):
 
     name = "knnper"
     Options = KNNPerOptions
-    source = Source(authors="Marfoq, Neglia, Vidal, Kameni, Bellet",
+    source = Source(authors="Marfoq, Neglia, Vidal, Kameni",
                     title="Personalized Federated Learning through Local Memorization",
                     venue="ICML", year=2022, arxiv="2111.09360",
                     implements="Sec. 3 (FedAvg, then the local datastore and Eq. 3's interpolation)",
@@ -955,7 +955,7 @@ def project_clients(signatures: np.ndarray, endpoints: int) -> np.ndarray:
 
 @builtin
 class Floco(Method):
-    """Floco (Dennis, Pfeiffer, Hofmann, Zimmer, ... , NeurIPS 2024), as FL-bench's ``floco`` runs
+    """Floco (Grinwald, Wiesner, Nakajima, NeurIPS 2024), as FL-bench's ``floco`` runs
     it: the classifier is a simplex of M endpoint weights (:class:`~fedskew.models.nets.
     SimplexLinear`), trained at a random point of the simplex every step; FedAvg averages the whole
     model. After round tau - 1 the server projects the clients onto the simplex by their trained
@@ -965,8 +965,8 @@ class Floco(Method):
 
     name = "floco"
     Options = FlocoOptions
-    source = Source(authors="Dennis, Pfeiffer, Hofmann, Zimmer, Bischl, Neumann",
-                    title="Federated Learning over Connected Modes", venue="NeurIPS", year=2024, arxiv="2403.19554",
+    source = Source(authors="Grinwald, Wiesner, Nakajima",
+                    title="Federated Learning over Connected Modes", venue="NeurIPS", year=2024, arxiv="2403.03333",
                     implements="Floco (solution simplex, projection of the clients by their endpoint weights, "
                                "subregion training); not Floco+ (pers_epoch 0, FL-bench's default)",
                     code="KarhouTam/FL-bench src/server/floco.py, src/client/floco.py (endpoints 10, tau 10, rho 0.1)")

@@ -962,7 +962,7 @@ def overlap_matrix(masks: torch.Tensor) -> torch.Tensor:
 
 @builtin
 class FedCAC(Method):
-    """FedCAC (Wu, Liu, Wang, Lu, Wang, ICCV 2023): each client marks the critical share tau of each
+    """FedCAC (Wu, Liu, Niu, Zhu, Tang, ICCV 2023): each client marks the critical share tau of each
     layer's parameters (``critical_masks``) after its local training and uploads the model with the
     mask. The server averages FedAvg's global model, and for every client of the round a customised
     model: the plain mean of the trained models of it and of the round's clients whose masks overlap
@@ -974,7 +974,7 @@ class FedCAC(Method):
 
     name = "fedcac"
     Options = FedCACOptions
-    source = Source(authors="Wu, Liu, Wang, Lu, Wang",
+    source = Source(authors="Wu, Liu, Niu, Zhu, Tang",
                     title="Bold but Cautious: Unlocking the Potential of Personalized Federated Learning through "
                           "Cautiously Aggressive Collaboration",
                     venue="ICCV", year=2023, arxiv="2309.11103",
@@ -1039,7 +1039,7 @@ class FedAHOptions(FedAvgOptions):
 
 @builtin
 class FedAH(Method):
-    """FedAH (aggregated head, as FL-bench's ``fedah`` runs it): FedALA's adaptive local aggregation
+    """FedAH (Zhou et al., arXiv 2024; as FL-bench's ``fedah`` runs it): FedALA's adaptive local aggregation
     (:func:`ala_epoch`) applied to the head. Before training, a client mixes its own head theta
     (kept from its last round) with the received global head theta_g element-wise,
     theta + (theta_g - theta) * W, W in [0, 1] learned per batch over ``head_epochs`` passes of its
@@ -1050,11 +1050,11 @@ class FedAH(Method):
 
     name = "fedah"
     Options = FedAHOptions
-    source = Source(authors="FL-bench's implementation (KarhouTam et al.)",
+    source = Source(authors="Zhou, He, Zhai, Gao, Chen, Qin, Zhang, Guo",
                     title="FedAH: Aggregated Head for Personalized Federated Learning",
                     venue="arXiv preprint", year=2024, arxiv="2412.01295",
                     implements="head aggregation by learned element-wise weights, then head and body training",
-                    code="KarhouTam/FL-bench src/client/fedah.py, src/server/fedah.py (eta 1.0, plocal_epochs 1)")
+                    code="KarhouTam/FL-bench src/client/fedah.py, src/server/fedah.py (eta 1.0, plocal_epochs 1); the authors' code is heyuepeng/FedAH")
     requires_classifier = "linear"
     personal_first = True
     per_sample_loss = True  # Method.padding_exact (FedAvg's loss, both stages)
