@@ -394,7 +394,7 @@ class KNNNet(SkewNet):
 
 
 class SimplexLinear(nn.Module):
-    """Floco's classifier (Dennis et al., NeurIPS 2024; FL-bench's ``SimplexLinear``): M endpoint
+    """Floco's classifier (Grinwald et al., NeurIPS 2024; FL-bench's ``SimplexLinear``): M endpoint
     weight matrices (``endpoints`` [M, C, d]) and one bias; the weight is sum_m alpha_m W_m for a
     point alpha of the simplex spanned by the endpoints. In training, each forward pass draws its
     alpha from the per-client stream (:class:`StreamUniform`, 2M + 1 numbers): uniformly on the
