@@ -497,7 +497,12 @@ class PFedFDA(Method):
                 "fda.cov": torch.eye(d, dtype=dtype)}
 
     def client_init(self, client_id, global_state, info):
-        return {"fda.beta": torch.full((2,), 0.5, dtype=torch.float64)}
+        # the personalised head exists from the start (all zero until the client's first training,
+        # ``fda.fitted`` 0), so trained and never-trained clients stack in one final pass
+        return {"fda.beta": torch.full((2,), 0.5, dtype=torch.float64),
+                "fda.personal.weight": torch.zeros_like(global_state["classifier.weight"]),
+                "fda.personal.bias": torch.zeros_like(global_state["classifier.bias"]),
+                "fda.fitted": torch.zeros((), dtype=global_state["classifier.weight"].dtype)}
 
     def broadcast(self, global_state, server_state):
         return {**as_model_part(global_state), **server_state}
@@ -568,10 +573,11 @@ class PFedFDA(Method):
         w, b = lda_head(means, covariance, priors)
         like = trained["classifier.weight"]
         upload = {**as_model_part(trained), "fda.means": means.to(like), "fda.cov": covariance.to(like)}
-        return upload, {"fda.beta": beta, "fda.personal.weight": w.to(like), "fda.personal.bias": b.to(like)}
+        return upload, {"fda.beta": beta, "fda.personal.weight": w.to(like), "fda.personal.bias": b.to(like),
+                        "fda.fitted": torch.ones_like(client_state["fda.fitted"])}
 
     def personal_state(self, trained, client_state):
-        if "fda.personal.weight" not in client_state:
+        if not float(client_state["fda.fitted"]):
             return trained
         return {**trained, "classifier.weight": client_state["fda.personal.weight"],
                 "classifier.bias": client_state["fda.personal.bias"]}
