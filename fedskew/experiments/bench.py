@@ -604,8 +604,10 @@ def board_summary(board: Board, baseline: str | None, record: dict[str, list[int
     lasts = [m for r, m in ranked if r == ranked[-1][0]]
     wins = sorted((m, w[0]) for m, w in record.items() if w[0])
     losses = sorted((m, w[2]) for m, w in record.items() if w[2])
-    failed = sorted((m, s) for (m, s), n in board.failed.items() if n and board.mean(m, s) is None)
-    partial = sorted((m, s) for (m, s), v in board.values.items() if v and board.seeds and len(v) < board.seeds)
+    shown = set(board.settings)  # (a board may leave settings out: the unseen clients' shows one)
+    failed = sorted((m, s) for (m, s), n in board.failed.items() if n and s in shown and board.mean(m, s) is None)
+    partial = sorted((m, s) for (m, s), v in board.values.items()
+                     if v and s in shown and board.seeds and len(v) < board.seeds)
     listing = (lambda pairs: ", ".join(f"{m} ({n})" for m, n in pairs) or "none")
     text = (f"Summary (generated): {len(board.labels)} methods, {len(board.settings)} "
             f"setting{'s' if len(board.settings) != 1 else ''}. First by average "
