@@ -247,6 +247,13 @@ def as_model_part(state: State) -> State:
     return add_prefix(state, MODEL)
 
 
+def copies(state: State, n: int, prefix: str = "") -> State:
+    """Every entry of ``state`` stacked ``n`` times along a new first dimension, under ``prefix``:
+    a server's per-client (or per-slot) models all starting from one state (FedFOMO, FedAMP,
+    FedPAC's heads, FedCAC's customised models, FedCross's middleware models)."""
+    return {prefix + k: v[None].repeat(n, *([1] * v.dim())) for k, v in state.items()}
+
+
 def weighted_mean(states: list[State], weights: torch.Tensor) -> State:
     """sum_i w_i * state_i for every key (weights must sum to 1)."""
     out = {}

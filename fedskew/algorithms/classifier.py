@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import (builtin, HEAD, FedAvgOptions, Method, Source, as_model_part, head_names, model_part,
-                                     reference_tensor, strip_prefix, weighted_mean)
+from fedskew.algorithms.base import (builtin, copies, HEAD, FedAvgOptions, Method, Source, as_model_part, head_names,
+                                     model_part, reference_tensor, strip_prefix, weighted_mean)
 from fedskew.algorithms.tensors import aggregate_prototypes, class_feature_means
 from fedskew.streams import torch_seed
 
@@ -322,8 +322,7 @@ class FedPAC(Method):
 
     def server_init(self, global_state, info):
         ref = reference_tensor(global_state)
-        state = {"pac.heads." + k: v[None].repeat(info.num_clients, *([1] * v.dim()))
-                 for k, v in global_state.items() if k.startswith(HEAD)}
+        state = copies({k: v for k, v in global_state.items() if k.startswith(HEAD)}, info.num_clients, "pac.heads.")
         state["pac.has_head"] = torch.zeros(info.num_clients, dtype=ref.dtype, device=ref.device)
         state["pac.g"] = torch.full((info.num_classes, info.feature_dim), float("nan"), dtype=ref.dtype,
                                     device=ref.device)
@@ -585,8 +584,8 @@ class PFedFDA(Method):
     def aggregate(self, server_state, global_state, uploads, reports):
         weights = self.client_weights(reports)
         new = weighted_mean([model_part(u) for u in uploads], weights)
-        means = sum(float(p) * u["fda.means"].double() for p, u in zip(weights, uploads))
-        cov = sum(float(p) * u["fda.cov"].double() for p, u in zip(weights, uploads))
+        stats = weighted_mean([{k: u[k] for k in ("fda.means", "fda.cov")} for u in uploads], weights)
+        means, cov = stats["fda.means"].double(), stats["fda.cov"].double()
         uniform = torch.full((self.info.num_classes,), 1.0 / self.info.num_classes, dtype=torch.float64)
         w, b = lda_head(means, cov, uniform)
         like = new["classifier.weight"]

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import (builtin, FedAvgOptions, Method, Source, StrictOptions, as_model_part, model_part,
-                                     strip_prefix, weighted_mean)
+from fedskew.algorithms.base import (builtin, copies, FedAvgOptions, Method, Source, StrictOptions, as_model_part,
+                                     model_part, strip_prefix, weighted_mean)
 from fedskew.models.nets import Branches, SkewNet
 from fedskew.streams import numpy_rng, stream_key
 
@@ -405,7 +405,7 @@ class FedCross(Method):
 
     def server_init(self, global_state, info):
         k = self._k()
-        state = {"cross.models." + n: v[None].repeat(k, *([1] * v.dim())) for n, v in global_state.items()}
+        state = copies(global_state, k, "cross.models.")
         return {**state, "cross.slot": torch.full((info.num_clients,), -1, dtype=torch.long),
                 "cross.round": torch.zeros((), dtype=torch.long)}
 
@@ -443,7 +443,7 @@ class FedCross(Method):
         new = weighted_mean([model_part(u) for u in uploads], self.client_weights(reports))
         k, t = self._k(), int(server_state["cross.round"])
         if t < self.opt.first_stage_rounds:
-            models = {n: new[n][None].repeat(k, *([1] * new[n].dim())) for n in names}
+            models = copies(new, k)
         elif k > 1:
             rows = [[models[n][j] for n in names] for j in range(k)]
             sim = np.zeros((k, k))

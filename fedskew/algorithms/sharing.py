@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
-from fedskew.algorithms.base import (builtin, HEAD, ClientData, FedAvgOptions, Method, Source, State, add_prefix, as_model_part,
+from fedskew.algorithms.base import (builtin, copies, HEAD, ClientData, FedAvgOptions, Method, Source, State, add_prefix, as_model_part,
                                      body_names, head_names, model_part, reference_tensor, strip_prefix, weighted_mean)
 from fedskew.algorithms.compose import PartialSharing
 from fedskew.algorithms.tensors import class_feature_means
@@ -461,7 +461,7 @@ class FedFOMO(Method):
         return min(self.opt.M, self.info.num_clients - 1)
 
     def server_init(self, global_state, info):
-        state = {"fomo.models." + k: v[None].repeat(info.num_clients, *([1] * v.dim())) for k, v in global_state.items()}
+        state = copies(global_state, info.num_clients, "fomo.models.")
         state["fomo.P"] = torch.eye(info.num_clients, dtype=torch.float64)
         return state
 
@@ -591,8 +591,7 @@ class FedAMP(Method):
         return 0.5 if self.opt.lam is None else self.opt.lam / (2 * self.alpha())
 
     def server_init(self, global_state, info):
-        state = {"amp.models." + k: global_state[k][None].repeat(info.num_clients, *([1] * global_state[k].dim()))
-                 for k in info.param_names}
+        state = copies({k: global_state[k] for k in info.param_names}, info.num_clients, "amp.models.")
         state["amp.seen"] = torch.zeros(info.num_clients, dtype=torch.bool)
         return state
 
@@ -984,7 +983,7 @@ class FedCAC(Method):
     per_sample_loss = True  # Method.padding_exact (FedAvg's loss)
 
     def server_init(self, global_state, info):
-        state = {"cac.custom." + k: v[None].repeat(info.num_clients, *([1] * v.dim())) for k, v in global_state.items()}
+        state = copies(global_state, info.num_clients, "cac.custom.")
         return {**state, "cac.round": torch.zeros((), dtype=torch.long)}
 
     def client_init(self, client_id, global_state, info):
@@ -1023,9 +1022,9 @@ class FedCAC(Method):
         models = [model_part(u) for u in uploads]
         for i, r in enumerate(reports):
             peers = [models[j] for j in range(n) if together[i, j]]
-            for k in global_state:
-                state["cac.custom." + k][r.client_id] = (sum(p[k].double() for p in peers) / len(peers)).to(
-                    state["cac.custom." + k].dtype)
+            custom = weighted_mean(peers, torch.full((len(peers),), 1.0 / len(peers), dtype=torch.float64))
+            for k, v in custom.items():
+                state["cac.custom." + k][r.client_id] = v
         state["cac.round"] = server_state["cac.round"] + 1
         return new, state
 
@@ -1090,6 +1089,3 @@ class FedAH(Method):
 
     def after_personal(self, personal, payload, client_state, report):
         return {**client_state, **add_prefix({k: personal[k] for k in head_names(self.info)}, "ah.head.")}
-
-    def after_training(self, trained, payload, client_state, report):
-        return as_model_part(trained), client_state
