@@ -243,7 +243,7 @@ def bench(suite: str, /, scale: str, *, data: str | Path | None = None, methods:
     for part, spec in specs.items():
         sweep(spec, jobs, folder / part, pack=pack, progress=progress)
     command = f"fedskew.bench({suite!r}, scale={scale!r}" + (f", methods={methods!r}" if methods else "") + ")"
-    suites.write_leaderboard(suite, scale, command, folder)
+    suites.write_leaderboard(suite, scale, command, folder, methods)
     return folder
 
 

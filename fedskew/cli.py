@@ -563,7 +563,7 @@ def cmd_bench(args, console: Console) -> int:
         (f" --methods {','.join(methods)}" if methods else "") + \
         "".join(f" --{k} {shlex.quote(v)}" for k, v in (("parts", args.parts), ("seeds", args.seeds),
                                                         ("settings", args.settings)) if v)
-    md, page, cells = bench.write_leaderboard(args.suite, args.scale, command, folder)
+    md, page, cells = bench.write_leaderboard(args.suite, args.scale, command, folder, methods)
     if cells:
         table = Table("paper", "table", "setting", "method", "ours", "published", "delta", "within",
                       title=f"fedskew bench {args.suite} ({args.scale}): ours beside the published numbers")
@@ -573,7 +573,7 @@ def cmd_bench(args, console: Console) -> int:
                           f"{c.entry.value:.2f}", "-" if c.delta is None else f"{c.delta:+.2f}",
                           "-" if c.within is None else ("yes" if c.within else "no"))
         console.print(table)
-    note = bench.SCALE_NOTE[args.scale] if cells else bench.LABEL_SKEW_NOTE.get(args.scale, args.scale)
+    note = bench.SCALE_NOTE[args.scale] if cells else bench.label_skew_note(args.scale)
     console.print(f"{note}.\nleaderboard: {md} and {page}", highlight=False)
     return 1 if failed else 0
 

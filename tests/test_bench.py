@@ -163,6 +163,32 @@ def test_trials_give_every_method_the_same_budget():
     assert fedavg[0] == {"lr": 0.03} and sorted(p["lr"] for p in fedavg) == [0.01, 0.03, 0.09]
 
 
+def test_a_method_whose_optimiser_is_its_own_keeps_it_in_the_label_skew_suite():
+    """FedCM's family trains with its own client momentum (lr 0.1, no SGD momentum): the suite tries
+    it around its own lr and keeps momentum 0 in every run; every other method runs under the
+    suite's common optimiser (its momentum 0.9 and base lr), FedExP's and pFedHN's run defaults
+    notwithstanding."""
+    from fedskew.algorithms import registered
+    from fedskew.experiments import bench
+    from fedskew.experiments.spec import run_config
+
+    spec = bench.label_skew("fmnist", "lite", "DATA")
+    own = sorted(m["name"] for m in spec["methods"] if "config" in m)
+    assert own == sorted(n for n, c in registered().items() if c.own_optimiser) == \
+        ["fedcm", "fedhbm", "ghbm", "localghbm"]
+    parsed = load_spec(spec)
+    for m in parsed.methods:
+        if m.name not in ("fedcm", "fedhbm", "fedexp", "fedavg", "pfedhn"):
+            continue
+        configs = [run_config(parsed, m, p, "Dir0.5", 0) for p in m.trials]
+        if m.name in ("fedcm", "fedhbm"):
+            assert configs[0]["lr"] == 0.1 and {c["momentum"] for c in configs} == {0.0}
+            assert sorted(c["lr"] for c in configs) == sorted(p["lr"] for p in bench.trials(m.name, 3, 0.1))
+            assert configs[0]["weight_decay"] == 1e-4  # the rest of its run defaults, as in any run
+        else:
+            assert configs[0]["lr"] == 0.01 and {c["momentum"] for c in configs} == {0.9}, m.name
+
+
 def test_tune_seeds_grid_on_the_tuning_seed_then_the_choice_on_the_others(tmp_path):
     """With selection.tune_seeds the grid runs on seed 0 only, the chosen point then on seed 1; the
     selection reads the tuning seed only (a terrible seed-1 score does not move it)."""
@@ -230,7 +256,22 @@ def test_label_skew_smoke_end_to_end(tmp_path):
                  if line.startswith("| fed")}
     assert trials_of == {"fedavg": "2", "fedprox": "2", "fedrep": "2"}  # the same budget, FedRep too
     assert "<table>" in (folder / "leaderboard.html").read_text()
-    from fedskew.experiments.bench import estimate
+    # a board of some of the folder's methods (bench --report --methods): their rows, and the summary
+    # counts their runs only (the whole folder's count was the bug)
+    import sqlite3
+
+    from fedskew.experiments.bench import estimate, write_leaderboard
+
+    db = sqlite3.connect(folder / "label-skew-fmnist" / "results.sqlite")
+    done = dict(db.execute("SELECT method, count(*) FROM runs WHERE status='done' GROUP BY method").fetchall())
+    db.close()
+    assert f"{sum(done.values())} finished runs" in board
+    md, _, _ = write_leaderboard("label-skew", "smoke", "cmd", folder, ["fedrep", "fedavg"])
+    part = md.read_text()
+    glob = part[part.index("global accuracy (test set"):part.index("## label-skew-fmnist: budget")]
+    assert {line.split("|")[1].strip() for line in glob.splitlines() if line.startswith("| fed")} == {"fedavg", "fedrep"}
+    assert "Summary (generated): 2 methods" in part and f"{done['fedavg'] + done['fedrep']} finished runs" in part
+    assert "fedprox" not in part
 
     measured = estimate("label-skew", "smoke", 30, folder)  # from the runs' own start and finish times
     assert measured.startswith("~") and f"measured in {folder}" in measured

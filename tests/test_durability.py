@@ -27,7 +27,7 @@ from fedskew.data.leaf import load_leaf
 from fedskew.engine import runner as runner_module
 from fedskew.engine.durable import FolderLock, read_records
 from fedskew.engine import rundir as rundir_module
-from fedskew.engine.rundir import StorageError, read_checkpoint
+from fedskew.engine.rundir import StorageError, compact, read_checkpoint
 
 SMALL = {"rounds": 4, "partition.num_clients": 6, "clients_per_round": 3, "local_epochs": 1, "model.hidden": [16],
          "final_personalization": False}
@@ -421,6 +421,19 @@ def test_a_checkpoint_writes_only_the_clients_that_changed_and_keeps_what_both_c
     # each file holds the state the client left its last round with: the same as a run that checkpoints every round
     every = fedskew.run(STATEFUL, out_dir=str(tmp_path), run_name="every")
     same_states(run_dir, every)
+
+
+def test_a_client_file_holds_that_client_s_bytes_only(tmp_path):
+    """The vectorised executor keeps clients' states as slices of one stacked tensor; torch.save writes
+    a tensor's whole storage, so an uncompacted slice would carry every trained client's bytes."""
+    res = fedskew.run({**STATEFUL, "method": "ditto", "rounds": 1, "clients_per_round": 8,
+                       "executor": "vectorized"}, out_dir=str(tmp_path), run_name="r")
+    files = sorted((res.run_dir / "clients").iterdir())
+    assert len(files) == 8
+    own = sum(v.numel() * v.element_size() for v in read_checkpoint(res.run_dir / "checkpoint.pt")
+              ["client_states"][0].values())
+    assert all(f.stat().st_size < own + 20_000 for f in files), (own, [f.stat().st_size for f in files])
+    assert compact(torch.arange(10.0)[2:4]).untyped_storage().nbytes() == 8
 
 
 def test_an_interrupted_stateful_run_resumes_with_every_client_state(tmp_path, stateful):

@@ -384,6 +384,9 @@ class Method:
     # local-training settings (RUN_DEFAULT_KEYS) the method's official code uses, applied where a
     # config leaves them unset (pFedHN: the authors' inner lr 5e-3, weight decay 5e-5, clip 50)
     run_defaults: dict = {}
+    # True: the client's local optimiser is part of the method (FedCM's and GHBM's client momentum
+    # replaces SGD's): a benchmark's common optimiser keeps the lr and momentum of ``run_defaults``
+    own_optimiser = False
     personal_first = False  # True: the personalisation stage runs before the uploaded model's training
     # The losses below are batch means of per-sample terms, written with ``fwd.mean`` and
     # ``fwd.cross_entropy`` (plus terms of the parameters alone): see ``padding_exact``.

@@ -183,6 +183,7 @@ class FedCM(Method):
     parameters."""
 
     name = "fedcm"
+    own_optimiser = True  # (Method.own_optimiser)
     Options = FedCMOptions
     source = Source(authors="Xu, Wang, Wang, Liu, Huang", title="FedCM: Federated Learning with Client-level Momentum",
                     venue="arXiv preprint", year=2021, arxiv="2106.10874",
@@ -236,6 +237,7 @@ class GHBM(Method):
     heterogeneity under partial participation."""
 
     name = "ghbm"
+    own_optimiser = True
     Options = GHBMOptions
     source = Source(authors="Zaccone, Karimireddy, Masone, Ciccone",
                     title="Communication-Efficient Federated Learning with Generalized Heavy-Ball Momentum",
@@ -308,6 +310,7 @@ class LocalGHBM(Method):
     becomes x_t. The server averages as FedAvg."""
 
     name = "localghbm"
+    own_optimiser = True
     Options = LocalGHBMOptions
     source = Source(authors="Zaccone, Karimireddy, Masone, Ciccone",
                     title="Communication-Efficient Federated Learning with Generalized Heavy-Ball Momentum",

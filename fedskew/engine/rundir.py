@@ -7,7 +7,9 @@
 file per client and version (``<client>-<round>.pt``), written only for the clients whose state
 changed since the checkpoint before (a round of MAP's setting trains 10 of 100 clients: a tenth of
 the bytes); ``checkpoint.pt`` names the file of every client, and files neither checkpoint names
-are removed. Checkpoints are plain tensors and containers, loaded with
+are removed. A tensor is written with its own bytes only (:func:`compact`: a client's slice of the
+vectorised executor's stacked state would otherwise carry every client's). Checkpoints are plain
+tensors and containers, loaded with
 ``torch.load(weights_only=True)`` (nothing is unpickled); :func:`read_checkpoint` reads one whole.
 """
 
@@ -178,6 +180,20 @@ def _torch_load(path: Path, device) -> object:
     return torch.load(path, map_location=device, weights_only=True)
 
 
+def compact(obj):
+    """``obj`` with every tensor that views a larger storage copied out: ``torch.save`` writes a
+    tensor's whole storage, so one client's slice of a stacked (vectorised) state would otherwise
+    carry every client's bytes into its file."""
+    if isinstance(obj, torch.Tensor):
+        own = obj.numel() * obj.element_size()
+        return obj.clone(memory_format=torch.contiguous_format) if obj.untyped_storage().nbytes() > own else obj
+    if isinstance(obj, dict):
+        return {k: compact(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(compact(v) for v in obj)
+    return obj
+
+
 def _client_file(cid, version: int) -> str:
     return f"{cid}-{version}.pt"
 
@@ -278,7 +294,8 @@ class RunDir:
             folder.mkdir(exist_ok=True)
             for k in states:
                 if k not in files and k not in inline:
-                    atomic_save(states[k], folder / _client_file(k, state["next_round"]), sync_folder=False)
+                    atomic_save(compact(states[k]), folder / _client_file(k, state["next_round"]),
+                                sync_folder=False)
                     files[k] = state["next_round"]
             fsync_folder(folder)  # every client file is on disk before the checkpoint that names it
         state = {**state, "client_states": inline, "client_files": files}
@@ -288,7 +305,7 @@ class RunDir:
                 os.replace(path, self.path / "checkpoint.prev.pt")
             else:
                 path.unlink()
-        atomic_save(state, path)
+        atomic_save(compact(state), path)
         self.current_ok = True
         self.checkpoint_round = state["next_round"]
         self.client_files = files

@@ -126,6 +126,24 @@ def trials(method: str, budget: int, lr: float) -> list[dict]:
     return [first, *others[:budget - 1]]
 
 
+def suite_method(method: str, budget: int, base: dict) -> dict:
+    """A method's entry in a suite: its :func:`trials` around the suite's ``base`` lr, under the
+    suite's common local optimiser; a method whose optimiser is its own (``Method.own_optimiser``:
+    FedCM's and GHBM's client momentum replaces SGD's) keeps its ``run_defaults``' momentum, and its
+    trials are taken around its own lr (the suite's momentum 0.9 on top of theirs diverges)."""
+    from fedskew.algorithms import registered
+
+    cls = registered()[method]
+    if not cls.own_optimiser:
+        return {"name": method, "trials": trials(method, budget, base["lr"])}
+    own = cls.run_defaults
+    return {"name": method, "trials": trials(method, budget, own.get("lr", base["lr"])),
+            "config": {k: own[k] for k in ("momentum",) if k in own}}
+
+
+LABEL_SKEW_LR = {"smoke": 0.05, "lite": 0.01, "paper": 0.01}  # the suite's base local lr
+
+
 UNSEEN = "Dir0.5-U20"  # the setting with clients never trained on (issue 48)
 
 
@@ -161,7 +179,7 @@ def label_skew(dataset: str, scale: str, data_root: str | None, methods: list[st
     names = sorted(registered()) if methods is None else methods
     data = {"name": dataset, **({"root": data_root} if data_root else {})}
     base = {"dataset": data, "model": "simplecnn", "partition": {"num_clients": 20, "local_test_fraction": 0.2},
-            "clients_per_round": 10, "rounds": 100, "local_epochs": 5, "batch_size": 64, "lr": 0.01,
+            "clients_per_round": 10, "rounds": 100, "local_epochs": 5, "batch_size": 64, "lr": LABEL_SKEW_LR[scale],
             "momentum": 0.9, "executor": "vectorized", "checkpoint_every": 10}
     clients, per_class, seeds = 20, 500, [0, 1, 2]
     if scale == "lite":
@@ -171,10 +189,10 @@ def label_skew(dataset: str, scale: str, data_root: str | None, methods: list[st
     elif scale == "smoke":
         base.update({"dataset": "digits", "model": {"name": "mlp", "hidden": [64]},
                      "partition": {"num_clients": 10, "local_test_fraction": 0.2}, "clients_per_round": 5,
-                     "rounds": 3, "local_epochs": 1, "batch_size": 16, "lr": 0.05})
+                     "rounds": 3, "local_epochs": 1, "batch_size": 16})
         clients, per_class, seeds = 10, 20, [0]
     return {"name": f"label-skew {dataset}", "base": base, "partitions": label_skew_partitions(clients, per_class),
-            "seeds": seeds, "methods": [{"name": m, "trials": trials(m, BUDGET[scale], base["lr"])} for m in names],
+            "seeds": seeds, "methods": [suite_method(m, BUDGET[scale], base) for m in names],
             "selection": {"split": "validation", "validation_fraction": 0.1, "tune_seeds": [0]},
             "report": {"metric": "global/test_acc_mean_last10", "baseline": "fedavg"}}
 
@@ -193,6 +211,17 @@ LABEL_SKEW_NOTE = {"smoke": "smoke: bundled digits, 10 clients, 3 rounds, 2 tria
                    "paper": "paper: the full training set (10% held out for validation), SimpleCNN, 20 clients "
                             "(10 per round), 100 rounds of E = 5, B = 64, 3 trials on seed 0, the chosen one on "
                             "seeds 0, 1, 2"}
+
+
+def label_skew_note(scale: str) -> str:
+    """The label-skew suite's setting at ``scale``, with its local optimiser and the methods that keep
+    their own (``Method.own_optimiser``)."""
+    from fedskew.algorithms import registered
+
+    own = sorted(n for n, c in registered().items() if c.own_optimiser)
+    return (f"{LABEL_SKEW_NOTE[scale]}; local SGD at lr {LABEL_SKEW_LR[scale]} x {{1/3, 1, 3}} with momentum 0.9"
+            + (f", except {', '.join(own)}, whose client optimiser is the method's own (its lr x {{1/3, 1, 3}}, "
+               f"its momentum)" if own else ""))
 
 
 def suite_names() -> list[str]:
@@ -507,9 +536,10 @@ def average_ranks(values: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def boards(name: str, scale: str, out: str | Path | None = None) -> list[Board]:
+def boards(name: str, scale: str, out: str | Path | None = None, methods: list[str] | None = None) -> list[Board]:
     """Per part of the suite and per metric of :data:`BOARD_METRICS` that some run recorded: the
-    board of the runs the selection chose."""
+    board of the runs the selection chose, of every method the folder's sweep.yaml names, or of
+    ``methods`` (the suite's entries for them: ``bench --report --methods``)."""
     import yaml
 
     from fedskew.experiments.selection import selected_runs
@@ -518,11 +548,14 @@ def boards(name: str, scale: str, out: str | Path | None = None) -> list[Board]:
 
     check_suite(name, scale)
     out_boards = []
-    for paper in sweeps(name, scale, "DATA"):
+    suite = sweeps(name, scale, "DATA", methods)
+    for paper in suite:
         folder = suite_dir(name, scale, out) / paper
         if not (folder / "results.sqlite").is_file():
             continue
         spec = yaml.safe_load((folder / "sweep.yaml").read_text()) if (folder / "sweep.yaml").is_file() else {}
+        if methods and spec:
+            spec = {**spec, "methods": load_spec(suite[paper]).model_dump(mode="json")["methods"]}
         db = open_sweep(folder)
         try:
             res = selected_runs(db, spec)
@@ -532,7 +565,9 @@ def boards(name: str, scale: str, out: str | Path | None = None) -> list[Board]:
                 if planned is None or (r["label"], r["params"]) in planned:  # not a trial of an earlier grid
                     points.setdefault((r["label"], r["partition"]), set()).add(r["params"])
             tried = {k: len(v) for k, v in points.items()}
-            done = [json.loads(r["summary"]) for r in db.execute("SELECT summary FROM runs WHERE status='done'")]
+            done = [json.loads(r["summary"]) for r in db.execute("SELECT label, params, summary FROM runs WHERE "
+                                                                 "status='done'")
+                    if r["label"] in res.labels and (planned is None or (r["label"], r["params"]) in planned)]
         finally:
             db.close()
         chosen = {k: json.loads(v["params"]) for k, v in res.selections.items()}
@@ -690,9 +725,9 @@ def published_sections(cells: list[Cell]) -> list:
     return out
 
 
-def measured_where(name: str, scale: str, folder: Path) -> str:
-    """Where the suite's finished runs ran, from their recorded environments: fedskew commit, torch,
-    CPU or GPU and torch threads, with the number of runs of each."""
+def measured_where(name: str, scale: str, folder: Path, methods: list[str] | None = None) -> str:
+    """Where the suite's finished runs (of ``methods`` only, when given) ran, from their recorded
+    environments: fedskew commit, torch, CPU or GPU and torch threads, with the number of runs of each."""
     from collections import Counter
 
     from fedskew.experiments.selection import results_table
@@ -701,7 +736,7 @@ def measured_where(name: str, scale: str, folder: Path) -> str:
     for paper in SUITES[name]["papers"]:
         if (folder / paper / "results.sqlite").is_file():
             for r in results_table(folder / paper):
-                if r.get("status") == "done":
+                if r.get("status") == "done" and (not methods or r.get("method") in methods):
                     seen[(r.get("env/git_commit", "no git commit"), r.get("env/torch", "?"),
                           r.get("env/device_name") or r.get("env/cpu") or r.get("env/device", "?"),
                           r.get("env/torch_threads", "?"))] += 1
@@ -709,27 +744,28 @@ def measured_where(name: str, scale: str, folder: Path) -> str:
                      for (commit, torch, device, threads), n in seen.most_common())
 
 
-def write_leaderboard(name: str, scale: str, command: str, out: str | Path | None = None) -> tuple[Path, Path, list[Cell]]:
-    """``leaderboard.md`` and ``leaderboard.html`` in the suite folder from the runs it has; returns
-    both paths and the published cells (for the console)."""
+def write_leaderboard(name: str, scale: str, command: str, out: str | Path | None = None,
+                      methods: list[str] | None = None) -> tuple[Path, Path, list[Cell]]:
+    """``leaderboard.md`` and ``leaderboard.html`` in the suite folder from the runs it has (of
+    ``methods`` only, when given); returns both paths and the published cells (for the console)."""
     from fedskew.experiments.report import Section, to_html, to_markdown
 
     folder = suite_dir(name, scale, out)
     folder.mkdir(parents=True, exist_ok=True)
     cells = leaderboard(name, scale, folder)
     intro = Section("How to read it",
-                    f"Scale: {SCALE_NOTE[scale] if cells else LABEL_SKEW_NOTE[scale]}. Rebuild: `{command}` (add "
+                    f"Scale: {SCALE_NOTE[scale] if cells else label_skew_note(scale)}. Rebuild: `{command}` (add "
                     f"`--report` to rebuild the tables only). Ours: mean +- std over the seeds that finished "
                     f"(percent) of the configuration chosen on a validation hold-out (never on test data) where a "
                     f"method had more than one."
                     + (" Published: the paper's value (its spread, see each table); delta = ours - published; "
                        "'within' = |delta| <= the published spread." if cells else ""))
-    where = measured_where(name, scale, folder)
+    where = measured_where(name, scale, folder, methods)
     if where:
         intro.text += f" Measured with {where}; CPU results are exact to the last digit only with the same torch, " \
                       f"CPU and thread count."
     sections = [intro]
-    for board in boards(name, scale, folder):
+    for board in boards(name, scale, folder, methods):
         sections += board_sections(board)
     sections += published_sections(cells)
     title = f"fedskew bench {name} ({scale})"
@@ -749,4 +785,4 @@ def write_leaderboard(name: str, scale: str, command: str, out: str | Path | Non
 
 
 __all__ = ["Board", "Cell", "claim_folder", "PAPERS", "SCALES", "SUITES", "average_ranks", "boards", "estimate", "leaderboard", "listing",
-           "paired_test", "suite_dir", "sweeps", "trials", "write_leaderboard"]
+           "paired_test", "suite_dir", "suite_method", "sweeps", "trials", "write_leaderboard"]

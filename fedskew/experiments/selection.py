@@ -121,8 +121,11 @@ def selected_runs(db: sqlite3.Connection, spec: dict | None = None) -> Results:
         sorted({r["partition"] for r in db.execute("SELECT partition FROM runs")})
     runs: dict[tuple[str, str], list[Run]] = {}
     failed: dict[tuple[str, str], int] = {}
+    shown = set(labels)
     for row in db.execute("SELECT * FROM runs WHERE status IN ('done', 'failed') ORDER BY seed"):
         key = (row["label"], row["partition"])
+        if key[0] not in shown:  # a method the spec no longer (or does not) name
+            continue
         chosen = selections.get(key)
         if chosen is not None and chosen["params"] != row["params"]:
             continue
