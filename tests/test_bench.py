@@ -176,6 +176,8 @@ def test_a_method_whose_optimiser_is_its_own_keeps_it_in_the_label_skew_suite():
     own = sorted(m["name"] for m in spec["methods"] if "config" in m)
     assert own == sorted(n for n, c in registered().items() if c.own_optimiser) == \
         ["fedcm", "fedhbm", "ghbm", "localghbm"]
+    # one optimiser for the four (benchmarks/momentum_control.py runs FedAvg under it as their control)
+    assert len({json.dumps(registered()[m].run_defaults, sort_keys=True) for m in own}) == 1
     parsed = load_spec(spec)
     for m in parsed.methods:
         if m.name not in ("fedcm", "fedhbm", "fedexp", "fedavg", "pfedhn"):
@@ -187,6 +189,29 @@ def test_a_method_whose_optimiser_is_its_own_keeps_it_in_the_label_skew_suite():
             assert configs[0]["weight_decay"] == 1e-4  # the rest of its run defaults, as in any run
         else:
             assert configs[0]["lr"] == 0.01 and {c["momentum"] for c in configs} == {0.9}, m.name
+
+
+def test_the_momentum_control_runs_fedavg_under_the_four_s_optimiser():
+    """benchmarks/momentum_control.py: the suite's lite spec for FedAvg and the four, plus FedAvg
+    whose every run has their optimiser (lr grid, momentum, weight decay) and is the baseline."""
+    import importlib.util
+    from pathlib import Path
+
+    from fedskew.experiments.spec import run_config
+
+    path = Path(__file__).parent.parent / "benchmarks" / "momentum_control.py"
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location("momentum_control", path))
+    module.__spec__.loader.exec_module(module)
+    parsed = load_spec(module.spec("DATA"))
+    assert [m.label or m.name for m in parsed.methods] == ["fedavg", "fedcm", "fedhbm", "ghbm", "localghbm",
+                                                            "fedavg-sgd"]
+    assert parsed.report["baseline"] == "fedavg-sgd"
+    optimiser = lambda label: sorted((c["lr"], c["momentum"], c["weight_decay"]) for m in parsed.methods
+                                     if (m.label or m.name) == label
+                                     for c in (run_config(parsed, m, p, "#C=2", 0) for p in m.trials))
+    assert optimiser("fedavg-sgd") == sorted((lr, 0.0, 1e-4) for lr in (0.03333333, 0.1, 0.3))
+    assert {o[1:] for o in optimiser("ghbm")} == {(0.0, 1e-4)} and {o[0] for o in optimiser("ghbm")} <= {0.03333333, 0.1, 0.3}
+    assert optimiser("fedavg") == sorted((lr, 0.9, 1e-5) for lr in (0.00333333, 0.01, 0.03))  # the library default
 
 
 def test_tune_seeds_grid_on_the_tuning_seed_then_the_choice_on_the_others(tmp_path):

@@ -493,6 +493,7 @@ class Board:
     wall_s: float = 0.0  # seconds the finished runs of this part trained (their rounds' times)
     runs: int = 0  # finished runs of this part, every trial included
     rounds: int = 0  # the runs' rounds (the sweep's base)
+    baseline: str = "fedavg"  # the method wins/ties/losses are counted against (the spec's report.baseline)
 
     def mean(self, label: str, setting: str) -> float | None:
         v = list(self.values.get((label, setting), {}).values())
@@ -585,7 +586,8 @@ def boards(name: str, scale: str, out: str | Path | None = None, methods: list[s
                 out_boards.append(Board(paper, metric, res.labels, settings, values, chosen, tried, res.failed,
                                         {k for k, runs in res.runs.items() if runs}, len(spec.get("seeds") or []),
                                         chance_of(dataset, metric), wall, len(done),
-                                        int((spec.get("base") or {}).get("rounds") or 0)))
+                                        int((spec.get("base") or {}).get("rounds") or 0),
+                                        (spec.get("report") or {}).get("baseline") or "fedavg"))
     return out_boards
 
 
@@ -660,12 +662,12 @@ def board_summary(board: Board, baseline: str | None, record: dict[str, list[int
     return text
 
 
-def board_sections(board: Board, baseline: str = "fedavg") -> list:
+def board_sections(board: Board) -> list:
     """A board as report sections: the methods x settings table with its generated summary, then
     the budget and choices."""
     from fedskew.experiments.report import Section
 
-    base = baseline if baseline in board.labels else None
+    base = board.baseline if board.baseline in board.labels else None
     rows, record = board_rows(board, base)
     what = BOARD_METRICS[board.metric]
     if board.rounds and board.rounds < 10:  # (the mean of the last 10 is of every round when there are fewer)
@@ -745,9 +747,10 @@ def measured_where(name: str, scale: str, folder: Path, methods: list[str] | Non
 
 
 def write_leaderboard(name: str, scale: str, command: str, out: str | Path | None = None,
-                      methods: list[str] | None = None) -> tuple[Path, Path, list[Cell]]:
+                      methods: list[str] | None = None, title: str | None = None) -> tuple[Path, Path, list[Cell]]:
     """``leaderboard.md`` and ``leaderboard.html`` in the suite folder from the runs it has (of
-    ``methods`` only, when given); returns both paths and the published cells (for the console)."""
+    ``methods`` only, when given; ``title`` for a study in the suite's setting that is not the suite,
+    benchmarks/momentum_control.py); returns both paths and the published cells (for the console)."""
     from fedskew.experiments.report import Section, to_html, to_markdown
 
     folder = suite_dir(name, scale, out)
@@ -768,7 +771,7 @@ def write_leaderboard(name: str, scale: str, command: str, out: str | Path | Non
     for board in boards(name, scale, folder, methods):
         sections += board_sections(board)
     sections += published_sections(cells)
-    title = f"fedskew bench {name} ({scale})"
+    title = title or f"fedskew bench {name} ({scale})"
     md, page = folder / "leaderboard.md", folder / "leaderboard.html"
     from fedskew.engine.durable import atomic_write_text
     from fedskew.engine.rundir import STORAGE_ERRNOS, StorageError
