@@ -212,11 +212,12 @@ class _Recorder:
         if run_id in self.by_id:
             self.event("round", {**self.by_id[run_id], "round": done_rounds, "rounds": total})
 
-    def planned(self, runs: list[dict], sweep_dir: Path) -> list[dict]:
-        """Add ``runs`` to the store; those not finished yet (the finished ones are "skipped")."""
+    def planned(self, runs: list[dict], sweep_dir: Path, announced: frozenset = frozenset()) -> list[dict]:
+        """Add ``runs`` to the store; those not finished yet (the finished ones are "skipped", unless
+        ``announced`` as such before)."""
         status = add_planned(self.db, runs, sweep_dir)
         for r in runs:
-            if status.get(r["run_id"]) == "done":
+            if status.get(r["run_id"]) == "done" and r["run_id"] not in announced:
                 self.event("skipped", r)
         self.by_id.update({r["run_id"]: r for r in runs})
         return [r for r in runs if status.get(r["run_id"]) != "done"]
@@ -268,11 +269,20 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
     # one method at a time: its grid on the tuning seeds, then its selected point of each partition on
     # the other seeds, so that a sweep stopped half-way has whole methods
     planned = {r["run_id"] for r in runs}
+    # the other seeds' runs of every (label, partition) whose grid had finished are known now: those
+    # that finished before are announced at once, so that a resumed sweep's progress and ETA count them
+    done = {row["run_id"] for row in db.execute("SELECT run_id FROM runs WHERE status='done'")}
+    open_grid = {(r["label"], r["partition"]) for r in runs if r["run_id"] not in done}
+    known = {k: v for k, v in select(db, spec, record=False).items() if k not in open_grid}
+    finished_later = [r for r in plan(spec, known) if r["run_id"] not in planned and r["run_id"] in done]
+    for r in finished_later:
+        rec.event("skipped", r)
+    announced = frozenset(r["run_id"] for r in finished_later)
     for method in spec.methods:
         execute([r for r in todo if r["label"] == method.column])
         chosen = select(db, spec)
         more = [r for r in plan(spec.model_copy(update={"methods": [method]}), chosen) if r["run_id"] not in planned]
-        execute(rec.planned(more, sweep_dir))
+        execute(rec.planned(more, sweep_dir, announced))
     select(db, spec)
     return db
 
