@@ -80,9 +80,15 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
     fixed_steps = s.epochs * int(np.ceil(n.mean() / s.batch_size))
     for t, selected in enumerate(schedule):
         ys_out, taus = {}, {}
+        official = method == "fedexp" and opts.get("schedule", "official") == "official"
+        eta = 0.1 * (0.998 ** (t + 1) if official else 1.0)  # FedExP's official decay of the local lr
         for k in selected:
             w = [x[0].copy(), x[1].copy()]
             batches = batch_schedule(s, t, k, len(ys[k]))
+            if opts.get("local_steps"):  # FedExP's fixed steps: the batch stream cut after them
+                per_epoch = int(np.ceil(len(ys[k]) / s.batch_size))
+                batches = batch_schedule(s, t, k, len(ys[k]), -(-opts["local_steps"] // per_epoch))
+                batches = batches[:opts["local_steps"]]
             for pos in batches:
                 gw, gb = grad(w[0], w[1], xs[k][pos], ys[k][pos], c)
                 g = [gw, gb]
@@ -151,6 +157,7 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
             spread = sum(pk * sum(((ys_out[k][j] - x[j]) ** 2).sum() for j in range(2)) for pk, k in zip(p, selected))
             delta = [avg[j] - x[j] for j in range(2)]
             eps = opts.get("epsilon", 1e-3) * (len(selected) if opts.get("epsilon_scale", "clients") == "clients" else 1)
+            eps *= 0.998 ** (2 * (t + 1)) if official else 1.0
             eta_g = max(1.0, 0.5 * spread / (sum((d ** 2).sum() for d in delta) + eps))
             opts.setdefault("_etas", []).append(eta_g)
             prev, x = x, [x[j] + eta_g * delta[j] for j in range(2)]
@@ -201,7 +208,8 @@ CASES = [
     ("fedcm", {}),
     ("fedcm", {"alpha": 0.4}),
     ("fedexp", {"epsilon": 1e-3}),  # the official code's step size, scored on the mean of the last two
-    ("fedexp", {"epsilon": 0.1, "epsilon_scale": "paper", "eval_average": False}),
+    ("fedexp", {"epsilon": 0.1, "epsilon_scale": "paper", "eval_average": False, "schedule": "constant"}),
+    ("fedexp", {"epsilon": 0.01, "local_steps": 7}),  # the official code's fixed steps (its cp)
 ]
 
 
@@ -433,6 +441,36 @@ def test_fedcross_matches_a_replay_of_its_cross_aggregation(tmp_path, opts, exec
         np.testing.assert_allclose(kept["cross.models.classifier.weight"][j].double().numpy(), models[j][0], atol=2e-6)
     # the global model is not what the next round trains from: the middleware models differ from it
     assert np.abs(models[0][0] - glob[0]).max() > 1e-3
+
+
+@pytest.mark.parametrize("buffers", ["pflib", "own"])
+def test_fedcross_buffers_follow_pflibs_cross_aggregation(buffers):
+    """PFLlib's ``aggregate_parameters_cross`` deep-copies the first (lower-indexed) model of each
+    pair and averages its parameters only: middleware model j carries the buffers of model
+    min(j, partner_j) (``buffers=own``: its own); the parameters are alpha w_j + (1 - alpha) w_c."""
+    from fedskew.algorithms.base import ClientReport, FederationInfo
+    from fedskew.algorithms.clustered import FedCross, FedCrossOptions, collaborator, layer_pair_similarity
+
+    info = FederationInfo(num_clients=3, num_classes=2, class_counts=torch.ones(3, 2), rounds=4, clients_per_round=3,
+                          seed=0, param_names=("w",))
+    m = FedCross(FedCrossOptions(alpha=0.7, buffers=buffers), info)
+    glob = {"w": torch.zeros(2), "bn.running_mean": torch.zeros(2)}
+    state = m.round_start(m.server_init(glob, info), [0, 1, 2], 0)
+    w = [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.2])]
+    rm = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 5.0]), torch.tensor([7.0, 11.0])]
+    uploads = [{"model.w": w[c], "model.bn.running_mean": rm[c]} for c in range(3)]
+    reports = [ClientReport(client_id=c, num_samples=10, num_steps=1) for c in range(3)]
+    _, out = m.aggregate(state, glob, uploads, reports)
+    slot = state["cross.slot"].tolist()
+    by_slot = {slot[c]: c for c in range(3)}  # the client whose trained model returned to slot j
+    rows = [[w[by_slot[j]], rm[by_slot[j]]] for j in range(3)]
+    sim = np.array([[layer_pair_similarity(rows[a], rows[b]) if a != b else 0.0 for b in range(3)] for a in range(3)])
+    partner = [collaborator(sim, j, "lowest", 0) for j in range(3)]
+    assert any(p < j for j, p in enumerate(partner))  # a pair where the two rules differ
+    for j in range(3):
+        torch.testing.assert_close(out["cross.models.w"][j], 0.7 * rows[j][0] + 0.3 * rows[partner[j]][0])
+        expect = rows[min(j, partner[j])][1] if buffers == "pflib" else rows[j][1]
+        torch.testing.assert_close(out["cross.models.bn.running_mean"][j], expect)
 
 
 def test_fedcross_similarity_pairs_tensors_as_pflib_does():

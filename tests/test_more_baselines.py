@@ -2181,11 +2181,17 @@ def test_pfedfda_statistics_and_beta(tmp_path):
     y = torch.tensor([0] * 20 + [1] * 18 + [2] * 2)
     z[y == 1] += 2.0
     gm = torch.full((3, 3), 7.0, dtype=torch.float64)
-    means, cov = gaussian_mle(z, y, gm, 2)
-    torch.testing.assert_close(means[0], z[:20].mean(0))
-    torch.testing.assert_close(means[2], gm[2])  # two samples are not more than min_samples = 2
-    centered = torch.cat([z[:20] - z[:20].mean(0), z[20:38] - z[20:38].mean(0), z[38:] - gm[2]])
-    torch.testing.assert_close(cov, centered.T @ centered / 39 + FDA_EPS + torch.eye(3, dtype=torch.float64))
+    for per_class in (True, False):
+        means, cov = gaussian_mle(z, y, gm, 2, per_class)
+        torch.testing.assert_close(means[0], z[:20].mean(0))
+        # min_samples: two samples are not more than 2, the global mean; the camera-ready code's
+        # test reads the client's 40 samples, so the class keeps its own mean
+        m2 = gm[2] if per_class else z[38:].mean(0)
+        torch.testing.assert_close(means[2], m2)
+        centered = torch.cat([z[:20] - z[:20].mean(0), z[20:38] - z[20:38].mean(0), z[38:] - m2])
+        torch.testing.assert_close(cov, centered.T @ centered / 39 + FDA_EPS + torch.eye(3, dtype=torch.float64))
+    # a client of two samples in all keeps the global means under both rules
+    torch.testing.assert_close(gaussian_mle(z[:2], y[:2], gm, 2)[0], gm)
     # beta: the L-BFGS solution scores the cross-validated heads at least as well as its start (0.5, 0.5)
     exp = Experiment(load_config(None, ["method=pfedfda"]), tmp_path / "fda")
     method = exp.method

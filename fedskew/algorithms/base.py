@@ -508,6 +508,12 @@ class Method:
         ``total_steps``."""
         return total_steps
 
+    def lr_scale(self, round_idx: int) -> float:
+        """A factor on the run's local learning rate of round ``round_idx`` (``RunConfig.round_lr``;
+        ``round_idx = rounds``: the final pass), for a method whose official schedule is part of
+        the method (FedExP's 0.998 decay per round). FedAvg: 1."""
+        return 1.0
+
     # -- optional second local stage (personalisation) -------------------------------------------
     def split_steps(self, total_steps: int, lr: float) -> tuple[int, int, float]:
         """(steps of the uploaded model's training, steps of the personalisation stage, learning

@@ -429,6 +429,10 @@ class PFedFDAOptions(FedAvgOptions):
         "two", description="interpolation of local and global statistics: one beta for the means and one for the "
                            "covariance (the official default), one for both, or the local statistics alone")
     cv_folds: int = Field(2, ge=2, description="stratified folds on which beta is fitted")
+    class_means: Literal["present", "min_samples"] = Field(
+        "present", description="local class means: present: every class the client holds keeps its own mean (the "
+                               "camera-ready code's test reads the client's total count); min_samples: a class with at "
+                               "most cv_folds samples takes the global mean (FL-bench's port, the official evaluation)")
 
 
 def lda_head(means: torch.Tensor, cov: torch.Tensor, priors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -442,16 +446,20 @@ def lda_head(means: torch.Tensor, cov: torch.Tensor, priors: torch.Tensor) -> tu
     return w, -0.5 * (means * w).sum(1) + torch.log(priors)
 
 
-def gaussian_mle(z: torch.Tensor, y: torch.Tensor, global_means: torch.Tensor, min_samples: int):
-    """The official ``compute_mle_statistics`` with its covariance: each class's mean (a class with
-    at most ``min_samples`` samples: the global mean), the scatter of the features around their
-    class means, Sigma = scatter / (n - 1) + eps + I (an identity added, as the official code does;
-    it is positive definite, so the official ``cov_nearest(..., 'clipped')`` leaves it unchanged)."""
+def gaussian_mle(z: torch.Tensor, y: torch.Tensor, global_means: torch.Tensor, min_samples: int,
+                 per_class: bool = False):
+    """The official ``compute_mle_statistics`` with its covariance: each class's mean, the scatter
+    of the features around their class means, Sigma = scatter / (n - 1) + eps + I (an identity
+    added, as the official code does; it is positive definite, so the official
+    ``cov_nearest(..., 'clipped')`` leaves it unchanged). A class keeps the global mean when the
+    test ``> min_samples`` fails: the camera-ready code tests ``len(labels == y)``, the client's
+    total count (every present class keeps its own mean); ``per_class`` tests the class's own
+    count (FL-bench's port, the official ``evaluate_personalized``)."""
     means = global_means.clone()
     centered = []
     for c in torch.unique(y).tolist():
         rows = z[y == c]
-        if len(rows) > min_samples:
+        if (len(rows) if per_class else len(y)) > min_samples:
             means[c] = rows.mean(0)
         centered.append(rows - means[c])
     centered = torch.cat(centered)
@@ -537,7 +545,8 @@ class PFedFDA(Method):
             split = list(StratifiedKFold(n_splits=folds, random_state=0, shuffle=True).split(z.numpy(), y.numpy()))
         except ValueError:
             return torch.zeros(2, dtype=torch.float64)
-        parts = [(gaussian_mle(z[tr], y[tr], gm, folds), z[te], y[te]) for tr, te in split]
+        per_class = self.opt.class_means == "min_samples"
+        parts = [(gaussian_mle(z[tr], y[tr], gm, folds, per_class), z[te], y[te]) for tr, te in split]
 
         def loss(a):
             a = a.clip(0, 1)
@@ -567,7 +576,7 @@ class PFedFDA(Method):
         gm, gc = payload["fda.means"].double().cpu(), payload["fda.cov"].double().cpu()
         priors = self._priors(report.client_id)
         beta = self.solve_beta(z, y, gm, gc, priors, client_state["fda.beta"])
-        mu, cov = gaussian_mle(z, y, gm, self.opt.cv_folds)
+        mu, cov = gaussian_mle(z, y, gm, self.opt.cv_folds, self.opt.class_means == "min_samples")
         means, covariance = beta[0] * mu + (1 - beta[0]) * gm, beta[1] * cov + (1 - beta[1]) * gc
         w, b = lda_head(means, covariance, priors)
         like = trained["classifier.weight"]

@@ -96,7 +96,7 @@ class FedConcat(Method):
         authors="Diao, Li, He",
         title="Exploiting Label Skews in Federated Learning with Model Concatenation",
         venue="AAAI",
-        year=2024,
+        arxiv="2312.06290", year=2024,
         implements="Algorithm 1",
         code="sjtudyq/FedConcat")
     requires_classifier = "linear"
@@ -343,6 +343,11 @@ class FedCrossOptions(FedAvgOptions):
                               "one (round mod (K - 1)) + 1 slots further")
     first_stage_rounds: int = Field(0, ge=0, description="rounds before cross aggregation starts, in which every "
                                                          "middleware model is reset to the global model")
+    buffers: Literal["pflib", "own"] = Field(
+        "pflib", description="buffers (BatchNorm statistics) of a middleware model: pflib: the cross step copies "
+                             "those of the lower-indexed model of the pair, the first stage resets parameters only "
+                             "(PFLlib's aggregate_parameters_cross and train); own: each keeps its own in the cross "
+                             "step, the first stage resets the whole state")
 
 
 def layer_pair_similarity(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -385,8 +390,10 @@ class FedCross(Method):
     keeps K middleware models (K = clients per round), each trained by one selected client a round
     (a random assignment, drawn from the seed: PFLlib gives model i to the i-th client of its random
     selection); after training, middleware model j becomes alpha w_j + (1 - alpha) w_c, w_c its
-    collaborative model (the least similar by PFLlib's layer-pair cosine, by default), parameters
-    only (buffers stay its own, as PFLlib's ``aggregate_parameters_cross``). The global model, which
+    collaborative model (the least similar by PFLlib's layer-pair cosine, by default); its buffers
+    are those of the lower-indexed model of the pair (``buffers=pflib``: PFLlib's
+    ``aggregate_parameters_cross`` deep-copies the pair's first model and averages its parameters
+    only; ``own``: its own). The global model, which
     the metrics score, is the n_k-weighted mean of the trained middleware models; it only seeds the
     middleware models during ``first_stage_rounds`` and serves the final personalisation pass."""
 
@@ -442,8 +449,9 @@ class FedCross(Method):
                 models[n][int(slot[r.client_id])] = v.to(models[n].device)
         new = weighted_mean([model_part(u) for u in uploads], self.client_weights(reports))
         k, t = self._k(), int(server_state["cross.round"])
-        if t < self.opt.first_stage_rounds:
-            models = copies(new, k)
+        params, pflib = set(self.info.param_names), self.opt.buffers == "pflib"
+        if t < self.opt.first_stage_rounds:  # PFLlib resets the middleware models' parameters only
+            models = {n: copies({n: v}, k)[n] if n in params or not pflib else models[n] for n, v in new.items()}
         elif k > 1:
             rows = [[models[n][j] for n in names] for j in range(k)]
             sim = np.zeros((k, k))
@@ -451,8 +459,9 @@ class FedCross(Method):
                 for b in range(a):
                     sim[a, b] = sim[b, a] = layer_pair_similarity(rows[a], rows[b])
             partner = [collaborator(sim, j, self.opt.strategy, t) for j in range(k)]
-            alpha, params = self.opt.alpha, set(self.info.param_names)
-            models = {n: torch.stack([alpha * v[j] + (1 - alpha) * v[partner[j]] if n in params else v[j]
+            alpha = self.opt.alpha
+            keep = [min(j, partner[j]) if pflib else j for j in range(k)]  # whose buffers model j takes
+            models = {n: torch.stack([alpha * v[j] + (1 - alpha) * v[partner[j]] if n in params else v[keep[j]]
                                       for j in range(k)]) for n, v in models.items()}
         state = {**{"cross.models." + n: v for n, v in models.items()},
                  "cross.slot": torch.full_like(slot, -1), "cross.round": server_state["cross.round"]}

@@ -67,6 +67,7 @@ class IntraDecorrelation(Component):
         title="Federated Learning under Partially Class-Disjoint Data via Manifold Reshaping (FedMR's L_intra)",
         venue="TMLR",
         year=2023,
+        arxiv="2405.18983",
         implements="Eq. 3",
         code="MediaBrain-SJTU/FedMR")
 
@@ -92,6 +93,7 @@ class PrototypeMargin(Component):
         title="Federated Learning under Partially Class-Disjoint Data via Manifold Reshaping (FedMR's L_inter)",
         venue="TMLR",
         year=2023,
+        arxiv="2405.18983",
         implements="Eq. 4-5",
         code="MediaBrain-SJTU/FedMR")
 
@@ -371,7 +373,7 @@ class UniformityVariance(Component):
         authors="Son et al.",
         title="FedUV: Uniformity and Variance for Heterogeneous Federated Learning",
         venue="CVPR",
-        year=2024,
+        arxiv="2402.18372", year=2024,
         implements="the official UVReg's two regularisers",
         code="sonhamin/FedUV")
 
@@ -408,7 +410,7 @@ class Discrepancy(Component):
         authors="Ye et al.",
         title="FedDisco: Federated Learning with Discrepancy-Aware Collaboration",
         venue="ICML",
-        year=2023,
+        arxiv="2305.19229", year=2023,
         implements="Eq. 3-4",
         code="MediaBrain-SJTU/FedDisco")
 
@@ -454,6 +456,7 @@ class SharpnessAware(Component):
               "Federated Learning via Sharpness Aware Minimization (ICML 2022)",
         venue="ECCV / ICML",
         year=2022,
+        arxiv="2203.11834, 2206.02618",
         implements="SAM and ASAM local steps",
         code="debcaldarola/fedsam")
     sharpness_aware = True

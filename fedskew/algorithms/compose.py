@@ -119,7 +119,7 @@ FOLD = {
     **dict.fromkeys(("split_steps", "trained_params", "personal_start", "personal_loss", "after_personal",
                      "personal_state", "personal_first"), "personal"),
     # the rest is the base's (forwarded below where Composite does not filter the client state)
-    **dict.fromkeys(("round_start", "download", "local_start", "step_correction", "local_steps", "paired_samples", "client_weights",
+    **dict.fromkeys(("round_start", "download", "local_start", "step_correction", "local_steps", "lr_scale", "paired_samples", "client_weights",
                      "class_role_threshold", "evaluation_state", "has_global_model", "requires_classifier",
                      "fedavg_weighted", "per_sample_loss", "vectorizable"), "base"),
     # read from the registered class by the config layer, never from an instance

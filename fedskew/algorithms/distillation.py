@@ -515,7 +515,7 @@ class FedFed(Method):
         authors="Yang et al.",
         title="FedFed: Feature Distillation against Data Heterogeneity in Federated Learning",
         venue="NeurIPS",
-        year=2023,
+        arxiv="2310.05077", year=2023,
         implements="Eq. 8 (the VAE's feature distillation objective) and the shared noised features",
         code="visitworld123/FedFed")
     per_sample_loss = True  # Method.padding_exact (FedAvg's loss)

@@ -185,7 +185,7 @@ class FedCM(Method):
     name = "fedcm"
     own_optimiser = True  # (Method.own_optimiser)
     Options = FedCMOptions
-    source = Source(authors="Xu, Wang, Wang, Liu, Huang", title="FedCM: Federated Learning with Client-level Momentum",
+    source = Source(authors="Xu, Wang, Wang, Yao", title="FedCM: Federated Learning with Client-level Momentum",
                     venue="arXiv preprint", year=2021, arxiv="2106.10874",
                     implements="Algorithm 1 (client-level momentum)",
                     code="RickZack/GHBM src/algo/fed_clients/fedcm_client.py, center_server/fedcm_center_server.py "
@@ -227,7 +227,7 @@ class GHBMOptions(FedAvgOptions):
 
 @builtin
 class GHBM(Method):
-    """GHBM (Zaccone, Karimireddy, Masone, Ciccone, ICLR 2025, Algorithm 1, non-Nesterov form):
+    """GHBM (Zaccone, Karimireddy, Masone, Ciccone, TMLR 2025, Algorithm 1, non-Nesterov form):
     generalized heavy-ball momentum. The server keeps its last tau models and broadcasts
     m = (x_{t+1-tau} - x_{t+1}) / tau, the mean displacement over tau rounds (none before tau
     rounds; tau = 1 is classical server momentum); every local step adds beta m / (lr K) to the
@@ -240,8 +240,8 @@ class GHBM(Method):
     own_optimiser = True
     Options = GHBMOptions
     source = Source(authors="Zaccone, Karimireddy, Masone, Ciccone",
-                    title="Communication-Efficient Federated Learning with Generalized Heavy-Ball Momentum",
-                    venue="ICLR", year=2025, arxiv="2311.18578", implements="Algorithm 1 (GHBM, non-Nesterov)",
+                    title="Communication-Efficient Heterogeneous Federated Learning with Generalized Heavy-Ball Momentum",
+                    venue="TMLR", year=2025, arxiv="2311.18578", implements="Algorithm 1 (GHBM, non-Nesterov)",
                     code="RickZack/GHBM src/algo/fed_clients/ghbm_client.py, center_server/ghbm_center_server.py, "
                          "config/algo/ghbm.yaml")
     per_sample_loss = True  # Method.padding_exact
@@ -301,7 +301,7 @@ class FedHBMOptions(LocalGHBMOptions):
 
 @builtin
 class LocalGHBM(Method):
-    """LocalGHBM (Zaccone et al., ICLR 2025, Sec. 4, the communication-efficient GHBM): GHBM's
+    """LocalGHBM (Zaccone et al., TMLR 2025, Sec. 4, the communication-efficient GHBM): GHBM's
     momentum from what the client itself saw, so nothing but the model travels. The client keeps
     the model it received when it last took part (its anchor a_i); this round's momentum is
     m = C (a_i - x_t), C the participation ratio standing for 1 / tau, zero at its first round
@@ -313,8 +313,8 @@ class LocalGHBM(Method):
     own_optimiser = True
     Options = LocalGHBMOptions
     source = Source(authors="Zaccone, Karimireddy, Masone, Ciccone",
-                    title="Communication-Efficient Federated Learning with Generalized Heavy-Ball Momentum",
-                    venue="ICLR", year=2025, arxiv="2311.18578",
+                    title="Communication-Efficient Heterogeneous Federated Learning with Generalized Heavy-Ball Momentum",
+                    venue="TMLR", year=2025, arxiv="2311.18578",
                     implements="Sec. 4, LocalGHBM (the client's anchor: the model it last received)",
                     code="RickZack/GHBM src/algo/fed_clients/ghbm_client.py (LocalGHBMClient, variant standard), "
                          "config/algo/localghbm.yaml")
@@ -349,7 +349,7 @@ class LocalGHBM(Method):
 
 @builtin
 class FedHBM(LocalGHBM):
-    """FedHBM (Zaccone et al., ICLR 2025, Sec. 4): LocalGHBM whose anchor is the model the client
+    """FedHBM (Zaccone et al., TMLR 2025, Sec. 4): LocalGHBM whose anchor is the model the client
     itself trained when it last took part, and whose momentum follows the model being trained:
     step s adds beta C (a_i - w_s) / (lr K) to the gradient (the official ``FedHBMClient`` recomputes
     the momentum before every step), the gradient of the loss term -beta C ||a_i - w||^2 / (2 lr K);
@@ -358,8 +358,8 @@ class FedHBM(LocalGHBM):
     name = "fedhbm"
     Options = FedHBMOptions
     source = Source(authors="Zaccone, Karimireddy, Masone, Ciccone",
-                    title="Communication-Efficient Federated Learning with Generalized Heavy-Ball Momentum",
-                    venue="ICLR", year=2025, arxiv="2311.18578",
+                    title="Communication-Efficient Heterogeneous Federated Learning with Generalized Heavy-Ball Momentum",
+                    venue="TMLR", year=2025, arxiv="2311.18578",
                     implements="Sec. 4, FedHBM (the client's anchor: the model it last trained)",
                     code="RickZack/GHBM src/algo/fed_clients/ghbm_client.py (FedHBMClient, variant standard), "
                          "config/algo/fedhbm.yaml")
@@ -636,6 +636,7 @@ class FedSAM(Composed):
         title="Improving Generalization in Federated Learning by Seeking Flat Minima",
         venue="ECCV",
         year=2022,
+        arxiv="2203.11834",
         implements="SAM local steps (the paper's Section 4)",
         code="debcaldarola/fedsam")
 
@@ -655,5 +656,6 @@ class FedASAM(FedSAM):
         title="Improving Generalization in Federated Learning by Seeking Flat Minima",
         venue="ECCV",
         year=2022,
+        arxiv="2203.11834",
         implements="ASAM local steps (adaptive radius, the paper's Section 4)",
         code="debcaldarola/fedsam")

@@ -118,7 +118,7 @@ class FedLMD(Method):
         authors="Lu et al.",
         title="Federated Learning with Label-Masking Distillation",
         venue="ACM MM",
-        year=2023,
+        arxiv="2409.13136", year=2023,
         implements="the label-masking distillation loss (the paper's Section 3)",
         code="wnma3mz/FedLMD")
     per_sample_loss = True  # Method.padding_exact
@@ -189,7 +189,7 @@ class FedVLS(Method):
         authors="Guo et al.",
         title="Exploring Vacant Classes in Label-Skewed Federated Learning",
         venue="AAAI",
-        year=2025,
+        arxiv="2401.02329", year=2025,
         implements="logit suppression and vacant-class distillation (the paper's Section 4)",
         code="krumpguo/FedVLS")
 

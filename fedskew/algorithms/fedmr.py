@@ -37,6 +37,7 @@ class FedMR(Composed):
         title="Federated Learning under Partially Class-Disjoint Data via Manifold Reshaping",
         venue="TMLR",
         year=2023,
+        arxiv="2405.18983",
         implements="Eq. 3 (intra-class decorrelation), Eq. 4-5 (inter-class prototype margin), Eq. 6 (the local "
                    "objective)",
         code="MediaBrain-SJTU/FedMR")

@@ -59,8 +59,9 @@ class EtfGmv(Method):
     source = Source(
         authors="Huang, Xie, Yang, Wang, Lin, Cai",
         title="Neural Collapse Inspired Federated Learning with Non-iid Data",
-        venue="preprint (no venue or arXiv id in its text)",
+        venue="arXiv preprint (its text in ../shared/papers names no venue)",
         year=2023,
+        arxiv="2303.16066",
         implements="the fixed simplex-ETF head (Eq. 2) and the global memory vectors with warm-up (Eq. 6-8)",
         code="no official code found; the paper's text")
     requires_classifier = "etf"
@@ -142,6 +143,7 @@ class FedETF(Method):
               "Classifier",
         venue="ICCV",
         year=2023,
+        arxiv="2303.10058",
         implements="the projector, the fixed ETF classifier with a learnable temperature, and the local fine-tuning "
                    "(Section 4)",
         code="ZexiLee/ICCV-2023-FedETF")
@@ -216,7 +218,7 @@ class FedGELA(Method):
         authors="Fan et al.",
         title="Federated Learning with Bilateral Curation for Partially Class-Disjoint Data",
         venue="NeurIPS",
-        year=2023,
+        arxiv="2405.18972", year=2023,
         implements="the global ETF classifier and each client's locally adapted one (the paper's Section 4)",
         code="MediaBrain-SJTU/FedGELA")
     requires_classifier = "etf"

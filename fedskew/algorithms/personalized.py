@@ -520,7 +520,7 @@ class FedLC(Method):
         authors="Zhang et al.",
         title="Federated Learning with Label Distribution Skew via Logits Calibration",
         venue="ICML",
-        year=2022,
+        arxiv="2209.00189", year=2022,
         implements="Eq. 9 (the calibrated cross-entropy)",
         code="no official code; the paper's Eq. 9")
     per_sample_loss = True  # Method.padding_exact
@@ -580,6 +580,7 @@ class GPFL(PartialSharing):
               "Learning",
         venue="ICCV",
         year=2023,
+        arxiv="2308.10279",
         implements="the conditional valve and the global category embeddings (the paper's Section 4)",
         code="TsingZ0/GPFL")
     requires_classifier = "linear"
@@ -690,7 +691,7 @@ class FedCP(PartialSharing):
         authors="Zhang et al.",
         title="FedCP: Separating Feature Information for Personalized Federated Learning via Conditional Policy",
         venue="KDD",
-        year=2023,
+        arxiv="2307.01217", year=2023,
         implements="the conditional policy network and its feature split (the paper's Section 4)",
         code="TsingZ0/FedCP")
     requires_classifier = "linear"
@@ -850,7 +851,7 @@ class KNNPer(Method):
 
     name = "knnper"
     Options = KNNPerOptions
-    source = Source(authors="Marfoq, Neglia, Vidal, Kameni",
+    source = Source(authors="Marfoq, Neglia, Kameni, Vidal",
                     title="Personalized Federated Learning through Local Memorization",
                     venue="ICML", year=2022, arxiv="2111.09360",
                     implements="Sec. 3 (FedAvg, then the local datastore and Eq. 3's interpolation)",

@@ -215,7 +215,7 @@ class FedUV(Composed):
         authors="Son et al.",
         title="FedUV: Uniformity and Variance for Heterogeneous Federated Learning",
         venue="CVPR",
-        year=2024,
+        arxiv="2402.18372", year=2024,
         implements="the classifier-variance and hyperspherical-uniformity regularisers (the paper's Section 4)",
         code="sonhamin/FedUV")
 

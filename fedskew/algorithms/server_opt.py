@@ -141,6 +141,12 @@ class FedExPOptions(FedAvgOptions):
         "clients", description="clients: the official code's ||Delta||^2 + |S| eps; paper: + eps")
     eval_average: bool = Field(True, description="score the mean of the last two global models (the official "
                                                  "code's net_eval; training goes on from the last)")
+    schedule: Literal["official", "constant"] = Field(
+        "official", description="official: in round t (from 0) the local lr is lr 0.998^(t+1) and epsilon is "
+                                "epsilon 0.998^(2(t+1)) (the official main.py decays both at the top of every round); "
+                                "constant: both as given")
+    local_steps: int = Field(0, ge=0, le=10 ** 6, description="local steps per round, whatever the client's size "
+                                                              "(the official code's cp: 20); 0: the run's E epochs")
 
 
 @builtin
@@ -150,7 +156,11 @@ class FedExP(Method):
     eta_g = max(1, sum_k p_k ||Delta_k||^2 / (2 (||Delta||^2 + |S| eps))) (the official code's
     ``eta_g``; the paper's text writes + eps), over the trainable parameters (BatchNorm statistics
     take the weighted mean). The metrics score the mean of the last two global models
-    (``eval_average``, the official code's ``w_vec_avg``), from the second round on."""
+    (``eval_average``, the official code's ``w_vec_avg``), from the second round on. The official
+    schedule (``schedule=official``, main.py's ``decay``): round t's local lr is lr 0.998^(t+1) and
+    its epsilon epsilon 0.998^(2(t+1)); ``local_steps`` fixes the steps per round (its cp)."""
+
+    DECAY = 0.998  # main.py's decay
     source = Source(authors="Jhunjhunwala, Wang, Joshi",
                     title="FedExP: Speeding Up Federated Averaging via Extrapolation", venue="ICLR", year=2023,
                     arxiv="2301.09604", implements="Algorithm 1 (the server step size eta_g), the last-two average",
@@ -170,13 +180,23 @@ class FedExP(Method):
                      for p, m in zip(w, models))
         delta = {k: mean[k] - global_state[k] for k in names}
         norm = sum(float(d.double().pow(2).sum()) for d in delta.values())
-        eps = o.epsilon * (len(uploads) if o.epsilon_scale == "clients" else 1)
+        t = int(server_state["rounds"])
+        eps = o.epsilon * (len(uploads) if o.epsilon_scale == "clients" else 1) * self._decay(t) ** 2
         eta = max(1.0, 0.5 * spread / (norm + eps))
         new = {**mean, **{k: global_state[k] + eta * d for k, d in delta.items()}}
         state = {"eta_g": torch.tensor(eta, dtype=torch.float64), "rounds": server_state["rounds"] + 1}
         if o.eval_average:
             state.update({"prev." + k: global_state[k] for k in names})
         return new, state
+
+    def _decay(self, round_idx: int) -> float:
+        return self.DECAY ** (round_idx + 1) if self.opt.schedule == "official" else 1.0
+
+    def lr_scale(self, round_idx):
+        return self._decay(round_idx)
+
+    def local_steps(self, round_idx, total_steps, steps_per_epoch):
+        return self.opt.local_steps or total_steps
 
     def evaluation_state(self, global_state, server_state):
         if not self.opt.eval_average or int(server_state.get("rounds", 0)) < 2:
@@ -251,7 +271,7 @@ class FedDisco(Composed):
         authors="Ye et al.",
         title="FedDisco: Federated Learning with Discrepancy-Aware Collaboration",
         venue="ICML",
-        year=2023,
+        arxiv="2305.19229", year=2023,
         implements="Eq. 3-4 (discrepancy-aware aggregation weights)",
         code="MediaBrain-SJTU/FedDisco")
 

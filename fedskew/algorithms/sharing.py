@@ -681,7 +681,7 @@ class FedDBE(PartialSharing):
         authors="Zhang et al.",
         title="Eliminating Domain Bias for Federated Learning in Representation Space",
         venue="NeurIPS",
-        year=2023,
+        arxiv="2311.14975", year=2023,
         implements="the personalised representation bias memory and the mean regulariser (the paper's Section 4)",
         code="TsingZ0/DBE")
     keep = "dbe."
@@ -759,7 +759,7 @@ class FLDA(PartialSharing):
         authors="Peterson, Kanani, Marathe",
         title="Private Federated Learning with Domain Adaptation",
         venue="NeurIPS 2019 workshop on federated learning",
-        year=2019,
+        arxiv="1912.06733", year=2019,
         implements="the gated mixture of the global and a private model",
         code="lxcnju/FedRepo (the MAP authors' FLDA, the implementation behind MAP Table II)")
     keep = "flda."

@@ -271,7 +271,7 @@ class Experiment:
         t0 = time.perf_counter()
         train = self.training_clients
         selected = [train[i] for i in sample_clients(cfg.seed, t, len(train), cfg.clients_per_round)]
-        lr = cfg.round_lr(t)
+        lr = cfg.round_lr(t) * method.lr_scale(t)
         server_state = method.round_start(server_state, selected, t)
         t1 = time.perf_counter()
         # Persistent client states (HPMs, control variates, previous models) live in host memory
@@ -403,7 +403,8 @@ class Experiment:
         self.executor.score_validation = validate
         try:
             results = self.executor.train_round(cfg.rounds, clients, payload, states,
-                                                cfg.round_lr(cfg.rounds), **self._downloads_for(downloads))
+                                                cfg.round_lr(cfg.rounds) * self.method.lr_scale(cfg.rounds),
+                                                **self._downloads_for(downloads))
         finally:
             self.executor.score_validation = False
         held = set(self.held_out)
