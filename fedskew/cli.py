@@ -855,9 +855,12 @@ def import_user_modules(names: list[str]) -> None:
             sys.path.insert(0, folder)
         try:
             importlib.import_module(name)
+        except SystemExit as exc:  # a module that ends the process at import would end a bench with its code
+            raise ConfigError(f"--import '{name}' called sys.exit({exc.code!r}) while being imported; a module "
+                              f"that registers methods must not exit.") from None
         except Exception as exc:
-            raise ConfigError(f"--import '{name}' failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}.") \
-                from None
+            why = (str(exc).splitlines() or [""])[0][:200] or "(no message)"
+            raise ConfigError(f"--import '{name}' failed: {type(exc).__name__}: {why}.") from None
 
 
 def entry() -> None:

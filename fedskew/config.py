@@ -100,7 +100,7 @@ class PartitionConfig(_Section):
     classes_per_client: int = Field(3, ge=1, description="pcdd: y of PxCy; label_k: k of #C=k; label_count: k; "
                                                                "exdir: the classes each client draws")
     samples_per_class: int = Field(100, ge=1, description="label_count: n samples of each held class per client")
-    alpha: float = Field(0.5, gt=0, description="dirichlet, exdir, inner_dirichlet: concentration")
+    alpha: float = Field(0.5, gt=0, allow_inf_nan=False, description="dirichlet, exdir, inner_dirichlet: concentration")
     min_size: int = Field(10, ge=1, description="dirichlet, exdir: minimum samples per client")
     size_sigma: float = Field(0.0, ge=0, description="random_classes, inner_dirichlet: LogNormal size-factor sigma")
     size_exponent: float = Field(0.0, ge=0, description="inner_dirichlet: power-law sizes, client k's weight "
@@ -222,7 +222,8 @@ class RunConfig(_Strict):
         "sgd", description="local optimiser, as torch.optim's: sgd (momentum, weight_decay), adam (weight_decay "
                            "added to the gradient) or adamw (decoupled weight_decay); fresh every stage")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="optimizer=adam/adamw: (beta1, beta2)")
-    adam_eps: float = Field(1e-8, gt=0, description="optimizer=adam/adamw: the denominator's epsilon")
+    adam_eps: float = Field(1e-8, gt=0, le=1, description="optimizer=adam/adamw: the denominator's epsilon (at most "
+                                                          "1: a larger one makes every step vanish)")
     stragglers: float = Field(0.0, ge=0, le=1, description="the fraction of clients that straggle each round: a "
                                                            "straggler does a uniformly drawn 1 .. S-1 of its S local "
                                                            "steps (seeded per round and client)")
@@ -344,6 +345,13 @@ class RunConfig(_Strict):
             raise ValueError("lr_min applies to lr_schedule = cosine, not step")
         if self.lr_min >= self.lr and self.lr_schedule == "cosine":
             raise ValueError(f"lr_min = {self.lr_min} must be below lr = {self.lr}")
+        if self.lr_schedule == "step" and self.lr_decay < 1:
+            # the first round whose lr falls under 1e-12 of lr: from there on nothing trains
+            dead = math.floor(math.log(1e-12) / math.log(self.lr_decay)) + 1  # decays needed
+            if dead * self.lr_decay_every < self.rounds:
+                raise ValueError(f"lr_decay = {self.lr_decay} (every {self.lr_decay_every} rounds) takes the lr under "
+                                 f"1e-12 of lr = {self.lr} from round {dead * self.lr_decay_every + 1} of {self.rounds}, "
+                                 f"so nothing would train after it; raise lr_decay or lr_decay_every")
 
     def _check_held_out(self) -> None:
         """Held-out clients leave clients to train, at least one is held out, and they are scored."""

@@ -86,3 +86,35 @@ def test_a_key_of_the_architecture_a_method_chooses_is_not_refused():
     assert load_config(None, ["method=fedgela", "model.etf_normalize=true"]).model.etf_normalize is True
     with pytest.raises(ConfigError, match="model.etf_scale does not apply to model 'mlp' with classifier 'linear'"):
         load_config(None, ["model.etf_scale=2"])
+
+
+BAD_RUNS = [  # issue 54's probes: each was a traceback, a silent no-op or a run that never ends
+    (["method=fedgh", "method.weighting=uniform"], "method.weighting = 'uniform' changes nothing for method fedgh"),
+    (["method=feddyn", "method.weighting=batches"], "changes nothing for method feddyn"),
+    (["method=fedah", "method.head_epochs=1000000000"], "method.head_epochs = 1000000000 is not allowed"),
+    (["optimizer=adam", "adam_eps=inf"], "'adam_eps' = 'inf' is not allowed"),
+    (["optimizer=adam", "adam_eps=1e308"], "'adam_eps' = '1e308' is not allowed"),
+    (["lr_decay=1e-300"], "takes the lr under 1e-12 of lr = 0.01 from round 2 of 50"),
+    (["partition.name=inner_dirichlet", "partition.alpha=inf"], "'partition.alpha' = 'inf' is not allowed"),
+    (["partition.name=flwr", "partition.partitioner=ShardPartitioner",
+      "partition.partitioner_options={num_shards_per_partition: 1000000000}"],
+     "partition ShardPartitioner with {'num_shards_per_partition': 1000000000} failed: division by zero."),
+    (["--import", "empty_message.py"], "--import 'empty_message' failed: RuntimeError: (no message)."),
+    (["--import", "exits.py"], "--import 'exits' called sys.exit(0) while being imported"),
+]
+
+
+@pytest.mark.parametrize("args,says", BAD_RUNS)
+def test_bad_runs_are_one_sentence_from_the_command_line(tmp_path, args, says):
+    import subprocess
+    import sys
+
+    (tmp_path / "empty_message.py").write_text("raise RuntimeError('')\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n")
+    flags = [a for a in args if a == "--import" or a.endswith(".py")]
+    out = subprocess.run([sys.executable, "-m", "fedskew.cli", "run", *flags, *[a for a in args if a not in flags],
+                          "rounds=1" if "lr_decay" not in str(args) else "rounds=50"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    assert says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").glob("*/checkpoint.pt"))

@@ -280,3 +280,18 @@ def test_a_flower_partitioner_that_cannot_run_is_one_sentence(args, text):
     with pytest.raises(PartitionError) as err:
         P.partition_labels(cfg.partition, labels(100), 10, rng())
     assert text in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("alpha", [0.01, 1e-300])
+def test_inner_dirichlet_at_a_small_alpha_finishes_where_a_one_hot_prior_s_class_runs_out(alpha):
+    """Issue 54: at alpha 0.01 a client's prior is one-hot; when its class runs out, Flower
+    Datasets' partitioner divides by zero ("Probabilities contain NaN"). Here that client draws
+    uniformly from the classes left: every sample is assigned once, every client gets its size."""
+    lab = labels(100)
+    sizes = np.array([300, 300, 200, 200])  # more than a class holds: some client must run out
+    parts = P.inner_dirichlet_assign(lab, sizes, np.full(10, alpha), rng(3))
+    assert [len(p) for p in parts] == sizes.tolist()
+    flat = np.concatenate(parts)
+    assert len(np.unique(flat)) == len(flat) == sizes.sum()
+    with pytest.raises(PartitionError, match="partition.alpha = inf is not allowed"):
+        P.inner_dirichlet(lab, 4, float("inf"), 10, rng())

@@ -116,7 +116,7 @@ class Node:
             os.killpg(self.proc.pid, signal.SIGKILL)  # the node's raylet, workers and agents with it
         except ProcessLookupError:
             pass
-        self.proc.wait(timeout=60)
+        self.proc.wait(timeout=300)
         self.log.close()
         current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"  # a killed head leaves it behind
         if self.port and current.is_file() and current.read_text().strip().endswith(f":{self.port}"):

@@ -136,7 +136,7 @@ def test_ctrl_c_stops_a_run_with_the_resume_hint(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(tmp_path / "r" / "metrics.jsonl", 1, proc)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130 and "Traceback" not in err
     assert "fedskew: interrupted; the run directory keeps the last checkpoint: `fedskew resume r` continues it." in err
     done = cli("resume", "r", cwd=tmp_path)
@@ -242,7 +242,7 @@ def test_sweep_progress_on_a_terminal_shows_counts_and_eta(tmp_path):
         if not chunk:
             break
         out += chunk
-    proc.wait(timeout=60)
+    proc.wait(timeout=300)
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode(errors="replace"))
     assert proc.returncode == 0
     assert re.search(r"\d/3 runs \(\d running, 0 failed\), [1-5]/6 rounds; \d+:\d\d elapsed, ETA \d+:\d\d", text)

@@ -126,8 +126,14 @@ def _parse(cfg):
 
 def validate_method_config(cfg) -> Method:
     """Options valid, and the method buildable with its components (one sentence if not): the
-    method, built without federation facts."""
-    return build_method(cfg)
+    method, built without federation facts. ``method.weighting`` is refused where the method
+    never aggregates with FedAvg's weights (``Method.fedavg_weighted`` False: it would change
+    nothing)."""
+    method = build_method(cfg)
+    if "weighting" in cfg.options and not method.fedavg_weighted:
+        raise ValueError(f"method.weighting = {cfg.options['weighting']!r} changes nothing for method {cfg.name}: "
+                         f"it does not aggregate with FedAvg's weights (its own rule: docs/methods.md); leave it unset")
+    return method
 
 
 def method_validation_fraction(cfg) -> float:

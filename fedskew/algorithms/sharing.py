@@ -1032,7 +1032,7 @@ class FedCAC(Method):
 class FedAHOptions(FedAvgOptions):
     search = {"eta": [0.1, 1.0], "head_epochs": [1, 2]}  # the bench's search space (fedskew bench)
     eta: float = Field(1.0, gt=0, description="learning rate of the head's aggregation weights")
-    head_epochs: int = Field(1, ge=1, description="epochs of the weight learning and of the head's training "
+    head_epochs: int = Field(1, ge=1, le=10_000, description="epochs of the weight learning and of the head's training "
                                                   "(FL-bench's plocal_epochs)")
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import inspect
 
+import math
+
 import numpy as np
 
 
@@ -242,9 +244,11 @@ def inner_dirichlet(labels: np.ndarray, num_clients: int, alpha: float, num_clas
     sample by sample, a client that still has room is drawn uniformly and a class from its prior
     (a class run out has its probability set to 0 for every client, the priors renormalised), and
     it takes that class's last unassigned sample. The draws are Flower Datasets' own, in its order:
-    with its generator the assignment is its assignment (tests/test_partitions.py)."""
-    if alpha <= 0:
-        raise PartitionError(f"partition.alpha = {alpha} is not allowed; it must be > 0.")
+    with its generator the assignment is its assignment (tests/test_partitions.py). Where a
+    client's prior holds only classes that ran out (a one-hot prior at a small alpha), it draws
+    uniformly from the classes left; Flower Datasets stops there with NaN probabilities."""
+    if not 0 < alpha < math.inf:
+        raise PartitionError(f"partition.alpha = {alpha} is not allowed; it must be > 0 and finite.")
     sizes = client_sizes(len(labels), num_clients, rng, size_sigma, size_exponent)
     return inner_dirichlet_assign(labels, sizes, np.full(num_classes, float(alpha)), rng)
 
@@ -272,7 +276,13 @@ def inner_dirichlet_assign(labels: np.ndarray, sizes: np.ndarray, alpha: np.ndar
             c = rng.choice(classes, p=priors[k])
             if left_in_class[c] == 0:  # run out: never drawn again, by any client
                 priors[:, c] = 0
-                priors = priors / priors.sum(axis=1, keepdims=True)
+                mass = priors.sum(axis=1, keepdims=True)
+                # a client whose prior held only classes that ran out (a one-hot prior at a small
+                # alpha) draws uniformly from the classes left (Flower Datasets divides by 0 here)
+                empty = mass[:, 0] == 0
+                priors = priors / np.where(empty[:, None], 1, mass)
+                if empty.any():
+                    priors[empty] = (np.array(left_in_class) > 0) / sum(n > 0 for n in left_in_class)
                 continue
             left_in_class[c] -= 1
             parts[k][room[k]] = pools[c][left_in_class[c]]
@@ -319,9 +329,11 @@ def flwr(labels: np.ndarray, num_clients: int, partitioner: str | None, partitio
         return [np.sort(np.asarray(part.load_partition(i)["_row"], dtype=np.int64)) for i in range(count)]
     except PartitionError:
         raise
-    except (ValueError, TypeError, KeyError, AssertionError) as exc:
-        raise PartitionError(f"partition {partitioner} with {partitioner_options} failed: "
-                             f"{(str(exc).splitlines() or [''])[0][:200] or type(exc).__name__}.") from None
+    except (ValueError, TypeError, KeyError, AssertionError, ArithmeticError, IndexError, MemoryError) as exc:
+        # (Flower Datasets' own checks, and what its arithmetic raises on options out of range:
+        # ShardPartitioner divides by zero at 1e9 shards a partition)
+        why = (str(exc).splitlines() or [""])[0][:200].rstrip(".") or type(exc).__name__
+        raise PartitionError(f"partition {partitioner} with {partitioner_options} failed: {why}.") from None
 
 
 def random_classes(labels: np.ndarray, num_clients: int, num_classes: int, rng: np.random.Generator,

@@ -107,6 +107,23 @@ class Entry:
         return {**data, "method": {"name": self.method, **self.options}}
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping (plain YAML keeps the last
+    and drops the first without a word: issue 54 found a registry note lost that way)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *anchor' (its keys may be overridden)
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.YAMLError(f"key '{key}' is given twice in one mapping (lines {seen[key] + 1} and "
+                                     f"{key_node.start_mark.line + 1})")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load(folder: Path = HERE) -> list[Entry]:
     """Every entry of every registry file, validated (a bad file is one sentence naming it)."""
     from fedskew.config import ConfigError
@@ -120,7 +137,7 @@ def load(folder: Path = HERE) -> list[Entry]:
     out, seen = [], {}
     for path in sorted(folder.glob("*.yaml")):
         try:
-            spec = PublishedFile.model_validate(yaml.safe_load(path.read_text()))
+            spec = PublishedFile.model_validate(yaml.load(path.read_text(), Loader=_UniqueKeys))
         except ValidationError as exc:
             err = exc.errors()[0]
             where = ".".join(str(x) for x in err["loc"])
