@@ -401,9 +401,11 @@ def same_states(run_dir: Path, reference) -> None:
 def test_a_checkpoint_writes_only_the_clients_that_changed_and_keeps_what_both_checkpoints_name(tmp_path,
                                                                                                monkeypatch):
     written = []
-    real = rundir_module.atomic_save
+    real, real_client = rundir_module.atomic_save, rundir_module._save_client
     monkeypatch.setattr(rundir_module, "atomic_save",
                         lambda obj, path, *a, **kw: (written.append(path.name), real(obj, path, *a, **kw)))
+    monkeypatch.setattr(rundir_module, "_save_client",
+                        lambda obj, path: (written.append(path.name), real_client(obj, path))[1])
     res = fedskew.run({**STATEFUL, "checkpoint_every": 2}, out_dir=str(tmp_path), run_name="r")
     rounds = [h["clients"] for h in res.history]
     # checkpoints after rounds 2, 4 and 5: each writes the clients trained since the one before, then itself
@@ -458,6 +460,43 @@ def test_a_missing_or_damaged_client_file_falls_back_to_the_previous_checkpoint(
         out = capsys.readouterr().out
         assert f"clients/{k}-3.pt, which it names, " in out and "trying the previous checkpoint" in out
         same_states(run_dir, stateful)
+
+
+@pytest.mark.parametrize("fault", ["other run", "other client", "later round", "flipped bit", "folder"])
+def test_a_client_file_that_is_not_the_one_the_checkpoint_recorded_falls_back(tmp_path, stateful, capsys, fault):
+    """Issue 54, item 11: the checkpoint records each client file's SHA-256; another run's file of
+    the same name, another client's, a later round's, one flipped bit or a folder in its place is
+    "cannot be read", the previous checkpoint is used, and the resumed run equals the uninterrupted
+    one bit for bit (before, four of these resumed silently into a different run)."""
+    run_dir = tmp_path / "r"
+    with pytest.raises(KeyboardInterrupt):
+        fedskew.run(STATEFUL, out_dir=str(tmp_path), run_name="r", on_round=crash_after(2))
+    read_checkpoint(run_dir / "checkpoint.pt")  # as written, every file reads back
+    k = stateful.history[2]["clients"][0]  # trained in round 3: its file is named by checkpoint.pt only
+    file = run_dir / "clients" / f"{k}-3.pt"
+    if fault == "other run":
+        with pytest.raises(KeyboardInterrupt):
+            fedskew.run({**STATEFUL, "seed": 1}, out_dir=str(tmp_path), run_name="o", on_round=crash_after(2))
+        other = next((tmp_path / "o" / "clients").glob("*-3.pt"))
+        file.write_bytes(other.read_bytes())
+    elif fault == "other client":
+        other = next(f for f in (run_dir / "clients").glob("*-3.pt") if f != file)
+        file.write_bytes(other.read_bytes())
+    elif fault == "later round":
+        # the same client's state after round 5 of the uninterrupted run: a well-formed file
+        torch.save(dict(read_checkpoint(stateful.run_dir / "checkpoint.pt")["client_states"][k]), file)
+    elif fault == "flipped bit":
+        data = bytearray(file.read_bytes())
+        data[len(data) // 2] ^= 1
+        file.write_bytes(bytes(data))
+    else:
+        file.unlink()
+        file.mkdir()
+        (file / "x").write_text("a folder where a client file was")
+    fedskew.resume(run_dir)
+    out = capsys.readouterr().out
+    assert f"clients/{k}-3.pt, which it names, " in out and "trying the previous checkpoint" in out, out
+    same_states(run_dir, stateful)
 
 
 def test_a_checkpoint_holding_its_client_states_inline_still_resumes(tmp_path, stateful):

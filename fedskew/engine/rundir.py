@@ -6,8 +6,9 @@
 ``checkpoint.prev.pt`` when it reads back). A checkpoint's client states lie in ``clients/``, one
 file per client and version (``<client>-<round>.pt``), written only for the clients whose state
 changed since the checkpoint before (a round of MAP's setting trains 10 of 100 clients: a tenth of
-the bytes); ``checkpoint.pt`` names the file of every client, and files neither checkpoint names
-are removed. A tensor is written with its own bytes only (:func:`compact`: a client's slice of the
+the bytes); ``checkpoint.pt`` names the file of every client with its SHA-256 (a file that does
+not hold those bytes, another run's, client's or round's or a damaged one, is not read: the
+checkpoint before is used), and files neither checkpoint names are removed. A tensor is written with its own bytes only (:func:`compact`: a client's slice of the
 vectorised executor's stacked state would otherwise carry every client's). Checkpoints are plain
 tensors and containers, loaded with
 ``torch.load(weights_only=True)`` (nothing is unpickled); :func:`read_checkpoint` reads one whole.
@@ -19,6 +20,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import time
 import zipfile
 from dataclasses import dataclass
@@ -205,18 +207,45 @@ def _read_head(path: Path, device) -> dict:
     return ckpt
 
 
+def _save_client(state: dict, path: Path) -> str:
+    """Write one client file (durably, its folder fsynced by the caller); its SHA-256, which the
+    checkpoint that names the file records (``client_digests``)."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(compact(state), buffer)
+    data = buffer.getvalue()
+    if path.is_dir() and not path.is_symlink():  # a folder put where a client file goes (fault probe)
+        shutil.rmtree(path)
+    atomic_write(lambda fh: fh.write(data), path, sync_folder=False)
+    return hashlib.sha256(data).hexdigest()
+
+
 def _read_clients(ckpt: dict, folder: Path, device) -> None:
     """``ckpt["client_states"]`` with the states of the client files ``ckpt["client_files"]`` names
-    (a checkpoint written before client files holds every state inline)."""
+    (a checkpoint written before client files holds every state inline). Each file's bytes must have
+    the SHA-256 the checkpoint recorded for it (``client_digests``, issue 54): another run's file,
+    another client's, another round's or a damaged one is "cannot be read", so the caller falls
+    back to the checkpoint before. (Checkpoints written before issue 54 record no digests.)"""
+    import io
+
     if "client_files" not in ckpt:
         return
     states = dict(ckpt.get("client_states", {}))  # (empty ones are held inline)
+    digests = ckpt.get("client_digests")
     for cid, version in ckpt["client_files"].items():
         file = folder / _client_file(cid, version)
         if not file.is_file():
-            raise ValueError(f"clients/{file.name}, which it names, is missing")
+            raise ValueError(f"clients/{file.name}, which it names, is missing or not a file")
+        if digests is not None:
+            data = file.read_bytes()
+            if hashlib.sha256(data).hexdigest() != digests.get(cid):
+                raise ValueError(f"clients/{file.name}, which it names, does not hold what it recorded (another "
+                                 f"run's, client's or round's file, or a damaged one)")
         try:
-            states[cid] = _torch_load(file, device)
+            _check_inflated_size(file)
+            states[cid] = torch.load(io.BytesIO(data) if digests is not None else file, map_location=device,
+                                     weights_only=True)
         except Exception as exc:
             raise ValueError(f"clients/{file.name}, which it names, cannot be read "
                              f"({(str(exc).splitlines() or [''])[0][:80] or type(exc).__name__})") from None
@@ -243,6 +272,7 @@ class RunDir:
         self.current_ok = False  # checkpoint.pt is known to read back
         self.checkpoint_round = 0  # the rounds the newest checkpoint holds
         self.client_files: dict | None = None  # client -> version of its file, as the newest checkpoint names them
+        self.client_digests: dict = {}  # client -> SHA-256 of that file
 
     def write_record(self, cfg: RunConfig, env: dict, resumed: bool) -> None:
         """``config.yaml``: the resolved config and the environment; a resumed run keeps where its
@@ -288,17 +318,18 @@ class RunDir:
         states, before = state["client_states"], self.client_files or {}
         changed = states.changed if isinstance(states, ClientStates) else set(states)
         inline = {k: st for k, st in states.items() if not st}  # (stateless methods' empty states)
-        files = {k: before[k] for k in states if k in before and k not in changed and k not in inline}
+        files = {k: before[k] for k in states if k in before and k not in changed and k not in inline
+                 and k in self.client_digests}
+        digests = {k: self.client_digests[k] for k in files}
         folder = self.path / "clients"
         if len(files) + len(inline) < len(states):
             folder.mkdir(exist_ok=True)
             for k in states:
                 if k not in files and k not in inline:
-                    atomic_save(compact(states[k]), folder / _client_file(k, state["next_round"]),
-                                sync_folder=False)
+                    digests[k] = _save_client(states[k], folder / _client_file(k, state["next_round"]))
                     files[k] = state["next_round"]
             fsync_folder(folder)  # every client file is on disk before the checkpoint that names it
-        state = {**state, "client_states": inline, "client_files": files}
+        state = {**state, "client_states": inline, "client_files": files, "client_digests": digests}
         path = self.path / "checkpoint.pt"
         if path.exists():
             if self.current_ok:
@@ -308,14 +339,17 @@ class RunDir:
         atomic_save(compact(state), path)
         self.current_ok = True
         self.checkpoint_round = state["next_round"]
-        self.client_files = files
+        self.client_files, self.client_digests = files, digests
         if isinstance(states, ClientStates):
             states.changed.clear()
         # checkpoint.prev.pt is the checkpoint that was newest before (written or resumed from) or none
         keep = {_client_file(k, v) for index in (files, before) for k, v in index.items()}
         for old in folder.glob("*.pt*") if folder.is_dir() else ():
             if old.name not in keep:
-                old.unlink(missing_ok=True)
+                if old.is_dir() and not old.is_symlink():
+                    shutil.rmtree(old)
+                else:
+                    old.unlink(missing_ok=True)
 
     def divergence_advice(self) -> str:
         """What can be done after a divergence, given what is on disk."""
@@ -352,6 +386,7 @@ class RunDir:
             self.current_ok = path.name == "checkpoint.pt"
             self.checkpoint_round = ckpt["next_round"]
             self.client_files = ckpt.get("client_files")
+            self.client_digests = dict(ckpt.get("client_digests") or {})
             if clients and not isinstance(ckpt["client_states"], ClientStates):  # held inline: all written anew
                 ckpt["client_states"] = ClientStates(ckpt["client_states"])
             return ckpt
