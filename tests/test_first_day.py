@@ -6,6 +6,7 @@ the published-results registry checked before anything trains)."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -143,6 +144,32 @@ def test_resume_refuses_a_folder_that_no_run_wrote(tmp_path):
     one_sentence(cli("resume", "d", cwd=tmp_path), "'d' holds a config.yaml that no fedskew run wrote")
     assert json.loads((d / "summary.json").read_text()) == {"mine": 1}  # untouched
     assert sorted(p.name for p in d.iterdir()) == ["config.yaml", "summary.json"]
+
+
+@pytest.mark.parametrize("command", [["resume", "d"], ["run", "--resume", "d"]])
+@pytest.mark.parametrize("with_environment", [True, False])
+def test_resume_refuses_a_folder_holding_a_config_copied_from_a_real_run(tmp_path, command, with_environment):
+    """Issue 54, item 12: a config.yaml copied from a real run (fedskew's record, with or without
+    its environment) does not make a folder a run; resume finds no run.json and no checkpoint of that
+    config, says so, and leaves the user's files as they were."""
+    import yaml
+
+    fedskew.run(run_name="real", **{**TINY, "out_dir": str(tmp_path)})
+    record = yaml.safe_load((tmp_path / "real" / "config.yaml").read_text())
+    if not with_environment:
+        record.pop("environment")
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "config.yaml").write_text(yaml.safe_dump(record))
+    (d / "summary.json").write_text('{"mine": 1}')
+    out = cli(*command, cwd=tmp_path)
+    one_sentence(out, "'d' holds a config.yaml" if with_environment else "no fedskew run wrote")
+    assert json.loads((d / "summary.json").read_text()) == {"mine": 1}  # untouched
+    assert sorted(p.name for p in d.iterdir()) == ["config.yaml", "summary.json"]
+    # the real run resumes (read back: it finished), a copy of its whole folder too
+    assert cli("resume", "real", cwd=tmp_path).returncode == 0
+    shutil.copytree(tmp_path / "real", tmp_path / "copy")
+    assert cli("resume", "copy", "rounds=3", cwd=tmp_path).returncode == 0
 
 
 def test_a_checkpoint_of_another_run_is_never_taken(tmp_path):

@@ -26,6 +26,14 @@ def resume(run_dir: str | Path, on_round=None, changes: dict | list[str] | None 
         raise ConfigError(f"'{run_dir}' holds a config.yaml that no fedskew run wrote (it has no fedskew_version and "
                           f"environment record), so it is not resumed; `fedskew run {run_dir / 'config.yaml'} "
                           f"out_dir=DIR` starts a run from it elsewhere.")
+    from fedskew.engine.rundir import RunDir, run_identity
+
+    if not RunDir(run_dir).proves(run_identity(validate_config(data))):
+        # a config.yaml copied from a real run does not make a folder a run: training here would
+        # replace what the folder holds (issue 54)
+        raise ConfigError(f"'{run_dir}' holds a config.yaml but nothing shows that a fedskew run wrote this folder "
+                          f"(no run.json and no checkpoint of that config), so it is not resumed and nothing in it "
+                          f"is touched; `fedskew run {run_dir / 'config.yaml'} out_dir=DIR` starts the run elsewhere.")
     if isinstance(changes, list):
         changes = {".".join(k): v for k, v in map(parse_override, changes)}
     changes = dict(changes or {})

@@ -290,6 +290,30 @@ class RunDir:
                 record["changes"] = before["changes"]
         atomic_write_text(yaml.safe_dump(record, sort_keys=False), old)
 
+    def write_identity(self, identity: str) -> None:
+        """``run.json``: the run's identity (:func:`run_identity`), written when the run starts in
+        this folder (or first resumes here), so that ``fedskew resume`` acts only on a folder a run of
+        fedskew wrote; a copied config.yaml alone does not make a folder a run (issue 54)."""
+        path = self.path / "run.json"
+        if not path.is_file():
+            atomic_write_text(json.dumps({"run": identity, "written_by": "fedskew"}), path)
+
+    def proves(self, identity: str) -> bool:
+        """Whether this folder holds a run of ``identity`` that fedskew wrote: its ``run.json`` names
+        it, or (a run from before run.json) a checkpoint that reads back as fedskew's names it."""
+        try:
+            if json.loads((self.path / "run.json").read_text()).get("run") == identity:
+                return True
+        except (OSError, ValueError, AttributeError):
+            pass
+        for name in ("checkpoint.pt", "checkpoint.prev.pt"):
+            try:
+                if _read_head(self.path / name, "cpu").get("run") == identity:
+                    return True
+            except Exception:  # absent, damaged or not fedskew's: no proof
+                continue
+        return False
+
     def write_partition(self, fed, title: str) -> None:
         """``partition.json`` and the heatmap ``partition.png``, drawn once per process for each
         partition (the runs of a sweep that share a partition and a title share the picture)."""

@@ -125,7 +125,7 @@ class Experiment:
     def _foreign(self) -> list[str]:
         """What the run directory holds when it exists and is not a run's (else nothing)."""
         entries = sorted(p.name for p in self.run_dir.iterdir() if p.name != LOCK_NAME) if self.run_dir.is_dir() else []
-        return [] if {"metrics.jsonl", "config.yaml"} & set(entries) else entries
+        return [] if {"metrics.jsonl", "config.yaml", "run.json"} & set(entries) else entries
 
     def _refuse_existing(self) -> None:
         """A new run never writes into a folder that holds anything: another run (resume it) or files
@@ -135,7 +135,7 @@ class Experiment:
             raise ConfigError(f"run directory '{self.run_dir}' already exists and is not a fedskew run (it holds "
                               f"{', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); choose another "
                               f"run_name or out_dir.")
-        if (self.run_dir / "metrics.jsonl").exists() or (self.run_dir / "config.yaml").exists():
+        if any((self.run_dir / name).exists() for name in ("metrics.jsonl", "config.yaml", "run.json")):
             raise ConfigError(f"run directory '{self.run_dir}' already holds a run; continue it with "
                               f"`fedskew resume {self.run_dir}` or choose another run_name.")
 
@@ -188,6 +188,7 @@ class Experiment:
 
     def _run(self, on_round) -> RunResult:
         cfg, method = self.cfg, self.method
+        self.files.write_identity(self.identity)
         self.files.write_record(cfg, self.environment, self.resume)
         self.files.write_partition(self.fed, f"{cfg.dataset.name} / {cfg.partition.name}: {self.fed.num_clients} clients")
         ckpt = self._load_checkpoint() if self.resume else None
