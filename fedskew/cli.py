@@ -765,13 +765,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _one_line_warnings() -> None:
-    """fedskew's own deprecation notices (FutureWarning) as one line on stderr, not Python's format."""
+    """fedskew's own deprecation notices (FutureWarning) and inert-option warnings as one line on
+    stderr, not Python's format."""
     import warnings
+
+    from fedskew.config import InertOptionWarning
 
     default, seen = warnings.showwarning, set()
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, FutureWarning) and "fedskew" in str(message):
+        if (issubclass(category, FutureWarning) and "fedskew" in str(message)) or issubclass(category, InertOptionWarning):
             if str(message) not in seen:  # (a config is validated more than once)
                 seen.add(str(message))
                 print(f"fedskew: warning: {message}", file=sys.stderr)

@@ -32,6 +32,11 @@ class ConfigError(ValueError):
     """An invalid configuration; the message names the key, the value and what is allowed."""
 
 
+class InertOptionWarning(UserWarning):
+    """A method option that switches a part of the method off for the whole run (``Method.inert``):
+    the run goes on, with this said once when it starts."""
+
+
 class _Strict(StrictOptions):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -288,9 +293,12 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _method_options(self) -> "RunConfig":
-        from fedskew.algorithms import method_model_defaults, method_run_defaults, validate_method_config
+        from fedskew.algorithms import method_inert, method_model_defaults, method_run_defaults, validate_method_config
 
         method = validate_method_config(self.method)
+        inert = method_inert(self.method, self.rounds, self.partition.num_clients, self.clients_per_round)
+        if inert:  # an option that switches a part of the method off for the whole run (issue 54)
+            warnings.warn(f"method {self.method.name}: {inert}.", InertOptionWarning, stacklevel=2)
         # the model options the method's papers use, where the config leaves them unset: before the
         # sections are checked, so that a key the method's architecture reads (model.etf_scale with
         # method=fedetf, whose classifier is the ETF head) is not refused as not applying

@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 
 from fedskew.config import ConfigError, apply_overrides, load_config
@@ -118,3 +120,27 @@ def test_bad_runs_are_one_sentence_from_the_command_line(tmp_path, args, says):
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
     assert says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").glob("*/checkpoint.pt"))
+
+
+@pytest.mark.parametrize("override,says", [
+    (["method=ghbm", "method.tau=50", "rounds=50"], "method ghbm: tau = 50 is not below rounds = 50"),
+    (["method=cfl", "rounds=20"], "method cfl: start_round = 20 is not below rounds = 20: no cluster is ever split"),
+    (["method=fedcross", "method.first_stage_rounds=99"], "cross aggregation never starts"),
+    (["method=knnper", "method.scale=1e-300"], "the kNN part of the output vanishes"),
+    (["method=fedcm", "method.alpha=1e-300"], "so nothing trains"),
+    (["method=floco", "method.tau=60"], "the clients are never projected"),
+])
+def test_an_option_that_switches_a_part_of_the_method_off_for_the_run_is_said_at_start(override, says):
+    """Issue 54, item 16: such options were silently accepted; now the run starts with one warning."""
+    from fedskew.config import InertOptionWarning
+
+    with pytest.warns(InertOptionWarning, match=says.replace("(", r"\(")):
+        load_config(None, override)
+    with warnings.catch_warnings():  # at its defaults (and rounds past the switch) nothing is said
+        warnings.simplefilter("error", InertOptionWarning)
+        load_config(None, [o for o in override if not o.startswith("method.")] + ["rounds=100"])
+
+
+def test_fedexp_refuses_an_infinite_epsilon():
+    with pytest.raises(ConfigError, match="method.epsilon = 'inf' is not allowed"):
+        load_config(None, ["method=fedexp", "method.epsilon=inf"])

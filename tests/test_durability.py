@@ -942,3 +942,24 @@ def test_a_cifar_batch_of_shared_references_is_refused_without_expanding(tmp_pat
         with pytest.raises(DatasetError, match="CIFAR batch .*data_batch_1"):
             read_cifar_batch(tmp_path / "data_batch_1", b"labels")
         assert time.time() - t0 < 2
+
+
+def test_a_config_edited_by_hand_before_resume_is_recorded_as_a_change(tmp_path, capsys):
+    """Issue 54, item 16: editing config.yaml's lr schedule and resuming trained under the new
+    schedule with no word in the run's record; now the edit is printed and recorded in `changes`,
+    and the run equals one resumed with the same change given on the command line."""
+    for name in ("edited", "given"):
+        with pytest.raises(KeyboardInterrupt):
+            fedskew.run(SMALL, out_dir=str(tmp_path), run_name=name, on_round=crash_after(1))
+    path = tmp_path / "edited" / "config.yaml"
+    record = yaml.safe_load(path.read_text())
+    record["lr_decay"] = 0.5
+    path.write_text(yaml.safe_dump(record, sort_keys=False))
+    edited = fedskew.resume(tmp_path / "edited")
+    assert "was edited since its checkpoint (lr_decay: 1.0 -> 0.5); recorded as a change from round 3" in \
+        capsys.readouterr().err
+    given = fedskew.resume(tmp_path / "given", lr_decay=0.5)
+    changes = [yaml.safe_load((tmp_path / n / "config.yaml").read_text())["changes"] for n in ("edited", "given")]
+    assert changes[0] == changes[1] == [{"from_round": 3, "lr_decay": 0.5}]
+    untimed = lambda history: [{k: v for k, v in h.items() if not k.startswith("time/")} for h in history]
+    assert untimed(edited.history) == untimed(given.history)

@@ -160,6 +160,12 @@ def method_model_defaults(cfg) -> dict:
     return dict(_parse(cfg)[0].model_defaults)
 
 
+def method_inert(cfg, rounds: int, num_clients: int, clients_per_round: int) -> str | None:
+    """What the options of the method named by ``cfg`` switch off for a whole run (``Method.inert``)."""
+    cls, options, _ = _parse(cfg)
+    return cls.inert(options, rounds, num_clients, clients_per_round)
+
+
 def method_run_defaults(cfg) -> dict:
     """The local-training settings the method named by ``cfg`` uses by default (``Method.run_defaults``)."""
     return dict(_parse(cfg)[0].run_defaults)

@@ -432,6 +432,13 @@ class Method:
         return model
 
     @classmethod
+    def inert(cls, options: BaseModel, rounds: int, num_clients: int, clients_per_round: int) -> str | None:
+        """What an option switches off for a whole run of ``rounds`` rounds (GHBM's ``tau`` past the
+        run: no momentum ever), as a sentence naming it, which the config layer prints as a warning
+        when the run starts (issue 54); None: every part of the method acts. FedAvg: None."""
+        return None
+
+    @classmethod
     def validation_fraction(cls, options: BaseModel) -> float:
         """Share of every client's training data held out as its local validation split (never
         trained on; ``ClientData.x_val``) for a method with these options. FedAvg: 0."""

@@ -260,6 +260,12 @@ class CFL(Method):
     locally trained model (``personal/*``), its cluster's model being the final pass's
     ``personal/final_acc_before``."""
 
+    @classmethod
+    def inert(cls, options, rounds, num_clients, clients_per_round):
+        if options.start_round >= rounds:
+            return (f"start_round = {options.start_round} is not below rounds = {rounds}: no cluster is ever split, "
+                    f"so this run is FedAvg")
+
     name = "cfl"
     Options = CFLOptions
     source = Source(authors="Sattler, Mueller, Samek",
@@ -396,6 +402,12 @@ class FedCross(Method):
     only; ``own``: its own). The global model, which
     the metrics score, is the n_k-weighted mean of the trained middleware models; it only seeds the
     middleware models during ``first_stage_rounds`` and serves the final personalisation pass."""
+
+    @classmethod
+    def inert(cls, options, rounds, num_clients, clients_per_round):
+        if options.first_stage_rounds >= rounds:
+            return (f"first_stage_rounds = {options.first_stage_rounds} is not below rounds = {rounds}: cross "
+                    f"aggregation never starts, every middleware model is the global model every round")
 
     name = "fedcross"
     Options = FedCrossOptions

@@ -124,7 +124,7 @@ FOLD = {
                      "fedavg_weighted", "per_sample_loss", "vectorizable"), "base"),
     # read from the registered class by the config layer, never from an instance
     **dict.fromkeys(("Options", "name", "source", "model_defaults", "model_requires",
-                     "build_model", "run_defaults", "own_optimiser", "validation_fraction"), "class"),
+                     "build_model", "run_defaults", "own_optimiser", "validation_fraction", "inert"), "class"),
 }
 _unruled = sorted(n for n in vars(Method) if not n.startswith("_") and n not in FOLD)
 if _unruled:

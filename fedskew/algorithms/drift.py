@@ -182,6 +182,12 @@ class FedCM(Method):
     averages as FedAvg (server lr 1) and keeps Delta = x - sum_k p_k theta_k over the trainable
     parameters."""
 
+    @classmethod
+    def inert(cls, options, rounds, num_clients, clients_per_round):
+        if options.alpha < 1e-6:
+            return (f"alpha = {options.alpha:g} weighs the local gradient by under 1e-6: round 1's steps are alpha "
+                    f"times FedAvg's and the momentum is what they moved, so nothing trains")
+
     name = "fedcm"
     own_optimiser = True  # (Method.own_optimiser)
     Options = FedCMOptions
@@ -252,6 +258,13 @@ class GHBM(Method):
     def tau(self) -> int:
         info = self.info
         return self.opt.tau or max(1, round(info.num_clients / max(info.clients_per_round, 1)))
+
+    @classmethod
+    def inert(cls, options, rounds, num_clients, clients_per_round):
+        tau = options.tau or max(1, round(num_clients / max(clients_per_round, 1)))
+        if tau >= rounds:
+            return (f"tau = {tau} is not below rounds = {rounds}: the momentum needs tau rounds of models, so none "
+                    f"exists in this run and it is FedAvg")
 
     def server_init(self, global_state, info):
         return {**{k: torch.zeros_like(v) for k, v in _params(info.param_names, global_state, "m.").items()},

@@ -849,6 +849,12 @@ class KNNPer(Method):
     trained model for ``personal/acc_after``. The uploads carry an empty datastore: the global
     model is FedAvg's alone."""
 
+    @classmethod
+    def inert(cls, options, rounds, num_clients, clients_per_round):
+        if options.scale < 1e-6:
+            return (f"scale = {options.scale:g}: a neighbour at squared distance d weighs exp(-d / (dim scale)), "
+                    f"which underflows to 0 for all but identical features, so the kNN part of the output vanishes")
+
     name = "knnper"
     Options = KNNPerOptions
     source = Source(authors="Marfoq, Neglia, Kameni, Vidal",
@@ -963,6 +969,12 @@ class Floco(Method):
     endpoints (``project_clients``); from then on each client trains at random points of the L1 ball
     of radius rho around its own point beta_k, and its personalised model is the classifier at
     beta_k. The global model is the classifier at the simplex's centre."""
+
+    @classmethod
+    def inert(cls, options, rounds, num_clients, clients_per_round):
+        if options.tau >= rounds:
+            return (f"tau = {options.tau} is not below rounds = {rounds}: the clients are never projected onto "
+                    f"their subregions of the simplex")
 
     name = "floco"
     Options = FlocoOptions

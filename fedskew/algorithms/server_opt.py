@@ -135,7 +135,7 @@ class FedYogi(ServerOpt):
 class FedExPOptions(FedAvgOptions):
     """FedExP's step size reads epsilon; the official code scales it by the clients of the round."""
     search = {"epsilon": [1e-3, 1e-2, 1e-1]}  # the bench's search space (fedskew bench)
-    epsilon: float = Field(1e-3, gt=0, description="eps of eta_g's denominator (official code: CIFAR-10/100 and "
+    epsilon: float = Field(1e-3, gt=0, allow_inf_nan=False, description="eps of eta_g's denominator (official code: CIFAR-10/100 and "
                                                     "CINIC-10 0.001, EMNIST 0.1)")
     epsilon_scale: Literal["clients", "paper"] = Field(
         "clients", description="clients: the official code's ||Delta||^2 + |S| eps; paper: + eps")

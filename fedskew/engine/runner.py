@@ -19,6 +19,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -139,8 +140,17 @@ class Experiment:
             raise ConfigError(f"run directory '{self.run_dir}' already holds a run; continue it with "
                               f"`fedskew resume {self.run_dir}` or choose another run_name.")
 
+    # the resumable settings that change results, recorded in every checkpoint: a resume whose
+    # config.yaml was edited by hand records the edit as a change (issue 54), as `resume DIR key=value` does
+    RESULT_SETTINGS = ("lr", "lr_decay", "lr_decay_every", "lr_schedule", "lr_min", "grad_clip", "precision",
+                       "final_personalization")
+
+    def _settings(self) -> dict:
+        dumped = self.cfg.model_dump(mode="json")
+        return {k: dumped[k] for k in self.RESULT_SETTINGS}
+
     def _checkpoint(self, state: dict) -> None:
-        self.files.checkpoint({**state, "run": self.identity})
+        self.files.checkpoint({**state, "run": self.identity, "settings": self._settings()})
 
     # -- the loop ------------------------------------------------------------------------------
     @property
@@ -199,6 +209,13 @@ class Experiment:
                 raise ConfigError(f"rounds = {cfg.rounds} is fewer than the {start} rounds '{self.run_dir}' has "
                                   f"already run; resume it with rounds >= {start}.")
             history = self.files.history_before(start)
+            used = ckpt.get("settings") or {}
+            edited = {k: v for k, v in self._settings().items() if k in used and used[k] != v and k not in self.changes}
+            if edited:  # config.yaml edited by hand since the checkpoint: a change like any other
+                print(f"fedskew: config.yaml of '{self.run_dir}' was edited since its checkpoint ("
+                      f"{', '.join(f'{k}: {used[k]!r} -> {v!r}' for k, v in edited.items())}); recorded as a change "
+                      f"from round {start + 1}.", file=sys.stderr)
+                self.changes = {**edited, **self.changes}
             if self.changes:  # settings changed at this resume, from round start + 1 (counted from 1)
                 self.files.record_changes(start, self.changes)
         else:
