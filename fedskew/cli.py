@@ -558,12 +558,15 @@ def cmd_bench(args, console: Console) -> int:
         bench.claim_folder(folder, args.suite, args.scale)
         for paper, spec in parts.items():
             failed |= _run_and_report(load_spec(spec), str(folder / paper), args.jobs, False, console, args, args.ray)
+    elif args.settings or args.parts or args.seeds:  # their names are checked as a run checks them
+        bench.restrict(bench.sweeps(args.suite, args.scale, args.data, methods), args.suite, _csv(args.parts),
+                       _csv(args.seeds), {}, _csv(args.settings))
     command = f"fedskew bench {args.suite} --scale {args.scale}" + (f" --data {args.data}" if args.data else "") + \
         "".join(f" --import {m}" for m in getattr(args, "imports", None) or []) + \
         (f" --methods {','.join(methods)}" if methods else "") + \
         "".join(f" --{k} {shlex.quote(v)}" for k, v in (("parts", args.parts), ("seeds", args.seeds),
                                                         ("settings", args.settings)) if v)
-    md, page, cells = bench.write_leaderboard(args.suite, args.scale, command, folder, methods)
+    md, page, cells = bench.write_leaderboard(args.suite, args.scale, command, folder, methods, strict=args.strict)
     if cells:
         table = Table("paper", "table", "setting", "method", "ours", "published", "delta", "within",
                       title=f"fedskew bench {args.suite} ({args.scale}): ours beside the published numbers")
@@ -718,6 +721,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_be.add_argument("--import", dest="imports", action="append", metavar="MODULE", help=IMPORT_HELP)
     p_be.add_argument("--ray", help="run on Ray (local, auto, host:port)")
     p_be.add_argument("--report", action="store_true", help="only rebuild the leaderboard from the runs there are")
+    p_be.add_argument("--strict", action="store_true", help="refuse a leaderboard whose runs come from more than one "
+                                                            "commit or from a tree with uncommitted changes")
     p_be.add_argument("--methods", help="only these methods (comma-separated names)")
     p_be.add_argument("--parts", help="only these parts of the suite (comma-separated; `fedskew bench --list` names "
                                       "them), e.g. map")

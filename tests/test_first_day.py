@@ -128,6 +128,34 @@ def test_your_own_method_in_the_bench_from_python_and_the_cli(tmp_path, monkeypa
                "--settings", "#C=2", "--jobs", "2", "--out", "cli", cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--import my_methods.py" in (tmp_path / "cli" / "leaderboard.md").read_text()  # the rebuild command
+    # issue 54, item 17: the user's method changed, so its runs train again; FedAvg's are kept, and
+    # the old runs are superseded (never averaged with the new ones)
+    cli_rows = lambda: fedskew.load_results(tmp_path / "cli" / "label-skew-fmnist", frame=False)
+    before = {r["run_id"] for r in cli_rows()}
+    source = (tmp_path / "my_methods.py").read_text()
+    (tmp_path / "my_methods.py").write_text(source.replace("scale: float = 2.0", "scale: float = 2.0  # changed"))
+    again = cli("bench", "label-skew", "--scale", "smoke", "--import", "my_methods.py", "--methods", "fedavg,doubled",
+                "--settings", "#C=2", "--jobs", "2", "--out", "cli", cwd=tmp_path, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    rows = cli_rows()
+    status = {(r["label"], r["run_id"] in before): r["status"] for r in rows}
+    assert status == {("fedavg", True): "done", ("doubled", True): "superseded", ("doubled", False): "done"}, status
+    assert sum(r["label"] == "doubled" and r["status"] == "done" for r in rows) == 2
+    # a board from runs of more than one commit, or of a tree with uncommitted changes, says so; --strict refuses it
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "cli" / "label-skew-fmnist" / "results.sqlite")
+    run_id, env = db.execute("SELECT run_id, environment FROM runs WHERE status='done' LIMIT 1").fetchone()
+    db.execute("UPDATE runs SET environment=? WHERE run_id=?",
+               (json.dumps({**json.loads(env), "git_commit": "0123456789ab+dirty"}), run_id))
+    db.commit()
+    db.close()
+    report = ["bench", "label-skew", "--scale", "smoke", "--import", "my_methods.py", "--out", "cli", "--report"]
+    assert cli(*report, cwd=tmp_path).returncode == 0
+    board = (tmp_path / "cli" / "leaderboard.md").read_text()
+    assert "This board is not from one clean commit: its runs come from 2 code versions" in board
+    assert "of them from a working tree with uncommitted changes" in board
+    one_sentence(cli(*report, "--strict", cwd=tmp_path), "bench --strict: the board of 'cli' is not built")
     missing = cli("bench", "label-skew", "--scale", "smoke", "--methods", "fedavg,doubled", cwd=tmp_path)
     one_sentence(missing, "a method of your own: --import MODULE")
 

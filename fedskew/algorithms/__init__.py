@@ -16,6 +16,7 @@ import importlib
 import pkgutil
 import re
 import sys
+from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
@@ -42,7 +43,8 @@ def register_method(cls: type[Method] | None = None, *, name: str | None = None)
     """Add a :class:`Method` subclass to the registry under ``name`` (default: the class's own
     ``name`` attribute, else its lower-cased class name); returns the class, so it also works as
     a decorator (``@register_method`` or ``@register_method(name="mine")``). Registering a name
-    again replaces the earlier user method (re-running a notebook cell); built-in names are taken.
+    again from the same place replaces the earlier user method (re-running a notebook cell); from
+    another module or class it is refused, naming both; built-in names are taken.
 
     Sweeps with ``jobs > 1`` import the class's module in every worker: define the class in an
     importable module, or in a script that runs the sweep under ``if __name__ == "__main__":``."""
@@ -55,6 +57,11 @@ def register_method(cls: type[Method] | None = None, *, name: str | None = None)
         if key in BUILTIN and METHODS[key] is not cls:
             raise ValueError(f"method name '{key}' is a built-in method; give yours another name "
                              f"(register_method(cls, name=...) or a class attribute name = '...')")
+        old = METHODS.get(key)
+        # (a notebook cell run again: the same place; a built-in class put there as a stand-in: replaced)
+        if old is not None and old is not cls and old not in _BUILTIN_CLASSES and _where(old) != _where(cls):
+            raise ValueError(f"method name '{key}' is registered twice: by {'.'.join(_where(old))} and by "
+                             f"{'.'.join(_where(cls))}; give one of them another name")
         if not issubclass(cls.Options, BaseModel):
             raise TypeError(f"{cls.__name__}.Options must be a pydantic model (e.g. a subclass of FedAvgOptions)")
         if cls not in _BUILTIN_CLASSES:
@@ -62,6 +69,31 @@ def register_method(cls: type[Method] | None = None, *, name: str | None = None)
         METHODS[key] = cls
         return cls
     return add if cls is None else add(cls)
+
+
+def _where(cls: type) -> tuple[str, str]:
+    """Where a class is defined: (module, qualified name), a sweep worker's ``__mp_main__`` read as
+    the ``__main__`` it re-imports."""
+    module = "__main__" if cls.__module__ == "__mp_main__" else cls.__module__
+    return module, cls.__qualname__
+
+
+def method_code(name: str) -> str | None:
+    """A digest of the source of the module that defines the user's method ``name`` (None for a
+    built-in method, whose code is fedskew's commit, recorded per run): part of a sweep run's
+    identity, so that a bench re-run after the user's method changed trains it again (issue 54)."""
+    import hashlib
+    import inspect
+
+    cls = METHODS.get(name)
+    if cls is None or name in BUILTIN:
+        return None
+    try:
+        path = inspect.getsourcefile(cls)
+        text = Path(path).read_bytes() if path and Path(path).is_file() else inspect.getsource(cls).encode()
+    except (OSError, TypeError):
+        return None
+    return hashlib.sha1(text).hexdigest()[:12]
 
 
 def external_methods() -> dict[str, tuple[str, str]]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections import Counter
 import math
 import random
 import statistics
@@ -746,15 +747,47 @@ def measured_where(name: str, scale: str, folder: Path, methods: list[str] | Non
                      for (commit, torch, device, threads), n in seen.most_common())
 
 
+def code_of_runs(name: str, folder: Path, methods: list[str] | None = None) -> Counter:
+    """The code the suite's finished runs (of ``methods`` only, when given) ran: fedskew's commit as
+    each run recorded it (``+dirty``: a working tree with uncommitted changes), or its version where
+    fedskew was not a git checkout, with the number of runs of each."""
+    from fedskew.experiments.selection import results_table
+
+    seen = Counter()
+    for paper in SUITES[name]["papers"]:
+        if (folder / paper / "results.sqlite").is_file():
+            for r in results_table(folder / paper):
+                if r.get("status") == "done" and (not methods or r.get("method") in methods):
+                    seen[r.get("env/git_commit") or f"version {r.get('env/fedskew', '?')}"] += 1
+    return seen
+
+
+def mixed_code(code: Counter) -> str | None:
+    """One sentence when the runs do not come from one clean commit (issue 55), else None."""
+    dirty = sum(n for c, n in code.items() if c.endswith("+dirty"))
+    if len(code) <= 1 and not dirty:
+        return None
+    listed = ", ".join(f"{c} ({n:,} runs)" for c, n in code.most_common())
+    return (f"its runs come from {len(code)} code version{'s' if len(code) > 1 else ''} ({listed})"
+            + (f", {dirty:,} of them from a working tree with uncommitted changes" if dirty else ""))
+
+
 def write_leaderboard(name: str, scale: str, command: str, out: str | Path | None = None,
-                      methods: list[str] | None = None, title: str | None = None) -> tuple[Path, Path, list[Cell]]:
+                      methods: list[str] | None = None, title: str | None = None,
+                      strict: bool = False) -> tuple[Path, Path, list[Cell]]:
     """``leaderboard.md`` and ``leaderboard.html`` in the suite folder from the runs it has (of
     ``methods`` only, when given; ``title`` for a study in the suite's setting that is not the suite,
-    benchmarks/momentum_control.py); returns both paths and the published cells (for the console)."""
+    benchmarks/momentum_control.py); returns both paths and the published cells (for the console).
+    A board whose runs come from more than one commit, or from a tree with uncommitted changes,
+    says so first; ``strict`` refuses to write it (one sentence)."""
     from fedskew.experiments.report import Section, to_html, to_markdown
 
     folder = suite_dir(name, scale, out)
     folder.mkdir(parents=True, exist_ok=True)
+    mixed = mixed_code(code_of_runs(name, folder, methods))
+    if mixed and strict:
+        raise ConfigError(f"bench --strict: the board of '{folder}' is not built: {mixed}; rebuild its runs at one "
+                          f"commit of a clean tree (or leave --strict out).")
     cells = leaderboard(name, scale, folder)
     intro = Section("How to read it",
                     f"Scale: {SCALE_NOTE[scale] if cells else label_skew_note(scale)}. Rebuild: `{command}` (add "
@@ -767,7 +800,9 @@ def write_leaderboard(name: str, scale: str, command: str, out: str | Path | Non
     if where:
         intro.text += f" Measured with {where}; CPU results are exact to the last digit only with the same torch, " \
                       f"CPU and thread count."
-    sections = [intro]
+    sections = ([Section("Not from one clean commit", f"This board is not from one clean commit: {mixed}. "
+                                                      f"`--report --strict` refuses such a board.")]
+                if mixed else []) + [intro]
     for board in boards(name, scale, folder, methods):
         sections += board_sections(board)
     sections += published_sections(cells)

@@ -195,6 +195,8 @@ def plan(spec: SweepSpec, chosen: dict[tuple[str, str], dict] | None = None) -> 
     """Every run of the sweep: id, label, method, grid point, partition, seed, config. With
     ``selection.tune_seeds``: the grid on those seeds, then, for each (label, partition) in
     ``chosen`` (:func:`select`'s answer), its point on the other seeds."""
+    from fedskew.algorithms import method_code
+
     runs = []
     for method in spec.methods:
         for params in grid_points(method.options, method.trials):
@@ -205,7 +207,9 @@ def plan(spec: SweepSpec, chosen: dict[tuple[str, str], dict] | None = None) -> 
                     seeds += [s for s in spec.seeds if s not in seeds]
                 for seed in seeds:
                     cfg = run_config(spec, method, params, partition, seed)
-                    key = json.dumps([method.column, params, partition, seed, run_identity(cfg)], sort_keys=True)
+                    code = method_code(method.name)  # a user's method: its module's source (issue 54)
+                    key = json.dumps([method.column, params, partition, seed, run_identity(cfg)] +
+                                     ([code] if code else []), sort_keys=True)
                     runs.append({"run_id": hashlib.sha1(key.encode()).hexdigest()[:12], "label": method.column,
                                  "method": method.name, "params": params, "partition": partition, "seed": seed,
                                  "config": cfg})

@@ -119,13 +119,20 @@ def scalar_metrics(record: dict) -> dict:
 
 
 def add_planned(db: sqlite3.Connection, runs: list[dict], sweep_dir: Path) -> dict[str, str]:
-    """Insert the planned runs not yet in the database as ``pending``; every run's status."""
+    """Insert the planned runs not yet in the database as ``pending``; every run's status. A row
+    of the same method label, grid point, partition and seed under another run id (its config or,
+    for a method of the user's, its module's source changed since: ``spec.plan``) becomes
+    ``superseded``: kept, never selected or reported (before issue 54 both were averaged)."""
     with writing(db):
         for r in runs:
+            params = json.dumps(r["params"], sort_keys=True)
             db.execute("INSERT OR IGNORE INTO runs (run_id, label, method, params, partition, seed, status, config, "
                        "run_dir) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
-                       (r["run_id"], r["label"], r["method"], json.dumps(r["params"], sort_keys=True), r["partition"],
+                       (r["run_id"], r["label"], r["method"], params, r["partition"],
                         r["seed"], json.dumps(r["config"]), str(sweep_dir / "runs" / r["run_id"])))
+            db.execute("UPDATE runs SET status='superseded' WHERE label=? AND params=? AND partition=? AND seed=? "
+                       "AND run_id != ? AND status != 'superseded'",
+                       (r["label"], params, r["partition"], r["seed"], r["run_id"]))
     return {row["run_id"]: row["status"] for row in db.execute("SELECT run_id, status FROM runs")}
 
 
