@@ -500,7 +500,7 @@ def cmd_bench(args, console: Console) -> int:
     from fedskew.experiments.spec import load_spec
 
     if args.list or args.suite is None:
-        table = Table("suite", "scale", "runs", "published", "time (estimate)", title="fedskew bench suites")
+        table = Table("suite", "scale", "runs", "published linked", "time (estimate)", title="fedskew bench suites")
         rows = bench.listing()
         for row in rows:
             table.add_row(row["suite"], row["scale"], str(row["runs"]), str(row["published"]), row["time"])

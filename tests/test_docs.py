@@ -361,3 +361,18 @@ def test_every_source_with_an_arxiv_paper_names_its_id():
             malformed.append(f"{name} has an id but is listed in NO_ARXIV")
     assert not missing, f"Sources without an arXiv id (add it, or list the paper in NO_ARXIV): {missing}"
     assert not malformed, malformed
+
+
+def test_the_published_entries_no_preset_runs_are_listed_as_the_code_counts_them():
+    """Issue 54, item 9: `bench --list` printed every entry of a suite's papers as if it were linked;
+    docs/leaderboard.md lists the 105 that no suite at any scale sits beside, from the code."""
+    from fedskew.experiments.bench import linked_entries, listing, unlinked_table
+
+    text = (ROOT / "docs/leaderboard.md").read_text()
+    begin, end = "<!-- unlinked-entries: begin -->\n", "<!-- unlinked-entries: end -->"
+    assert text[text.index(begin) + len(begin):text.index(end)] == unlinked_table()
+    rows = {(r["suite"], r["scale"]): r for r in listing()}
+    assert [rows["seed-papers", s]["linked"] for s in ("smoke", "lite", "paper")] == [19, 19, 73]
+    assert [rows["niid-bench", s]["linked"] for s in ("smoke", "lite", "paper")] == [20, 20, 47]
+    assert rows["seed-papers", "lite"]["published"] == "19 of 173"
+    assert len(linked_entries("seed-papers", "lite")) == 19

@@ -359,18 +359,26 @@ def claim_folder(folder: Path, name: str, scale: str, write: bool = True) -> Non
 
 
 def listing(data_root: str | None = None) -> list[dict]:
-    """Every suite with its size per scale: parts, runs, published entries linked, and the time it
-    takes (:func:`estimate`)."""
+    """Every suite with its size per scale: parts, runs, the published entries its runs sit beside
+    (:func:`linked_entries`) of the suite's papers' entries, and the time it takes (:func:`estimate`)."""
     from fedskew.experiments.spec import load_spec, planned_count
+
+    import warnings
+
+    from fedskew.config import InertOptionWarning
 
     entries = load()
     rows = []
     for name, suite in SUITES.items():
         for scale in SCALES:
-            runs = sum(planned_count(load_spec(spec)) for spec in sweeps(name, scale, "DATA").values())
-            published = sum(1 for e in entries if any(e.file in PAPERS[p]["files"] for p in suite["papers"]))
+            with warnings.catch_warnings():  # (an inert option is said when a run starts, not when it is listed)
+                warnings.simplefilter("ignore", InertOptionWarning)
+                runs = sum(planned_count(load_spec(spec)) for spec in sweeps(name, scale, "DATA").values())
+                linked = len(linked_entries(name, scale, entries))
+            total = sum(1 for e in entries if any(e.file in PAPERS[p]["files"] for p in suite["papers"]))
             rows.append({"suite": name, "scale": scale, "papers": ", ".join(suite["papers"]), "runs": runs,
-                         "published": published, "about": suite["about"], "time": estimate(name, scale, runs)})
+                         "published": f"{linked} of {total}" if total else "0", "linked": linked, "total": total,
+                         "about": suite["about"], "time": estimate(name, scale, runs)})
     return rows
 
 
@@ -430,6 +438,67 @@ class Cell:
         if self.mean is None or self.entry.spread is None:
             return None
         return abs(self.delta) <= self.entry.spread
+
+
+def linked_entries(name: str, scale: str, entries: list[Entry] | None = None) -> list[Entry]:
+    """The published entries a run of the suite at ``scale`` sits beside: the entry's table is on
+    the data set the scale trains (``PAPERS[part]["reference"]``), it needs no method options the
+    presets do not run, and the preset runs its method label under its setting. The others (the
+    papers' other data sets, models or tables) no preset runs: `fedskew bench --list` counts them."""
+    from fedskew.experiments.spec import load_spec
+
+    entries = load() if entries is None else entries
+    out = []
+    for paper, spec in sweeps(name, scale, "DATA").items():
+        dataset = PAPERS[paper]["reference"].get(scale)
+        if dataset is None:
+            continue
+        loaded = load_spec(spec)
+        planned = {(m.column, p) for m in loaded.methods for p in loaded.partitions}
+        out += [e for e in entries if e.file in PAPERS[paper]["files"] and not e.options and _dataset(e) == dataset
+                and (e.run_label, e.setting.label) in planned]
+    return out
+
+
+def unlinked_table() -> str:
+    """Markdown: the registry's entries that no suite links at any scale, counted by file and why
+    (docs/leaderboard.md holds it between ``unlinked-entries`` markers; tests/test_docs.py checks it)."""
+    import warnings
+
+    from fedskew.config import InertOptionWarning
+
+    entries = load()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", InertOptionWarning)
+        linked = {id(e) for name in SUITES for scale in SCALES for e in linked_entries(name, scale, entries)}
+    run_sets = {}  # data set -> the (label, setting) pairs some preset on it runs
+    for name in SUITES:
+        for scale in SCALES:
+            for paper, spec in sweeps(name, scale, "DATA").items():
+                dataset = PAPERS[paper]["reference"].get(scale)
+                if dataset is not None:
+                    from fedskew.experiments.spec import load_spec
+
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", InertOptionWarning)
+                        loaded = load_spec(spec)
+                    run_sets.setdefault(dataset, set()).update((m.column, q) for m in loaded.methods
+                                                               for q in loaded.partitions)
+    counts = Counter()
+    for e in entries:
+        if id(e) in linked:
+            continue
+        if e.options:
+            why = "it needs method options the presets do not run"
+        elif _dataset(e) not in run_sets:
+            why = f"no preset trains on its data set ({_dataset(e)})"
+        else:
+            why = f"the presets on {_dataset(e)} do not run its method under its setting (another table, model or row)"
+        counts[(e.file, why)] += 1
+    rows = "".join(f"| {f} | {n} | {why} |\n" for (f, why), n in sorted(counts.items()))
+    return (f"{len(entries) - len(linked)} of the registry's {len(entries)} entries sit beside no run of any suite "
+            f"at any scale (`fedskew bench --list` prints, per suite and scale, how many it links):\n\n"
+            f"| file | entries | why no preset runs them |\n|---|---|---|\n{rows}")
 
 
 def leaderboard(name: str, scale: str, out: str | Path | None = None) -> list[Cell]:
