@@ -376,3 +376,17 @@ def test_the_published_entries_no_preset_runs_are_listed_as_the_code_counts_them
     assert [rows["niid-bench", s]["linked"] for s in ("smoke", "lite", "paper")] == [20, 20, 47]
     assert rows["seed-papers", "lite"]["published"] == "19 of 173"
     assert len(linked_entries("seed-papers", "lite")) == 19
+
+
+def test_the_readme_s_suite_run_counts_are_the_code_s():
+    """Issue 54, item 10: README and docs/leaderboard.md said 1,800 and 3,600 label-skew runs when the
+    code planned 2,590 and 5,180; the counts they print now are `bench.listing()`'s."""
+    from fedskew.experiments.bench import listing
+
+    rows = {(r["suite"], r["scale"]): r["runs"] for r in listing()}
+    readme = (ROOT / "README.md").read_text()
+    assert f"--jobs 2   # {rows['label-skew', 'lite']:,} runs;" in readme
+    board = (ROOT / "docs/leaderboard.md").read_text()
+    assert (f"{rows['seed-papers', 'paper']} runs for seed-papers, {rows['niid-bench', 'paper']} for niid-bench,\n"
+            f"  {rows['label-skew', 'paper']:,} for label-skew") in board
+    assert f"the command today plans {rows['label-skew', 'lite']:,} runs" in board
