@@ -373,7 +373,7 @@ def _sweep_tables(sweep_dir: Path, console: Console) -> None:
     """The report's main tables as terminal tables, titled with the metric and its unit."""
     import yaml
 
-    from fedskew.experiments.report import build_table, cell_text, chance_of, default_metric, metric_title
+    from fedskew.experiments.report import MIN_BOLD_SEEDS, build_table, cell_text, chance_of, default_metric, metric_title
     from fedskew.experiments.selection import selected_runs
     from fedskew.experiments.store import open_sweep
 
@@ -394,8 +394,9 @@ def _sweep_tables(sweep_dir: Path, console: Console) -> None:
         dataset = next((r.summary.get("dataset") for runs in res.runs.values() for r in runs), None)
         table = build_table(cells, res.partitions, res.labels, None, chance_of(dataset, key))
         bold = any(table[p][c]["top"] for p in res.partitions for c in res.labels)
-        how = (f"mean +- std over {n} seeds" + (" (bold: the best mean and those the paired t-test over seeds does "
-                                                 "not find worse)" if bold else "") if n > 1
+        how = (f"mean +- std over {n} seeds" + (" (bold: the top group, down from the best mean to the first the "
+                                                 "paired t-test over seeds finds worse)" if bold else "")
+               + ("; fewer than three seeds, so nothing is bold" if 1 < n < MIN_BOLD_SEEDS else "") if n > 1
                else "one seed: no spread, so nothing is bold")
         console.print(f"\n[bold]{title}{unit}[/bold]: {key}, {how}", highlight=False)
         out = Table()

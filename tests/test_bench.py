@@ -485,6 +485,19 @@ def test_a_failed_setting_ranks_last_instead_of_improving_the_average_rank():
     assert "Cells whose every run failed: 1 (c s1)" in board_summary(board, "a", record)
 
 
+def test_a_board_where_every_method_ties_says_so_once():
+    """Issue 54, item 20: "first ... fedavg, fedprox, logitadj (2.00); last: fedavg, fedprox,
+    logitadj (2.00)" read as a ranking; a tie of all is one sentence."""
+    from fedskew.experiments.bench import board_rows, board_summary
+
+    same = {0: 0.5, 1: 0.5, 2: 0.5}
+    board = _board({(m, "s"): dict(same) for m in ("fedavg", "fedprox", "logitadj")})
+    text = board_summary(board, "fedavg", board_rows(board, "fedavg")[1])
+    assert "All 3 ranked methods tie by average rank (2.00)." in text and "last:" not in text
+    board = _board({("a", "s"): {0: 0.8, 1: 0.8, 2: 0.8}, ("b", "s"): dict(same)})
+    assert "First by average rank: a (1.00); last: b (2.00)." in board_summary(board, None, {})
+
+
 def test_a_cell_with_missing_seeds_is_marked_and_none_is_not_ranked():
     from fedskew.experiments.bench import board_rows
 
@@ -498,15 +511,23 @@ def test_a_cell_with_missing_seeds_is_marked_and_none_is_not_ranked():
 
 
 def test_one_bold_rule_paired_test_one_seed_and_chance():
-    from fedskew.experiments.report import bold_labels, build_table
+    from fedskew.experiments.report import bold_labels, build_table, paired_test
 
     best = {0: 0.80, 1: 0.82, 2: 0.81}
     near = {0: 0.795, 1: 0.825, 2: 0.80}  # differences +-: a tie by the paired test
     worse = {0: 0.70, 1: 0.71, 2: 0.705}  # consistently 10 points lower: a loss
     assert bold_labels({"best": best, "near": near, "worse": worse}) == {"best", "near"}
     assert bold_labels({"a": {0: 0.9}, "b": {0: 0.5}}) == set()  # one seed: nothing bold
-    assert bold_labels({"a": {0: 0.095, 1: 0.094}, "b": {0: 0.09, 1: 0.09}}, chance=0.1) == set()  # below chance
-    assert bold_labels({"a": {0: 0.105, 1: 0.104}}, chance=0.1) == set()  # within one point of chance
+    # two seeds: a paired t-test with 1 degree of freedom separates nothing (issue 54: 88.79 and 65.22 both bold)
+    assert bold_labels({"a": {0: 0.8879, 1: 0.8879}, "b": {0: 0.6522, 1: 0.6621}}) == set()
+    assert bold_labels({"a": {0: 0.095, 1: 0.094, 2: 0.095}, "b": {0: 0.09, 1: 0.09, 2: 0.09}}, chance=0.1) == set()
+    assert bold_labels({"a": {0: 0.105, 1: 0.104, 2: 0.105}}, chance=0.1) == set()  # within one point of chance
+    # the top group (issue 55): a higher, low-variance mean the test finds worse than the best stops the
+    # walk, so a lower, high-variance mean below it is not bold either (before: bold, the higher one not)
+    steady = {0: 0.78, 1: 0.80, 2: 0.79}  # 2 points under best, consistently: a loss
+    noisy = {0: 0.60, 1: 0.95, 2: 0.70}  # mean 0.75, spread wide: a tie by the paired test
+    assert paired_test(steady, best) == "L" and paired_test(noisy, best) == "T"
+    assert bold_labels({"best": best, "steady": steady, "noisy": noisy}) == {"best"}
     # the report's tables use the same rule (values paired by position: the selected runs' seed order)
     t = build_table({("P", "x"): list(best.values()), ("P", "y"): list(worse.values())}, ["P"], ["x", "y"], None, 0.1)
     assert t["P"]["x"]["top"] and not t["P"]["y"]["top"]

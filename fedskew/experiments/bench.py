@@ -717,8 +717,12 @@ def board_summary(board: Board, baseline: str | None, record: dict[str, list[int
                      if v and s in shown and board.seeds and len(v) < board.seeds)
     listing = (lambda pairs: ", ".join(f"{m} ({n})" for m, n in pairs) or "none")
     text = (f"Summary (generated): {len(board.labels)} methods, {len(board.settings)} "
-            f"setting{'s' if len(board.settings) != 1 else ''}. First by average "
-            f"rank: {', '.join(firsts)} ({ranked[0][0]:.2f}); last: {', '.join(lasts)} ({ranked[-1][0]:.2f}).")
+            f"setting{'s' if len(board.settings) != 1 else ''}. ")
+    if len(firsts) == len(ranked):  # every ranked method ties: one sentence, not a first and a last
+        text += f"All {len(ranked)} ranked methods tie by average rank ({ranked[0][0]:.2f})."
+    else:
+        text += (f"First by average rank: {', '.join(firsts)} ({ranked[0][0]:.2f}); last: {', '.join(lasts)} "
+                 f"({ranked[-1][0]:.2f}).")
     if baseline:
         text += (f" Significant wins against {baseline} (settings): {listing(wins)}; significant losses: "
                  f"{listing(losses)}.")

@@ -40,8 +40,10 @@ def mean_std(values: list[float | None]) -> tuple[float | None, float | None, in
 
 SIGNIFICANCE = 0.05  # the paired t-test's level, in every table fedskew prints
 CHANCE_MARGIN = 0.01  # a mean within this of chance (1 / classes; one point of accuracy) is never bold
-BOLD_RULE = ("Bold: the best mean and every mean not significantly worse than it (two-sided paired t-test over "
-             f"seeds, p < {SIGNIFICANCE}); nothing is bold with fewer than two seeds, or within one point of "
+MIN_BOLD_SEEDS = 3  # a paired t-test over two seeds (1 degree of freedom) separates nothing
+BOLD_RULE = ("Bold: the top group, read down the means from the best: every mean until the first that a two-sided "
+             f"paired t-test over seeds (p < {SIGNIFICANCE}) finds worse than the best, so no bold mean sits below an "
+             f"unbolded higher one; nothing is bold with fewer than {MIN_BOLD_SEEDS} seeds, or within one point of "
              f"chance (100 / classes %).")
 
 
@@ -67,16 +69,23 @@ def paired_test(ours: dict[int, float], base: dict[int, float], level: float = S
 
 def bold_labels(values: dict[str, dict[int, float]], chance: float | None = None, scale: float = 1.0) -> set[str]:
     """The one bold rule of every table fedskew prints (:data:`BOLD_RULE`): among the entries with
-    two or more seeds (``values``: entry -> {seed: value}), the best mean and every entry that the
-    paired test does not find worse than it; none when the best is within :data:`CHANCE_MARGIN`
-    (times ``scale``: 100 for percent) of ``chance``, and no entry that is."""
-    means = {k: statistics.fmean(v.values()) for k, v in values.items() if len(v) >= 2}
+    :data:`MIN_BOLD_SEEDS` or more seeds (``values``: entry -> {seed: value}), the best mean, then
+    each next lower mean until the first that the paired test finds worse than the best (issue 55:
+    bolding every entry the test does not separate from the best left a higher, low-variance mean
+    unbolded above a lower, high-variance bold one in 12 of 35 columns); none when the best is within
+    :data:`CHANCE_MARGIN` (times ``scale``: 100 for percent) of ``chance``, and no entry that is."""
+    means = {k: statistics.fmean(v.values()) for k, v in values.items() if len(v) >= MIN_BOLD_SEEDS}
     if chance is not None:
         means = {k: m for k, m in means.items() if m > chance + CHANCE_MARGIN * scale}
     if not means:
         return set()
-    best = max(means, key=means.get)
-    return {k for k in means if k == best or paired_test(values[k], values[best]) in ("T", "W")}
+    order = sorted(means, key=lambda k: (-means[k], str(k)))
+    best, top = order[0], set()
+    for k in order:
+        if k != best and paired_test(values[k], values[best]) == "L":
+            break
+        top.add(k)
+    return top
 
 
 def build_table(cells: dict[tuple[str, str], list[float | None]], rows: list[str], cols: list[str],
@@ -442,4 +451,4 @@ def write_report(sweep_dir: str | Path, out: str | Path | None = None, metric: s
     return out / "report.md", out / "report.html"
 
 
-__all__ = ["BOLD_RULE", "bold_labels", "build_table", "default_metric", "paired_test", "mean_curve", "mean_std", "rounds_to_target", "write_report"]
+__all__ = ["BOLD_RULE", "MIN_BOLD_SEEDS", "bold_labels", "build_table", "default_metric", "paired_test", "mean_curve", "mean_std", "rounds_to_target", "write_report"]
