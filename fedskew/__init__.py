@@ -242,7 +242,15 @@ def bench(suite: str, /, scale: str, *, data: str | Path | None = None, methods:
     suites.claim_folder(folder, suite, scale)
     for part, spec in specs.items():
         sweep(spec, jobs, folder / part, pack=pack, progress=progress)
-    command = f"fedskew.bench({suite!r}, scale={scale!r}" + (f", methods={methods!r}" if methods else "") + ")"
+    # the call that rebuilds it, with what made this one (issue 54: the settings, out and the user's
+    # module were dropped): `import MODULE; fedskew.bench(...)`
+    from fedskew.algorithms import method_source
+
+    given = {"data": str(data) if data else None, "methods": methods, "parts": parts, "seeds": seeds,
+             "settings": settings, "out": str(out) if out is not None else None}
+    modules = sorted({src["module"] for m in methods or [] if (src := method_source(m)) and src["module"] != "__main__"})
+    command = "".join(f"import {m}; " for m in modules) + f"fedskew.bench({suite!r}, scale={scale!r}" + \
+        "".join(f", {k}={v!r}" for k, v in given.items() if v is not None) + ")"
     suites.write_leaderboard(suite, scale, command, folder, methods)
     return folder
 

@@ -220,12 +220,14 @@ def full_config(cfg) -> dict:
 
 
 def cmd_resume(args, console: Console) -> int:
-    from fedskew.engine.resume import resume
-    from fedskew.config import load_config
+    from fedskew.engine.resume import import_recorded_method, resume
+    from fedskew.config import load_config, read_config_file
 
     changes = list(getattr(args, "changes", None) or [])
-    cfg = load_config(Path(args.run_dir) / "config.yaml", [c for c in changes if c.startswith("rounds=")]) \
-        if (Path(args.run_dir) / "config.yaml").is_file() else None
+    record = Path(args.run_dir) / "config.yaml"
+    if record.is_file():  # a run of the user's method: its module first, as the run recorded it
+        import_recorded_method(Path(args.run_dir), read_config_file(record))
+    cfg = load_config(record, [c for c in changes if c.startswith("rounds=")]) if record.is_file() else None
     rounds = cfg.rounds if cfg else 0
     args.interrupt_hint = f"`fedskew resume {args.run_dir}` continues it again."
     return _execute(lambda on_round: resume(args.run_dir, on_round, changes), rounds, console)
@@ -673,6 +675,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--import", dest="imports", action="append", metavar="MODULE", help=IMPORT_HELP)
     p_res = sub.add_parser("resume", help="continue an interrupted run from its directory")
     p_res.add_argument("run_dir")
+    p_res.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                       help=IMPORT_HELP + " (a run of your method imports the module it recorded by itself)")
     p_res.add_argument("changes", nargs="*", metavar="key=value",
                        help="settings to change from the next round on (lr, lr_decay, grad_clip, rounds, ...)")
     p_part = sub.add_parser("partition", help="print and draw a partition", epilog=EPILOG)
@@ -848,22 +852,15 @@ def check_folder_name(path, flag: str) -> None:
 def import_user_modules(names: list[str]) -> None:
     """``--import``: each module by name (the current folder on the path), or a ``.py`` file by its
     stem from its folder (so that sweep workers import it by name too); one sentence when it fails."""
-    import importlib
-
+    from fedskew.algorithms import import_module_of
     from fedskew.config import ConfigError
 
-    for name in names:
-        path = Path(name)
-        if name.endswith(".py"):
-            if not path.is_file():
-                raise ConfigError(f"--import '{name}': no such file.")
-            folder, name = str(path.resolve().parent), path.stem
-        else:
-            folder = os.getcwd()
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
+    for given in names:
+        name = Path(given).stem if given.endswith(".py") else given
+        if given.endswith(".py") and not Path(given).is_file():
+            raise ConfigError(f"--import '{given}': no such file.")
         try:
-            importlib.import_module(name)
+            import_module_of(given)
         except SystemExit as exc:  # a module that ends the process at import would end a bench with its code
             raise ConfigError(f"--import '{name}' called sys.exit({exc.code!r}) while being imported; a module "
                               f"that registers methods must not exit.") from None

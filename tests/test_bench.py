@@ -321,7 +321,7 @@ def test_label_skew_smoke_end_to_end(tmp_path):
     board = (folder / "leaderboard.md").read_text()
     assert "| method | #C=1 | #C=2 | Dir0.1 | Dir0.5 | P10C2 | C-10-2 | Dir0.5-U20 | avg rank | W/T/L vs fedavg |" in board
     assert "global accuracy (test set" in board and "personalised accuracy" in board
-    glob = board[board.index("global accuracy (test set"):board.index("## label-skew-fmnist: budget")]
+    glob = board[board.index("global accuracy (test set"):board.index("## label-skew on digits: budget")]
     rows = {line.split("|")[1].strip(): line for line in glob.splitlines() if line.startswith("| fed")}
     assert rows["fedrep"].count("none") == 7  # FedRep has no global model
     assert rows["fedavg"].count("(#") == 7 and rows["fedavg"].endswith("| - |")  # ranks; one seed: no test
@@ -329,7 +329,7 @@ def test_label_skew_smoke_end_to_end(tmp_path):
     unseen = board[board.index("accuracy on held-out clients"):]
     assert "| method | Dir0.5-U20 | avg rank | W/T/L vs fedavg |" in unseen
     assert all(unseen.count(f"| {m} | ") == 1 and f"| {m} | none" not in unseen for m in ("fedavg", "fedprox", "fedrep"))
-    budget = board[board.index("budget and the configuration"):board.index("## label-skew-fmnist: personalised")]
+    budget = board[board.index("budget and the configuration"):board.index("## label-skew on digits: personalised")]
     trials_of = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in budget.splitlines()
                  if line.startswith("| fed")}
     assert trials_of == {"fedavg": "2", "fedprox": "2", "fedrep": "2"}  # the same budget, FedRep too
@@ -346,7 +346,7 @@ def test_label_skew_smoke_end_to_end(tmp_path):
     assert f"{sum(done.values())} finished runs" in board
     md, _, _ = write_leaderboard("label-skew", "smoke", "cmd", folder, ["fedrep", "fedavg"])
     part = md.read_text()
-    glob = part[part.index("global accuracy (test set"):part.index("## label-skew-fmnist: budget")]
+    glob = part[part.index("global accuracy (test set"):part.index("## label-skew on digits: budget")]
     assert {line.split("|")[1].strip() for line in glob.splitlines() if line.startswith("| fed")} == {"fedavg", "fedrep"}
     assert "Summary (generated): 2 methods" in part and f"{done['fedavg'] + done['fedrep']} finished runs" in part
     assert "fedprox" not in part

@@ -121,6 +121,9 @@ def test_your_own_method_in_the_bench_from_python_and_the_cli(tmp_path, monkeypa
                            out=tmp_path / "api", progress=False)
     board = (folder / "leaderboard.md").read_text()
     assert "| doubled |" in board and "Summary (generated)" in board
+    # the rebuild line is the call that made it, with the user's module (issue 54)
+    assert (f"Rebuild: `import my_methods; fedskew.bench('label-skew', scale='smoke', methods=['fedavg', 'doubled'], "
+            f"settings=['#C=2'], out={str(tmp_path / 'api')!r})` (`fedskew bench label-skew --scale smoke --out ") in board
     rows = fedskew.load_results(folder / "label-skew-fmnist", frame=False)
     assert {r["partition"] for r in rows} == {"#C=2"} and {r["label"] for r in rows} == {"fedavg", "doubled"}
     assert sum(r["label"] == "doubled" for r in rows) == 2  # the smoke budget: two trials, like every method
@@ -260,3 +263,34 @@ def test_the_registry_is_checked_key_by_key(tmp_path, entry, text):
     (tmp_path / "t.yaml").write_text(yaml.safe_dump(good))
     with pytest.raises(ConfigError, match="appears twice in the file"):
         load(tmp_path)
+
+
+def test_a_run_of_your_own_method_resumes_without_import(tmp_path):
+    """Issue 54, item 22: after Ctrl-C the printed hint `fedskew resume DIR` failed for a method of
+    the user's ("method.name 'logitadj' is not known"); the run records where its method is defined
+    and resume imports it (`--import` is also taken); a module that is gone is one sentence."""
+    (tmp_path / "mine.py").write_text(textwrap.dedent("""
+        import fedskew
+
+        @fedskew.register_method
+        class Halved(fedskew.Method):
+            name = "halved"
+            def local_loss(self, fwd, params, x, y, payload, client_state):
+                loss, aux = super().local_loss(fwd, params, x, y, payload, client_state)
+                return loss * 0.5, aux
+    """))
+    tiny = [f"{k}={json.dumps(v)}" for k, v in TINY.items()]
+    done = cli("run", "--import", "mine.py", "method=halved", "run_name=h", *tiny, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads((tmp_path / "runs" / "h" / "run.json").read_text())
+    assert record["method_source"] == {"module": "mine", "file": str((tmp_path / "mine.py").resolve())}
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    extended = cli("resume", str(tmp_path / "runs" / "h"), "rounds=3", cwd=other)  # no --import, another folder
+    assert extended.returncode == 0, extended.stderr[-2000:]
+    assert json.loads((tmp_path / "runs" / "h" / "summary.json").read_text())["rounds"] == 3
+    again = cli("resume", "--import", str(tmp_path / "mine.py"), str(tmp_path / "runs" / "h"), "rounds=4", cwd=other)
+    assert again.returncode == 0, again.stderr[-2000:]
+    (tmp_path / "mine.py").write_text("raise ImportError('gone')\n")
+    one_sentence(cli("resume", str(tmp_path / "runs" / "h"), "rounds=5", cwd=other),
+                 "trains method 'halved' of module")

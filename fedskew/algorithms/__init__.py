@@ -78,6 +78,36 @@ def _where(cls: type) -> tuple[str, str]:
     return module, cls.__qualname__
 
 
+def method_source(name: str) -> dict | None:
+    """Where the user's method ``name`` is defined: its module and source file (None for a built-in
+    method, or a class without a file: a notebook's); recorded in a run's run.json."""
+    import inspect
+
+    cls = METHODS.get(name)
+    if cls is None or name in BUILTIN:
+        return None
+    try:
+        path = inspect.getsourcefile(cls)
+    except (OSError, TypeError):
+        return None
+    if not path or not Path(path).is_file():
+        return None
+    return {"module": _where(cls)[0], "file": str(Path(path).resolve())}
+
+
+def import_module_of(where: str):
+    """Import a module by name (the current folder on the path) or a ``.py`` file by its stem from
+    its folder (so that sweep workers import it by name too): ``--import`` and a resume of a run of
+    the user's method. Raises what the import raises."""
+    if where.endswith(".py"):
+        folder, where = str(Path(where).resolve().parent), Path(where).stem
+    else:
+        folder = str(Path.cwd())
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(where)
+
+
 def method_code(name: str) -> str | None:
     """A digest of the source of the module that defines the user's method ``name`` (None for a
     built-in method, whose code is fedskew's commit, recorded per run): part of a sweep run's

@@ -28,6 +28,7 @@ def resume(run_dir: str | Path, on_round=None, changes: dict | list[str] | None 
                           f"out_dir=DIR` starts a run from it elsewhere.")
     from fedskew.engine.rundir import RunDir, run_identity
 
+    import_recorded_method(run_dir, data)
     if not RunDir(run_dir).proves(run_identity(validate_config(data))):
         # a config.yaml copied from a real run does not make a folder a run: training here would
         # replace what the folder holds (issue 54)
@@ -69,6 +70,33 @@ def resume(run_dir: str | Path, on_round=None, changes: dict | list[str] | None 
     exp = Experiment(validate_config(data), run_dir, resume=True)
     exp.changes = changes
     return exp.run(on_round)
+
+
+def import_recorded_method(run_dir: Path, data: dict) -> None:
+    """A run of the user's method: import its module as run.json records it, when this process has
+    not registered the method (``fedskew resume DIR`` after Ctrl-C, without ``--import``: issue 54).
+    A module that is gone or fails is one sentence naming it."""
+    import json
+
+    from fedskew.algorithms import import_module_of, registered
+
+    method = data.get("method")
+    name = method.get("name") if isinstance(method, dict) else method
+    if not isinstance(name, str) or name in registered():
+        return
+    try:
+        source = json.loads((run_dir / "run.json").read_text()).get("method_source") or {}
+    except (OSError, ValueError, AttributeError):
+        return
+    where = source.get("file") if source.get("file") and Path(source["file"]).is_file() else source.get("module")
+    if not where or where == "__main__":
+        return
+    try:
+        import_module_of(where)
+    except Exception as exc:  # (the usual unknown-method sentence follows when nothing registered it)
+        raise ConfigError(f"run '{run_dir}' trains method '{name}' of module {where}, whose import failed "
+                          f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160] or 'no message'}); "
+                          f"fix it or pass --import MODULE.") from None
 
 
 def written_by_fedskew(path: Path) -> bool:

@@ -290,13 +290,18 @@ class RunDir:
                 record["changes"] = before["changes"]
         atomic_write_text(yaml.safe_dump(record, sort_keys=False), old)
 
-    def write_identity(self, identity: str) -> None:
+    def write_identity(self, identity: str, method_source: dict | None = None) -> None:
         """``run.json``: the run's identity (:func:`run_identity`), written when the run starts in
         this folder (or first resumes here), so that ``fedskew resume`` acts only on a folder a run of
-        fedskew wrote; a copied config.yaml alone does not make a folder a run (issue 54)."""
+        fedskew wrote; a copied config.yaml alone does not make a folder a run (issue 54). For a
+        method of the user's, where its module is (``method_source``: module, file), so that a
+        resume imports it as the run did (``fedskew resume DIR`` needs no ``--import``)."""
         path = self.path / "run.json"
         if not path.is_file():
-            atomic_write_text(json.dumps({"run": identity, "written_by": "fedskew"}), path)
+            record = {"run": identity, "written_by": "fedskew"}
+            if method_source:
+                record["method_source"] = method_source
+            atomic_write_text(json.dumps(record), path)
 
     def proves(self, identity: str) -> bool:
         """Whether this folder holds a run of ``identity`` that fedskew wrote: its ``run.json`` names

@@ -26,7 +26,8 @@ from typing import Callable
 
 import torch
 
-from fedskew.algorithms import FederationInfo, build_method, build_method_model, method_validation_fraction
+from fedskew.algorithms import (FederationInfo, build_method, build_method_model, method_source,
+                                method_validation_fraction)
 from fedskew.algorithms.base import model_part
 from fedskew.config import ConfigError, RunConfig
 from fedskew.data.federated import load_federation, public_pool, public_samples
@@ -198,7 +199,7 @@ class Experiment:
 
     def _run(self, on_round) -> RunResult:
         cfg, method = self.cfg, self.method
-        self.files.write_identity(self.identity)
+        self.files.write_identity(self.identity, method_source(cfg.method.name))
         self.files.write_record(cfg, self.environment, self.resume)
         self.files.write_partition(self.fed, f"{cfg.dataset.name} / {cfg.partition.name}: {self.fed.num_clients} clients")
         ckpt = self._load_checkpoint() if self.resume else None

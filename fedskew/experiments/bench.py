@@ -549,7 +549,7 @@ class Board:
     failed or not run: it ranks last in its setting, tied with the other such cells, so that a
     failure never improves a method's average rank."""
 
-    part: str
+    part: str  # its title: the suite's part, or for label-skew the data it ran on
     metric: str
     labels: list[str]
     settings: list[str]
@@ -645,6 +645,9 @@ def boards(name: str, scale: str, out: str | Path | None = None, methods: list[s
         base = (spec.get("base") or {}).get("dataset")
         dataset = base.get("name") if isinstance(base, dict) else base
         wall = sum((d.get("time/round_s_mean") or 0.0) * (d.get("rounds") or 0) for d in done)
+        # a label-skew part is titled by the data it ran on (at smoke scale its folder
+        # label-skew-fmnist holds runs on the bundled digits: issue 54)
+        title = f"label-skew on {dataset}" if paper.startswith("label-skew-") and dataset else paper
         for metric in BOARD_METRICS:
             values = {k: {r.seed: float(r.summary[metric]) for r in runs if _number(r.summary.get(metric))}
                       for k, runs in res.runs.items()}
@@ -653,7 +656,7 @@ def boards(name: str, scale: str, out: str | Path | None = None, methods: list[s
             settings = [p for p in res.partitions if any(values.get((m, p)) for m in res.labels)
                         or not any(res.runs.get((m, p)) for m in res.labels)]
             if any(values.values()):
-                out_boards.append(Board(paper, metric, res.labels, settings, values, chosen, tried, res.failed,
+                out_boards.append(Board(title, metric, res.labels, settings, values, chosen, tried, res.failed,
                                         {k for k, runs in res.runs.items() if runs}, len(spec.get("seeds") or []),
                                         chance_of(dataset, metric), wall, len(done),
                                         int((spec.get("base") or {}).get("rounds") or 0),
@@ -863,8 +866,10 @@ def write_leaderboard(name: str, scale: str, command: str, out: str | Path | Non
                           f"commit of a clean tree (or leave --strict out).")
     cells = leaderboard(name, scale, folder)
     intro = Section("How to read it",
-                    f"Scale: {SCALE_NOTE[scale] if cells else label_skew_note(scale)}. Rebuild: `{command}` (add "
-                    f"`--report` to rebuild the tables only). Ours: mean +- std over the seeds that finished "
+                    f"Scale: {SCALE_NOTE[scale] if cells else label_skew_note(scale)}. Rebuild: `{command}` "
+                    + ("(add `--report` to rebuild the tables only)" if command.startswith("fedskew bench") else
+                       f"(`fedskew bench {name} --scale {scale} --out {folder} --report` rebuilds the tables only)")
+                    + f". Ours: mean +- std over the seeds that finished "
                     f"(percent) of the configuration chosen on a validation hold-out (never on test data) where a "
                     f"method had more than one."
                     + (" Published: the paper's value (its spread, see each table); delta = ours - published; "
