@@ -292,6 +292,13 @@ def test_load_results_and_report_refuse_a_folder_that_is_not_a_sweep(tmp_path):
         fedskew.load_results(tmp_path)
     with pytest.raises(ConfigError, match="is not a sweep folder"):
         fedskew.report(tmp_path)
+    # a bench folder: its parts are the sweeps, and the sentence names them (issue 54)
+    import sqlite3
+
+    (tmp_path / "map").mkdir()
+    sqlite3.connect(tmp_path / "map" / "results.sqlite").close()
+    with pytest.raises(ConfigError, match=r"is a bench folder, whose parts are sweeps: report one of them \(.*map\)"):
+        fedskew.report(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -92,6 +92,11 @@ def open_sweep(sweep_dir: str | Path) -> sqlite3.Connection:
     if not path.is_file():
         from fedskew.config import ConfigError
 
+        parts = sorted(q.parent.name for q in Path(sweep_dir).glob("*/results.sqlite")) if Path(sweep_dir).is_dir() else []
+        if parts:  # a bench folder: its parts are the sweeps (issue 54)
+            raise ConfigError(f"'{sweep_dir}' is a bench folder, whose parts are sweeps: report one of them "
+                              f"({', '.join(str(Path(sweep_dir) / q) for q in parts)}), or rebuild its leaderboard "
+                              f"with `fedskew bench SUITE --scale SCALE --out {sweep_dir} --report`.")
         raise ConfigError(f"'{sweep_dir}' is not a sweep folder (it holds no results.sqlite).")
     return connect(path, read_only=not writable(sweep_dir))
 
