@@ -963,3 +963,65 @@ def test_a_config_edited_by_hand_before_resume_is_recorded_as_a_change(tmp_path,
     assert changes[0] == changes[1] == [{"from_round": 3, "lr_decay": 0.5}]
     untimed = lambda history: [{k: v for k, v in h.items() if not k.startswith("time/")} for h in history]
     assert untimed(edited.history) == untimed(given.history)
+
+
+@pytest.mark.slow
+def test_an_interrupted_bench_resumes_to_the_same_board_but_its_time_line(tmp_path):
+    """Issue 54, item 18 (and issue 55): a bench stopped by SIGINT after some runs and run again
+    writes the board an uninterrupted bench writes, line for line, but the one marked line of
+    wall-clock time (a board printed its training time inside the compared summary before)."""
+    from fedskew.experiments.bench import TIME_LINE
+
+    args = [sys.executable, "-m", "fedskew.cli", "bench", "label-skew", "--scale", "smoke", "--methods",
+            "fedavg,fedprox", "--settings", "#C=2,Dir0.5", "--jobs", "1"]
+    whole = subprocess.run([*args, "--out", "whole"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                           timeout=1800)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    cut = subprocess.Popen([*args, "--out", "cut"], cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+    db = tmp_path / "cut" / "label-skew-fmnist" / "results.sqlite"
+
+    def some_done():
+        import sqlite3
+
+        if not db.is_file():
+            return False
+        con = sqlite3.connect(db)
+        try:
+            return con.execute("SELECT count(*) FROM runs WHERE status='done'").fetchone()[0] >= 2
+        except sqlite3.Error:
+            return False
+        finally:
+            con.close()
+
+    wait_for(some_done, cut, timeout=1800)
+    cut.send_signal(signal.SIGINT)
+    cut.communicate(timeout=300)
+    assert cut.returncode != 0  # it stopped before the end
+    again = subprocess.run([*args, "--out", "cut"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                           timeout=1800)
+    assert again.returncode == 0, again.stderr[-2000:]
+    strip = lambda path: [line.replace("--out cut", "--out X").replace("--out whole", "--out X")
+                          for line in path.read_text().splitlines() if not line.startswith(TIME_LINE)]
+    boards = [strip(tmp_path / name / "leaderboard.md") for name in ("whole", "cut")]
+    assert sum(line.startswith(TIME_LINE) for line in (tmp_path / "cut" / "leaderboard.md").read_text().splitlines())
+    assert boards[0] == boards[1]
+
+
+def test_fedah_resumes_bit_exactly_on_the_vectorised_executor_and_pfedfda_repeats_itself(tmp_path):
+    """Issue 54, item 18: FedAH on the vectorised executor resumed 1.5e-8 away from the uninterrupted
+    run (its clients' states were slices of the stacked state, and CPU kernels round by the data's
+    alignment: the runner now keeps each in storage of its own, as a resume reads it); pFedFDA's betas
+    were 1e-13 apart between two identical runs (torch's CPU lstsq: an exact solve now)."""
+    cfg = {**SMALL, "method": "fedah", "executor": "vectorized", "rounds": 5, "partition.num_clients": 8,
+           "clients_per_round": 3}
+    full = fedskew.run(cfg, out_dir=str(tmp_path), run_name="full")
+    with pytest.raises(KeyboardInterrupt):
+        fedskew.run(cfg, out_dir=str(tmp_path), run_name="cut", on_round=crash_after(1))
+    fedskew.resume(tmp_path / "cut")
+    same_states(tmp_path / "cut", full)
+    fda = {**SMALL, "method": "pfedfda", "rounds": 3}
+    a, b = (read_checkpoint(fedskew.run(fda, out_dir=str(tmp_path), run_name=n).run_dir / "checkpoint.pt")
+            for n in ("fda-a", "fda-b"))
+    betas = [torch.stack([s["fda.beta"] for _, s in sorted(c["client_states"].items())]) for c in (a, b)]
+    assert torch.equal(*betas) and all(torch.equal(a["global_state"][k], b["global_state"][k]) for k in a["global_state"])

@@ -439,10 +439,14 @@ def lda_head(means: torch.Tensor, cov: torch.Tensor, priors: torch.Tensor) -> tu
     """The linear head of the Gaussian generative classifier with class means ``means`` [C, d], one
     shared covariance and class priors (pFedFDA, Mclaughlin et al., NeurIPS 2024, Sec. 4; the
     official ``set_lda_weights``): Sigma' = (1 - eps) Sigma + eps tr(Sigma) / d I, W = (Sigma'^-1
-    mu^T)^T by least squares, b_c = -mu_c . W_c / 2 + log pi_c."""
+    mu^T)^T, b_c = -mu_c . W_c / 2 + log pi_c. The official code solves by least squares
+    (``lstsq``); Sigma' is positive definite here (a scatter plus eps + I, or a mean of such), so
+    the exact solve (LU) gives the same W to round-off, and, unlike torch's CPU ``lstsq``, whose
+    result moved by 1e-14 from one call to the next on the same inputs, the same bits every time
+    (issue 54: two identical pFedFDA runs had betas 1e-13 apart)."""
     d = cov.shape[0]
     cov = (1 - FDA_EPS) * cov + FDA_EPS * torch.trace(cov) / d * torch.eye(d, dtype=cov.dtype)
-    w = torch.linalg.lstsq(cov, means.T).solution.T
+    w = torch.linalg.solve(cov, means.T).T
     return w, -0.5 * (means * w).sum(1) + torch.log(priors)
 
 

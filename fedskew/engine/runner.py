@@ -35,8 +35,8 @@ from fedskew.engine.durable import LOCK_NAME, STOP, FolderLock, RunInterrupted, 
 from fedskew.engine.lanes import LaneExecutor
 from fedskew.engine.local import SequentialExecutor, federated_state, load_state
 from fedskew.engine.protocol import LocalSettings, dispatch, local_budget, to_device
-from fedskew.engine.rundir import (STORAGE_ERRNOS, ClientStates, RunDir, RunResult, StorageError, default_run_dir,
-                                   environment, run_identity)
+from fedskew.engine.rundir import (STORAGE_ERRNOS, ClientStates, RunDir, RunResult, StorageError, compact,
+                                   default_run_dir, environment, run_identity)
 from fedskew.engine.tracking import Trackers, check_available
 from fedskew.engine.vectorized import VectorizedExecutor
 from fedskew.metrics import (client_means, communication, feature_stats, forgetting_record, global_metrics, mean_std,
@@ -305,7 +305,10 @@ class Experiment:
             if not math.isfinite(r.train_loss):
                 raise FloatingPointError(f"round {t + 1}: client {r.client_id}'s local loss is {r.train_loss} "
                                          f"(training diverged); {self.files.divergence_advice()}")
-            client_states[r.client_id] = to_device(r.client_state, torch.device("cpu"))
+            # each tensor in storage of its own (compact: a vectorised client's state is a slice of the
+            # stacked one), as a resume reads it back: CPU kernels round by the data's alignment, so a
+            # slice and its copy gave FedAH results 1e-8 apart after a resume (issue 54)
+            client_states[r.client_id] = compact(to_device(r.client_state, torch.device("cpu")))
         uploads = [r.upload for r in results]
         reports = [r.report for r in results]
         new_global, new_server = method.aggregate(server_state, global_state, uploads, reports)

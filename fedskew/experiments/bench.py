@@ -703,6 +703,9 @@ def board_rows(board: Board, baseline: str | None) -> tuple[list[list[str]], dic
     return rows, record
 
 
+TIME_LINE = "Wall-clock time (differs from run to run, not a result):"
+
+
 def board_summary(board: Board, baseline: str | None, record: dict[str, list[int]]) -> str:
     """The facts of a board in one generated paragraph (prose cites these, never restates them):
     leader and last by average rank, significant wins and losses against ``baseline``, the cells
@@ -735,7 +738,9 @@ def board_summary(board: Board, baseline: str | None, record: dict[str, list[int
              (f" ({', '.join(f'{m} {s}' for m, s in partial)})" if partial else "") + ".")
     if board.runs:
         took = f"{board.wall_s / 3600:.1f} h" if board.wall_s >= 3600 else f"{board.wall_s / 60:.1f} min"
-        text += f" {board.runs:,} finished runs trained for {took} in all."
+        # on a line of its own, marked: the one line of a board that differs between an interrupted
+        # and resumed bench and an uninterrupted one (issue 54), so a comparison can skip it
+        text += f"\n\n{TIME_LINE} {board.runs:,} finished runs trained for {took} in all."
     return text
 
 
