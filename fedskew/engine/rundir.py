@@ -64,7 +64,8 @@ def cpu_model() -> str:
 def environment(device: torch.device) -> dict:
     """What a result depends on beyond its config: library versions, the torch thread count (CPU
     kernels sum in another order with another count: the last digits move), the device and, in a
-    git checkout of fedskew, the commit (``+dirty`` with uncommitted changes)."""
+    git checkout of fedskew, the commit (``+dirty`` with uncommitted changes; ``FEDSKEW_GIT_COMMIT``
+    stands for it where the code is a copy without its .git, as on a lent GPU machine)."""
     import platform
     import subprocess
 
@@ -74,7 +75,9 @@ def environment(device: torch.device) -> dict:
         env["device_name"] = torch.cuda.get_device_name(device)
     env["cpu"] = cpu_model()
     source = Path(__file__).resolve().parents[2]
-    if (source / ".git").exists():
+    if os.environ.get("FEDSKEW_GIT_COMMIT"):  # a copy of the checkout without its .git (a GPU window, issue 53)
+        env["git_commit"] = os.environ["FEDSKEW_GIT_COMMIT"]
+    elif (source / ".git").exists():
         try:
             commit = subprocess.run(["git", "-C", str(source), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                                     text=True, timeout=10).stdout.strip()
