@@ -1,0 +1,248 @@
+"""One GPU window (issue 53): the prepared command a session runs first whenever it is lent a GPU.
+
+A window is 15 minutes of device time, the machine's start included, drawn by chance; this script
+is sized to finish inside 12 of them and does the most valuable thing first, each step under its own
+time limit:
+
+1. CUDA correctness: ``python -m pytest -m gpu`` (tests/test_gpu.py) -> ``gpu-tests.txt``;
+2. speed figures, ratios measured in the same call: the engine table at 10 and 100 clients, runs
+   as lanes, and one FedMR ResNet-18 round (three steps of benchmarks/gpu_suite.sh) -> ``speed.txt``;
+3. the next step of the campaign (:data:`CAMPAIGN`, by cost) that the repository's campaign folder
+   does not hold complete, with the time left: ``fedskew bench ...`` in a folder seeded from the
+   campaign folder (its finished runs are skipped), stopped by SIGINT at its limit (every run
+   checkpoints and is marked interrupted) -> ``campaign.tar.gz`` (the bench folder's results
+   database and each run's text files; no data or weights) and ``campaign.txt`` (its log).
+
+It writes ``window.json`` (card, torch, commit, each step's exit status and seconds) beside them:
+at most 6 files, within the device tool's limits. ``benchmarks/gpu_merge.py FILES_AT``, run here
+after the window, checks them and merges them into ``docs/gpu-campaign/``, so the next window, on any
+machine, goes on where this one stopped. Runs cut at the limit restart in the next window (their
+checkpoints are weights: not in the repository).
+
+Here, once a session (the device machine's Python 3.12 lacks pydantic; the data must travel)::
+
+    python benchmarks/gpu_window.py --prepare        # .whl/ and .gpu-data/ (ignored), then prints the command
+
+There, through the device tool's ``run`` with ``carry: [".whl", ".gpu-data"]``: the printed command.
+Without a CUDA device it refuses in one sentence (``--allow-cpu`` runs the mechanism on the CPU: the
+tests of tests/test_gpu_window.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CAMPAIGN_ROOT = ROOT / "docs" / "gpu-campaign"
+WHEELS = ["pydantic==2.13.4", "pydantic-core==2.46.4", "annotated-types==0.7.0", "typing-inspection==0.4.2"]
+
+# The campaign, by cost (issue 53, item 3): each step is one `fedskew bench` call, resumable across
+# windows. Its name is the folder under docs/gpu-campaign/.
+CAMPAIGN = [
+    {"step": "map-part", "about": "MAP Tables I and II (FaMnist MLPNet): FedAvg, FedRS, FedPHP, MAP, seeds 0-2",
+     "bench": ["seed-papers", "--scale", "paper", "--parts", "map", "--seeds", "0,1,2",
+               "--methods", "fedavg,fedrs,fedphp,map", "--checkpoint-every", "50"]},
+    {"step": "map-rest", "about": "MAP Tables I and II: the other methods with a published cell, seeds 0-2",
+     "bench": ["seed-papers", "--scale", "paper", "--parts", "map", "--seeds", "0,1,2", "--methods",
+               "fedprox,scaffold,perfedavg,fedrod,ditto,dittors,fedmmd,fedaws,moon,fednova,feddyn,fedrep,fedproto",
+               "--checkpoint-every", "50"]},
+    {"step": "niid-fmnist", "about": "NIID-Bench's FMNIST protocol, 4 methods x 5 partitions, seeds 0-2",
+     "bench": ["niid-bench", "--scale", "paper", "--parts", "niid-fmnist", "--seeds", "0,1,2"]},
+    {"step": "label-skew-first", "about": "the label-skew suite at paper scale: FedAvg, FedRS, FedLC, FedDecorr",
+     "bench": ["label-skew", "--scale", "paper", "--methods", "fedavg,fedrs,fedlc,feddecorr"]},
+]
+# a plan for the tests on the CPU: the same mechanism on the bundled digits
+TEST_PLAN = [{"step": "smoke-niid", "about": "niid-bench at smoke scale (digits)",
+              "bench": ["niid-bench", "--scale", "smoke", "--seeds", "0", "--methods", "fedavg,fedprox"]}]
+KEEP = (".sqlite", ".yaml", ".json", ".jsonl", ".md", ".html")  # what a campaign folder holds: text and SQLite
+
+
+def campaign_state(root: Path) -> dict:
+    path = root / "campaign.json"
+    return json.loads(path.read_text()) if path.is_file() else {"steps": {}, "windows": []}
+
+
+def next_step(plan: list[dict], root: Path) -> dict | None:
+    done = campaign_state(root)["steps"]
+    return next((s for s in plan if done.get(s["step"], {}).get("status") != "complete"), None)
+
+
+def finished(folder: Path) -> int:
+    """Finished runs in a bench folder's results databases."""
+    import sqlite3
+
+    total = 0
+    for db in folder.glob("*/results.sqlite"):
+        con = sqlite3.connect(db)
+        try:
+            total += con.execute("SELECT count(*) FROM runs WHERE status='done'").fetchone()[0]
+        except sqlite3.Error:
+            pass
+        finally:
+            con.close()
+    return total
+
+
+def run_step(cmd: list[str], limit: float, log: Path, env: dict, cwd: Path, stop=None) -> dict:
+    """``cmd`` under ``limit`` seconds, its output in ``log``; at the limit (or once ``stop()`` says
+    so) SIGINT (a bench stops after the round it is in, checkpointing), then SIGKILL 90 s later. Its
+    exit status and time."""
+    t0 = time.monotonic()
+    with open(log, "a") as out:
+        out.write(f"$ {' '.join(cmd)} (limit {limit:.0f} s)\n")
+        out.flush()
+        if limit < 5:
+            out.write("skipped: no time left\n")
+            return {"cmd": cmd, "rc": None, "seconds": 0.0, "cut": True}
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+        cut = False
+        try:
+            while stop is not None and proc.poll() is None and time.monotonic() - t0 < limit and not stop():
+                time.sleep(0.5)
+            if stop is not None and proc.poll() is None and stop():
+                raise subprocess.TimeoutExpired(cmd, limit)
+            proc.wait(timeout=max(0.0, limit - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            cut = True
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        seconds = time.monotonic() - t0
+        out.write(f"(exit {proc.returncode}, {seconds:.0f} s{', cut at its limit' if cut else ''})\n")
+    return {"cmd": cmd, "rc": proc.returncode, "seconds": round(seconds, 1), "cut": cut}
+
+
+def pack(folder: Path, target: Path) -> int:
+    """The bench folder's results database and runs' text files as one tar.gz; its size in bytes."""
+    with tarfile.open(target, "w:gz") as tar:
+        for path in sorted(folder.rglob("*")):
+            if path.is_file() and path.suffix in KEEP:
+                tar.add(path, arcname=str(path.relative_to(folder)))
+    return target.stat().st_size
+
+
+def seed(work: Path, root: Path, step: str) -> None:
+    """The work folder starts as the campaign folder of the step (its finished runs are skipped)."""
+    if (root / step).is_dir():
+        shutil.copytree(root / step, work, dirs_exist_ok=True)
+
+
+def window(out: Path, data: str | None, budget: float, plan: list[dict], root: Path, allow_cpu: bool,
+           campaign_limit: float | None = None, stop_after: int | None = None) -> int:
+    import torch
+
+    start = time.monotonic()
+    if not torch.cuda.is_available() and not allow_cpu:
+        print("gpu_window: torch sees no CUDA device here, so no window runs (it is the first command of a session "
+              "lent a GPU; --allow-cpu runs the mechanism on the CPU for its tests).", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    record = {"commit": os.environ.get("FEDSKEW_GIT_COMMIT"), "card": torch.cuda.get_device_name(0)
+              if device == "cuda" else "cpu (no CUDA: a test of the mechanism)", "torch": torch.__version__,
+              "device": device, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "steps": []}
+    left = lambda: budget - (time.monotonic() - start)  # noqa: E731
+    py = sys.executable
+    if device == "cuda":
+        record["steps"].append({"name": "gpu-tests", **run_step(
+            [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-n", "0", "tests/test_gpu.py"],
+            min(180, left() - 120), out / "gpu-tests.txt", env, ROOT)})
+        record["steps"].append({"name": "speed-engine", **run_step(
+            [py, "benchmarks/engine_speed.py", "--device", "cuda", "--precision", "fp32", "--clients", "10", "100",
+             "--models", "mlp", "tcnn", "cnnbn", "--engines", "sequential", "grouped", "padded", "--rounds", "3"],
+            min(100, left() - 120), out / "speed.txt", env, ROOT)})
+        record["steps"].append({"name": "speed-lanes", **run_step(
+            [py, "benchmarks/lanes_speed.py", "--device", "cuda", "--runs", "20", "--rounds", "5", "--repeats", "1"],
+            min(50, left() - 120), out / "speed.txt", env, ROOT)})
+        # FedMR Table 1's cost on this card (ResNet-18, a quarter of each client's data, projected):
+        # the campaign plan leaves it out while a run costs GPU-hours
+        record["steps"].append({"name": "speed-fedmr-round", **run_step(
+            [py, "benchmarks/engine_speed.py", "--device", "cuda", "--paper", "fedmr", "--paper-fraction", "0.25",
+             "--engines", "sequential", "padded", "--rounds", "2"] + (["--data", data] if data else []),
+            min(90, left() - 180), out / "speed.txt", env, ROOT)})
+    step = next_step(plan, root)
+    record["campaign_step"] = step["step"] if step else None
+    if step is not None:
+        work = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu-window-{os.getpid()}" / step["step"]
+        seed(work, root, step["step"])
+        cmd = [py, "-m", "fedskew.cli", "bench", *step["bench"], "--out", str(work), "--jobs", "4" if device == "cuda"
+               else "1"] + (["--data", data] if data else []) + (["--device", "cuda", "--executor", "vectorized",
+                                                                  "--pack", "auto"] if device == "cuda" else [])
+        limit = campaign_limit if campaign_limit is not None else left() - 60  # a minute to stop and pack
+        before = finished(work)
+        stop = (lambda: finished(work) >= before + stop_after) if stop_after else None
+        result = run_step(cmd, limit, out / "campaign.txt", env, ROOT, stop)
+        record["steps"].append({"name": f"campaign {step['step']}", **result})
+        record["campaign_complete"] = result["rc"] == 0 and not result["cut"]
+        if work.is_dir():
+            record["campaign_bytes"] = pack(work, out / "campaign.tar.gz")
+    record["seconds"] = round(time.monotonic() - start, 1)
+    (out / "window.json").write_text(json.dumps(record, indent=2))
+    print(json.dumps({k: record[k] for k in ("card", "campaign_step", "seconds")}))
+    return 0
+
+
+def prepare() -> int:
+    """Here, before the window: the wheels the device's Python 3.12 lacks, Fashion-MNIST beside the
+    code (both ignored by git, carried by the device tool), then the command to run there."""
+    exclude = ROOT / ".git" / "info" / "exclude"
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    lines = exclude.read_text().splitlines() if exclude.is_file() else []
+    exclude.write_text("\n".join(lines + [x for x in ("/.whl/", "/.gpu-data/") if x not in lines]) + "\n")
+    platforms = [a for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+                 for a in ("--platform", p)]
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                    "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(ROOT / ".whl"),
+                    *WHEELS], check=True)
+    source = ROOT.parent / "shared" / "data" / "fashion-mnist"
+    (ROOT / ".gpu-data" / "fashion-mnist").mkdir(parents=True, exist_ok=True)
+    for f in source.glob("*.gz"):
+        shutil.copy(f, ROOT / ".gpu-data" / "fashion-mnist" / f.name)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    print("device tool run, carry [\".whl\", \".gpu-data\"], timeout_s 780:\n"
+          "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
+          ".whl/*.whl && export PYTHONPATH=/tmp/site || exit; "
+          f"FEDSKEW_GIT_COMMIT={head}{'+dirty' if dirty else ''} python3 benchmarks/gpu_window.py --out $OUT "
+          "--data .gpu-data")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prepare", action="store_true", help="here: wheels and data for the device, then the command")
+    p.add_argument("--out", type=Path, help="where the window writes what comes back ($OUT there)")
+    p.add_argument("--data", help="the data folder (Fashion-MNIST's IDX files)")
+    p.add_argument("--budget", type=float, default=720.0, help="seconds for the whole window (default 720: 12 min)")
+    p.add_argument("--campaign-root", type=Path, default=CAMPAIGN_ROOT)
+    p.add_argument("--plan", choices=["campaign", "test"], default="campaign")
+    p.add_argument("--allow-cpu", action="store_true", help="run the mechanism without CUDA (tests)")
+    p.add_argument("--campaign-limit", type=float, help="seconds for the campaign step (default: what is left)")
+    p.add_argument("--stop-after", type=int, help="stop the campaign step after this many more finished runs "
+                                                  "(sizing a step; the tests' window that stops mid-run)")
+    args = p.parse_args(argv)
+    if args.prepare:
+        return prepare()
+    if args.out is None:
+        p.error("--out is required (the folder whose files come back: $OUT on the device)")
+    return window(args.out, args.data, args.budget, TEST_PLAN if args.plan == "test" else CAMPAIGN,
+                  args.campaign_root, args.allow_cpu, args.campaign_limit, args.stop_after)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
