@@ -225,13 +225,20 @@ def test_register_method_refuses_what_cannot_work(user_methods):
     with pytest.raises(ValueError, match="method name 'a b' is not allowed"):
         fedskew.register_method(type("Mine", (fedskew.Method,), {}), name="a b")
 
-    @fedskew.register_method(name="mine")
-    class Mine(fedskew.Method):
-        pass
+    def cell():  # a notebook cell: run again, it defines its class again, in the same place
+        @fedskew.register_method(name="mine")
+        class Mine(fedskew.Method):
+            pass
+        return Mine
 
-    assert fedskew.methods()["mine"] is Mine and Mine.name == "mine"
-    again = fedskew.register_method(type("Mine", (fedskew.Method,), {}), name="mine")  # a re-run notebook cell
-    assert fedskew.methods()["mine"] is again
+    first = cell()
+    assert fedskew.methods()["mine"] is first and first.name == "mine"
+    again = cell()  # the cell run again replaces its method
+    assert fedskew.methods()["mine"] is again and again is not first
+    # another class, from another place, under the same name: refused, naming both (issue 54)
+    with pytest.raises(ValueError, match=r"method name 'mine' is registered twice: by test_api\..*cell.<locals>.Mine "
+                                         r"and by test_api.Other"):
+        fedskew.register_method(type("Other", (fedskew.Method,), {}), name="mine")
     assert METHODS["fedprox"].name == "fedprox"
     fedskew.register_method(METHODS["fedprox"], name="prox_alias")  # a built-in class under a second name
     assert METHODS["fedprox"].name == "fedprox" and fedskew.methods()["prox_alias"] is METHODS["fedprox"]

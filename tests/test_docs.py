@@ -369,7 +369,7 @@ def test_the_published_entries_no_preset_runs_are_listed_as_the_code_counts_them
     from fedskew.experiments.bench import linked_entries, listing, unlinked_table
 
     text = (ROOT / "docs/leaderboard.md").read_text()
-    begin, end = "<!-- unlinked-entries: begin -->\n", "<!-- unlinked-entries: end -->"
+    begin, end = "<!-- generated unlinked-entries begin -->\n", "<!-- generated unlinked-entries end -->"
     assert text[text.index(begin) + len(begin):text.index(end)] == unlinked_table()
     rows = {(r["suite"], r["scale"]): r for r in listing()}
     assert [rows["seed-papers", s]["linked"] for s in ("smoke", "lite", "paper")] == [19, 19, 73]

@@ -251,7 +251,9 @@ def test_report_markdown_has_the_papers_layout(swept):
     best = max(means, key=lambda k: sum(means[k]) / len(means[k]))
     row = next(line for line in md.splitlines() if line.startswith("| P6C3 |"))
     cells = dict(zip(["fedavg", "fedprox"], row.strip("|").split("|")[1:]))
-    assert cells[best].strip().startswith("**")
+    # (this sweep's two seeds: nothing is bold below three, issue 54; with three the best would be)
+    assert len(means[best]) == 2 and not any(c.strip().startswith("**") for c in cells.values())
+    assert "nothing is bold with fewer than 3 seeds" in md
 
 
 def _chromium():

@@ -73,14 +73,16 @@ def test_report_labels_failed_runs_and_titles_from_the_metric(sweep_with_a_failu
     assert "Rounds to reach 95% of fedavg's best accuracy" in md
 
 
-def test_bold_marks_the_best_and_every_mean_within_the_seed_spread():
-    cells = {("P", "a"): [0.80, 0.84], ("P", "b"): [0.81, 0.82], ("P", "c"): [0.50, 0.52],
-             ("Q", "a"): [0.9, 0.9], ("Q", "b"): [0.7, 0.7]}
+def test_bold_marks_the_top_group_and_nothing_below_three_seeds():
+    cells = {("P", "a"): [0.80, 0.84, 0.82], ("P", "b"): [0.81, 0.82, 0.815], ("P", "c"): [0.50, 0.52, 0.51],
+             ("Q", "a"): [0.9, 0.9, 0.9], ("Q", "b"): [0.7, 0.7, 0.7]}
     t = build_table(cells, ["P", "Q"], ["a", "b", "c"], None)
-    # a 0.82 +- 0.028 is best; b 0.815 is closer than a's std: a tie; c is not
+    # a 0.82 is best; b 0.815 a tie by the paired test over the three seeds; c is significantly worse
     assert t["P"]["a"]["top"] and t["P"]["b"]["top"] and not t["P"]["c"]["top"]
     assert t["P"]["a"]["best"] and not t["P"]["b"]["best"]
     assert t["Q"]["a"]["top"] and not t["Q"]["b"]["top"]  # no spread: only the best
+    two = build_table({("P", "a"): [0.8879, 0.8879], ("P", "b"): [0.6522, 0.6621]}, ["P"], ["a", "b"], None)
+    assert not two["P"]["a"]["top"] and not two["P"]["b"]["top"]  # two seeds: nothing bold (issue 54)
 
 
 # ---------------------------------------------------------------------------------------------
