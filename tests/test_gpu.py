@@ -18,7 +18,7 @@ from fedskew.config import load_config
 from fedskew.engine.rundir import read_checkpoint
 from fedskew.engine.runner import Experiment, run
 from conftest import crash_after
-from test_lanes import alone, as_alone, assert_as_alone, other_run, packed
+from test_lanes import check_out_of_memory_halving, packed_as_alone
 from test_vectorized import BASE, assert_parity, base_for
 
 pytestmark = [pytest.mark.gpu,
@@ -57,16 +57,7 @@ def test_sequential_vectorised_and_packed_agree_on_cuda(tmp_path, case):
     assert vec.executor.fallback_reason is None, vec.executor.fallback_reason
     assert str(next(iter(got.global_state.values())).device).startswith("cpu")  # results come back to the host
     assert_parity(tmp_path, extra + ["executor=vectorized"], seq, got)
-    # packed lanes (two runs: another seed, lr and float options), as tests/test_lanes.py compares
-    # them: a run that amplifies round-off past 1e-3 is compared again after fewer rounds
-    for rounds in ([], ["rounds=1"], ["rounds=1", "local_epochs=1"]):
-        cases, where = [extra + rounds, other_run(extra) + rounds], tmp_path / f"packed{len(rounds)}"
-        _, results = packed(where, cases)
-        verdicts = [as_alone(where, cfg, f"alone{i}", results[i], alone(where, cfg, f"alone{i}"))
-                    for i, cfg in enumerate(cases)]
-        if "chaotic" not in verdicts:
-            break
-    assert verdicts == [None, None], verdicts
+    packed_as_alone(tmp_path / "packed", extra)  # two runs (another seed, lr and float options) as lanes
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -80,25 +71,9 @@ def test_mixed_precision_runs_finish_and_learn_on_cuda(tmp_path, precision, exec
 
 
 def test_a_pack_out_of_memory_on_cuda_halves_its_lanes(tmp_path, monkeypatch, capsys):
-    """The CPU test's fake (the first merged call of more than 5 lanes raises torch.OutOfMemoryError),
-    here with the CUDA caching allocator in the loop: the retry runs on the device it failed on."""
-    from fedskew.engine.lanes import LaneExecutor
-
-    real, raised = LaneExecutor.train_requests, []
-
-    def tight(self, requests, check=False):
-        if sum(len(r.rows) for r in requests) > 5 and not raised:
-            raised.append(1)
-            raise torch.OutOfMemoryError("CUDA out of memory (faked)")
-        return real(self, requests, check)
-
-    monkeypatch.setattr(LaneExecutor, "train_requests", tight)
-    configs = [["rounds=2"] + CUDA, ["rounds=2", "seed=1"] + CUDA]
-    pack, results = packed(tmp_path, configs)
-    assert raised and pack.max_lanes == 5 and pack.merge
-    assert "out of device memory with 10 lanes stacked" in capsys.readouterr().out
-    for i, cfg in enumerate(configs):
-        assert_as_alone(tmp_path, cfg, f"alone{i}", results[i], alone(tmp_path, cfg, f"alone{i}"))
+    """tests/test_lanes.py's check (the first merged call of more than 5 lanes raises
+    torch.OutOfMemoryError), with the CUDA caching allocator in the loop."""
+    check_out_of_memory_halving(tmp_path, monkeypatch, capsys, CUDA)
 
 
 @pytest.mark.parametrize("first,then", [("cuda", "cpu"), ("cpu", "cuda")])

@@ -103,14 +103,10 @@ def assert_as_alone(tmp_path, extra, name, got, ref):
     assert verdict is None, verdict
 
 
-@pytest.mark.parametrize("extra", PARITY)
-def test_packed_runs_equal_each_run_alone(tmp_path, extra):
-    """Every parity case of tests/test_vectorized.py (every vectorisable method): two runs differing
-    in seed, learning rate and float options, packed, each as it is alone. A run that amplifies
-    round-off past 1e-3 within the case's rounds (FedMR's paper-form intra term: a 1e-6 change of lr
-    moves its seed-1 run by 0.06 after two rounds and 7e-3 after one; FedDBE's BatchNorm case by
-    0.03 after three, measured) is compared again after one round, then after one round of one
-    epoch."""
+def packed_as_alone(tmp_path, extra):
+    """``extra`` and :func:`other_run` of it packed, each as it is alone; a pair that amplifies
+    round-off past 1e-3 is compared again after one round, then one round of one epoch. The pack,
+    its results and the rounds keys it was compared at. Also tests/test_gpu.py's, on CUDA."""
     for rounds in ([], ["rounds=1"], ["rounds=1", "local_epochs=1"]):
         cases = [extra + rounds, other_run(extra) + rounds]
         where = tmp_path / f"r{len(rounds)}"
@@ -120,6 +116,18 @@ def test_packed_runs_equal_each_run_alone(tmp_path, extra):
         if "chaotic" not in verdicts:
             break
     assert verdicts == [None, None], verdicts
+    return pack, results, rounds
+
+
+@pytest.mark.parametrize("extra", PARITY)
+def test_packed_runs_equal_each_run_alone(tmp_path, extra):
+    """Every parity case of tests/test_vectorized.py (every vectorisable method): two runs differing
+    in seed, learning rate and float options, packed, each as it is alone. A run that amplifies
+    round-off past 1e-3 within the case's rounds (FedMR's paper-form intra term: a 1e-6 change of lr
+    moves its seed-1 run by 0.06 after two rounds and 7e-3 after one; FedDBE's BatchNorm case by
+    0.03 after three, measured) is compared again after one round, then after one round of one
+    epoch."""
+    pack, results, rounds = packed_as_alone(tmp_path, extra)
     # the runs really trained side by side (no more stacked calls than one run alone makes: a stage
     # per round and chunk), except where a method's loss branches on an option's value (then one
     # call per run, as the notice says)
@@ -201,9 +209,10 @@ def test_a_resumed_run_joins_a_pack_at_its_own_round(tmp_path):
         assert_as_alone(tmp_path, e, f"alone{i}", results[i], alone(tmp_path, e, f"alone{i}"))
 
 
-def test_a_pack_out_of_memory_halves_its_lanes(tmp_path, monkeypatch, capsys):
-    """A merged call that runs out of device memory is retried with half the lanes (faked here: the
-    first merged call of more than 5 lanes raises torch.OutOfMemoryError)."""
+def check_out_of_memory_halving(tmp_path, monkeypatch, capsys, extra=()):
+    """A merged call that runs out of device memory is retried with half the lanes (faked: the first
+    merged call of more than 5 lanes raises torch.OutOfMemoryError); the runs end as they do alone.
+    Also tests/test_gpu.py's, on CUDA."""
     from fedskew.engine.lanes import LaneExecutor
 
     real, raised = LaneExecutor.train_requests, []
@@ -215,12 +224,16 @@ def test_a_pack_out_of_memory_halves_its_lanes(tmp_path, monkeypatch, capsys):
         return real(self, requests, check)
 
     monkeypatch.setattr(LaneExecutor, "train_requests", tight)
-    configs = [["rounds=2"], ["rounds=2", "seed=1"]]
+    configs = [["rounds=2", *extra], ["rounds=2", "seed=1", *extra]]
     pack, results = packed(tmp_path, configs)
     assert raised and pack.max_lanes == 5 and pack.merge
     assert "out of device memory with 10 lanes stacked" in capsys.readouterr().out
     for i, cfg in enumerate(configs):
         assert_as_alone(tmp_path, cfg, f"alone{i}", results[i], alone(tmp_path, cfg, f"alone{i}"))
+
+
+def test_a_pack_out_of_memory_halves_its_lanes(tmp_path, monkeypatch, capsys):
+    check_out_of_memory_halving(tmp_path, monkeypatch, capsys)
 
 
 # ---------------------------------------------------------------------------------------------
