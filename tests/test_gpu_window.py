@@ -4,7 +4,6 @@ merge refuses what is not this code's or not the plan's, in one sentence, writin
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
