@@ -115,12 +115,11 @@ def method_code(name: str) -> str | None:
     import hashlib
     import inspect
 
-    cls = METHODS.get(name)
-    if cls is None or name in BUILTIN:
+    if METHODS.get(name) is None or name in BUILTIN:
         return None
-    try:
-        path = inspect.getsourcefile(cls)
-        text = Path(path).read_bytes() if path and Path(path).is_file() else inspect.getsource(cls).encode()
+    source = method_source(name)
+    try:  # (a class without a file, a notebook's: its own source)
+        text = Path(source["file"]).read_bytes() if source else inspect.getsource(METHODS[name]).encode()
     except (OSError, TypeError):
         return None
     return hashlib.sha1(text).hexdigest()[:12]

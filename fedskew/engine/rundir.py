@@ -8,9 +8,10 @@ file per client and version (``<client>-<round>.pt``), written only for the clie
 changed since the checkpoint before (a round of MAP's setting trains 10 of 100 clients: a tenth of
 the bytes); ``checkpoint.pt`` names the file of every client with its SHA-256 (a file that does
 not hold those bytes, another run's, client's or round's or a damaged one, is not read: the
-checkpoint before is used), and files neither checkpoint names are removed. A tensor is written with its own bytes only (:func:`compact`: a client's slice of the
-vectorised executor's stacked state would otherwise carry every client's). Checkpoints are plain
-tensors and containers, loaded with
+checkpoint before is used), and files neither checkpoint names are removed. A tensor is written
+with its own bytes only (:func:`compact`: a client's slice of the vectorised executor's stacked
+state would otherwise carry every client's). ``run.json`` holds the run's identity (what lets
+``fedskew resume`` act on the folder). Checkpoints are plain tensors and containers, loaded with
 ``torch.load(weights_only=True)`` (nothing is unpickled); :func:`read_checkpoint` reads one whole.
 """
 
