@@ -462,28 +462,26 @@ def linked_entries(name: str, scale: str, entries: list[Entry] | None = None) ->
 
 def unlinked_table() -> str:
     """Markdown: the registry's entries that no suite links at any scale, counted by file and why
-    (docs/leaderboard.md holds it between its ``generated unlinked-entries`` markers; tests/test_docs.py checks it)."""
+    (docs/leaderboard.md holds it between its ``generated unlinked-entries`` markers;
+    tests/test_docs.py checks it)."""
     import warnings
 
     from fedskew.config import InertOptionWarning
+    from fedskew.experiments.spec import load_spec
 
     entries = load()
-    with warnings.catch_warnings():
+    run_sets: dict[str, set] = {}  # data set -> the (label, setting) pairs some preset on it runs
+    with warnings.catch_warnings():  # (an inert option is said when a run starts)
         warnings.simplefilter("ignore", InertOptionWarning)
         linked = {id(e) for name in SUITES for scale in SCALES for e in linked_entries(name, scale, entries)}
-    run_sets = {}  # data set -> the (label, setting) pairs some preset on it runs
-    for name in SUITES:
-        for scale in SCALES:
-            for paper, spec in sweeps(name, scale, "DATA").items():
-                dataset = PAPERS[paper]["reference"].get(scale)
-                if dataset is not None:
-                    from fedskew.experiments.spec import load_spec
-
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore", InertOptionWarning)
+        for name in SUITES:
+            for scale in SCALES:
+                for paper, spec in sweeps(name, scale, "DATA").items():
+                    dataset = PAPERS[paper]["reference"].get(scale)
+                    if dataset is not None:
                         loaded = load_spec(spec)
-                    run_sets.setdefault(dataset, set()).update((m.column, q) for m in loaded.methods
-                                                               for q in loaded.partitions)
+                        run_sets.setdefault(dataset, set()).update((m.column, q) for m in loaded.methods
+                                                                   for q in loaded.partitions)
     counts = Counter()
     for e in entries:
         if id(e) in linked:
