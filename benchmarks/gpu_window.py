@@ -103,7 +103,11 @@ def run_step(cmd: list[str], limit: float, log: Path, env: dict, cwd: Path, stop
         if limit < 5:
             out.write("skipped: no time left\n")
             return {"cmd": cmd, "rc": None, "seconds": 0.0, "cut": True}
+        from fedskew.engine.reaper import Reaper
+
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+        reaper = Reaper()  # the step's whole group dies with this script, however it dies
+        reaper.watch(proc.pid, group=True)
         cut = False
         try:
             while stop is not None and proc.poll() is None and time.monotonic() - t0 < limit and not stop():
@@ -119,6 +123,7 @@ def run_step(cmd: list[str], limit: float, log: Path, env: dict, cwd: Path, stop
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        reaper.close(kill=True)  # (workers the step left behind)
         seconds = time.monotonic() - t0
         out.write(f"(exit {proc.returncode}, {seconds:.0f} s{', cut at its limit' if cut else ''})\n")
     return {"cmd": cmd, "rc": proc.returncode, "seconds": round(seconds, 1), "cut": cut}
