@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sqlite3
 import subprocess
 import sys
 import tarfile
@@ -27,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_window import CAMPAIGN, CAMPAIGN_ROOT, KEEP, ROOT, TEST_PLAN, campaign_state  # noqa: E402
+from gpu_window import CAMPAIGN, CAMPAIGN_ROOT, KEEP, ROOT, TEST_PLAN, campaign_state, done_runs  # noqa: E402
 
 
 class Refused(Exception):
@@ -35,21 +34,9 @@ class Refused(Exception):
 
 
 def head_commit() -> str:
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return head + ("+dirty" if dirty else "")
+    from fedskew.engine.rundir import git_commit
 
-
-def done_runs(db_path: Path) -> set[str]:
-    if not db_path.is_file():
-        return set()
-    con = sqlite3.connect(db_path)
-    try:
-        return {r[0] for r in con.execute("SELECT run_id FROM runs WHERE status='done'")}
-    finally:
-        con.close()
+    return git_commit() or "no git commit"
 
 
 def merge(files_at: Path, root: Path, commit: str | None = None) -> str:

@@ -76,20 +76,24 @@ def next_step(plan: list[dict], root: Path) -> dict | None:
     return next((s for s in plan if done.get(s["step"], {}).get("status") != "complete"), None)
 
 
-def finished(folder: Path) -> int:
-    """Finished runs in a bench folder's results databases."""
+def done_runs(db_path: Path) -> set[str]:
+    """The ids of a results database's finished runs (none while it is absent or being created)."""
     import sqlite3
 
-    total = 0
-    for db in folder.glob("*/results.sqlite"):
-        con = sqlite3.connect(db)
-        try:
-            total += con.execute("SELECT count(*) FROM runs WHERE status='done'").fetchone()[0]
-        except sqlite3.Error:
-            pass
-        finally:
-            con.close()
-    return total
+    if not db_path.is_file():
+        return set()
+    con = sqlite3.connect(db_path)
+    try:
+        return {r[0] for r in con.execute("SELECT run_id FROM runs WHERE status='done'")}
+    except sqlite3.Error:
+        return set()
+    finally:
+        con.close()
+
+
+def finished(folder: Path) -> int:
+    """Finished runs in a bench folder's results databases."""
+    return sum(len(done_runs(db)) for db in folder.glob("*/results.sqlite"))
 
 
 def run_step(cmd: list[str], limit: float, log: Path, env: dict, cwd: Path, stop=None) -> dict:
@@ -216,14 +220,12 @@ def prepare() -> int:
     (ROOT / ".gpu-data" / "fashion-mnist").mkdir(parents=True, exist_ok=True)
     for f in source.glob("*.gz"):
         shutil.copy(f, ROOT / ".gpu-data" / "fashion-mnist" / f.name)
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
+    from fedskew.engine.rundir import git_commit
+
     print("device tool run, carry [\".whl\", \".gpu-data\"], timeout_s 600:\n"
           "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
           ".whl/*.whl && export PYTHONPATH=/tmp/site || exit; "
-          f"FEDSKEW_GIT_COMMIT={head}{'+dirty' if dirty else ''} python3 benchmarks/gpu_window.py --out $OUT "
+          f"FEDSKEW_GIT_COMMIT={git_commit()} python3 benchmarks/gpu_window.py --out $OUT "
           "--data .gpu-data")
     return 0
 

@@ -68,27 +68,35 @@ def environment(device: torch.device) -> dict:
     git checkout of fedskew, the commit (``+dirty`` with uncommitted changes; ``FEDSKEW_GIT_COMMIT``
     stands for it where the code is a copy without its .git, as on a lent GPU machine)."""
     import platform
-    import subprocess
 
     env = {"fedskew": __version__, "python": platform.python_version(), "torch": str(torch.__version__),
            "numpy": str(np.__version__), "torch_threads": torch.get_num_threads(), "device": str(device)}
     if device.type == "cuda":
         env["device_name"] = torch.cuda.get_device_name(device)
     env["cpu"] = cpu_model()
-    source = Path(__file__).resolve().parents[2]
-    if os.environ.get("FEDSKEW_GIT_COMMIT"):  # a copy of the checkout without its .git (a GPU window, issue 53)
-        env["git_commit"] = os.environ["FEDSKEW_GIT_COMMIT"]
-    elif (source / ".git").exists():
-        try:
-            commit = subprocess.run(["git", "-C", str(source), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                                    text=True, timeout=10).stdout.strip()
-            dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
-            if commit:
-                env["git_commit"] = commit + ("+dirty" if dirty else "")
-        except (OSError, subprocess.SubprocessError):
-            pass
+    # a copy of the checkout without its .git names its commit so (a GPU window, issue 53)
+    commit = os.environ.get("FEDSKEW_GIT_COMMIT") or git_commit()
+    if commit:
+        env["git_commit"] = commit
     return env
+
+
+def git_commit() -> str | None:
+    """In a git checkout of fedskew, its commit (12 digits), ``+dirty`` with uncommitted changes to
+    tracked files; None elsewhere (an installed wheel, a copy without .git)."""
+    import subprocess
+
+    source = Path(__file__).resolve().parents[2]
+    if not (source / ".git").exists():
+        return None
+    try:
+        commit = subprocess.run(["git", "-C", str(source), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+dirty" if dirty else "") if commit else None
 
 
 @dataclass(repr=False)

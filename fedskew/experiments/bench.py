@@ -810,35 +810,29 @@ def published_sections(cells: list[Cell]) -> list:
 def measured_where(name: str, scale: str, folder: Path, methods: list[str] | None = None) -> str:
     """Where the suite's finished runs (of ``methods`` only, when given) ran, from their recorded
     environments: fedskew commit, torch, CPU or GPU and torch threads, with the number of runs of each."""
-    from collections import Counter
-
-    from fedskew.experiments.selection import results_table
-
-    seen = Counter()
-    for paper in SUITES[name]["papers"]:
-        if (folder / paper / "results.sqlite").is_file():
-            for r in results_table(folder / paper):
-                if r.get("status") == "done" and (not methods or r.get("method") in methods):
-                    seen[(r.get("env/git_commit", "no git commit"), r.get("env/torch", "?"),
-                          r.get("env/device_name") or r.get("env/cpu") or r.get("env/device", "?"),
-                          r.get("env/torch_threads", "?"))] += 1
+    seen = Counter((r.get("env/git_commit", "no git commit"), r.get("env/torch", "?"),
+                    r.get("env/device_name") or r.get("env/cpu") or r.get("env/device", "?"),
+                    r.get("env/torch_threads", "?")) for r in done_rows(name, folder, methods))
     return "; ".join(f"fedskew {commit}, torch {torch}, {device}, {threads} torch thread(s) ({n:,} runs)"
                      for (commit, torch, device, threads), n in seen.most_common())
+
+
+def done_rows(name: str, folder: Path, methods: list[str] | None = None):
+    """The suite's finished runs in ``folder`` (of ``methods`` only, when given), as results rows."""
+    from fedskew.experiments.selection import results_table
+
+    for paper in SUITES[name]["papers"]:
+        if (folder / paper / "results.sqlite").is_file():
+            yield from (r for r in results_table(folder / paper)
+                        if r.get("status") == "done" and (not methods or r.get("method") in methods))
 
 
 def code_of_runs(name: str, folder: Path, methods: list[str] | None = None) -> Counter:
     """The code the suite's finished runs (of ``methods`` only, when given) ran: fedskew's commit as
     each run recorded it (``+dirty``: a working tree with uncommitted changes), or its version where
     fedskew was not a git checkout, with the number of runs of each."""
-    from fedskew.experiments.selection import results_table
-
-    seen = Counter()
-    for paper in SUITES[name]["papers"]:
-        if (folder / paper / "results.sqlite").is_file():
-            for r in results_table(folder / paper):
-                if r.get("status") == "done" and (not methods or r.get("method") in methods):
-                    seen[r.get("env/git_commit") or f"version {r.get('env/fedskew', '?')}"] += 1
-    return seen
+    return Counter(r.get("env/git_commit") or f"version {r.get('env/fedskew', '?')}"
+                   for r in done_rows(name, folder, methods))
 
 
 def mixed_code(code: Counter) -> str | None:
