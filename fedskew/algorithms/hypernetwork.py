@@ -151,24 +151,37 @@ class PFedHN(Method):
         names = [k[len(PHI):] for k in server_state if k.startswith(PHI)]
         phi = {n: server_state[PHI + n].detach().requires_grad_(True) for n in names}
         shapes = self._shapes(server_state)
-        grads = []
-        with torch.enable_grad():
-            for upload, report in zip(uploads, reports):
+
+        def gradient(upload, report) -> dict:
+            with torch.enable_grad():
                 theta = generate(phi, report.client_id, shapes, self.opt.n_hidden)
                 got = torch.autograd.grad(list(theta.values()), [phi[n] for n in names],
                                           grad_outputs=[upload[DELTA + n] for n in theta], allow_unused=True)
-                grads.append({n: torch.zeros_like(phi[n]) if g is None else g for n, g in zip(names, got)})
+            return {n: torch.zeros_like(phi[n]) if g is None else g for n, g in zip(names, got)}
+
+        grads = (gradient(u, r) for u, r in zip(uploads, reports))
         if self.opt.server_step == "mean":
-            grads = [{n: sum(g[n] for g in grads) / len(grads) for n in names}]
+            total = next(grads)
+            for grad in grads:
+                for n in names:
+                    total[n].add_(grad[n])
+            grads = iter([{n: g.div_(len(uploads)) for n, g in total.items()}])
+        # phi's heads are ~100 x |theta| floats: the steps run in place on copies of phi and its momentum,
+        # one gradient at a time, each operation the one torch.optim.SGD's formula names (bit-equal to it)
         new = dict(server_state)
+        params = {n: server_state[PHI + n].clone() for n in names}
+        moms = {n: server_state[MOMENTUM + n].clone() for n in names}
+        spare = {n: torch.empty_like(p) for n, p in params.items()}
         for grad in grads:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grad.values()]))
             scale = torch.clamp(self.opt.clip / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_
             for n in names:
-                p = new[PHI + n]
-                d = grad[n] * scale + self.opt.server_wd * p
-                m = self.opt.server_momentum * new[MOMENTUM + n] + d
-                new[PHI + n], new[MOMENTUM + n] = p - self.opt.server_lr * m, m
+                p, m, tmp = params[n], moms[n], spare[n]
+                d = grad[n].mul_(scale).add_(torch.mul(p, self.opt.server_wd, out=tmp))  # g + wd p
+                m.mul_(self.opt.server_momentum).add_(d)  # m <- momentum m + d
+                p.sub_(torch.mul(m, self.opt.server_lr, out=tmp))  # p <- p - lr m
+        new.update({PHI + n: p for n, p in params.items()})
+        new.update({MOMENTUM + n: m for n, m in moms.items()})
         return global_state, new
 
 

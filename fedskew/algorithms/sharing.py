@@ -944,7 +944,8 @@ def critical_masks(start: State, trained: State, names, tau: float) -> State:
         c = ((trained[n] - start[n]) * trained[n]).abs()
         metric = c.reshape(-1)
         k = int(tau * metric.numel())
-        thresh = torch.topk(metric, k).values[-1] if k > 0 else torch.tensor(float("inf"))
+        # the k-th largest (topk(metric, k).values[-1], by selection: a quarter of topk's time)
+        thresh = torch.kthvalue(metric, metric.numel() - k + 1).values if k > 0 else torch.tensor(float("inf"))
         if thresh <= 1e-10:
             nonzero = metric[metric > 1e-20]
             if len(nonzero):
@@ -954,8 +955,12 @@ def critical_masks(start: State, trained: State, names, tau: float) -> State:
 
 
 def overlap_matrix(masks: torch.Tensor) -> torch.Tensor:
-    """overlap[i, j] = 1 - sum |m_i - m_j| / (2 sum m_i) of clients' flattened critical masks (rows)."""
-    diff = (masks[:, None, :] - masks[None, :, :]).abs().sum(-1)
+    """overlap[i, j] = 1 - sum |m_i - m_j| / (2 sum m_i) of clients' flattened critical masks (rows).
+    For 0/1 masks sum |m_i - m_j| = sum m_i + sum m_j - 2 m_i . m_j, integers that float64 holds
+    exactly (the pairwise difference tensor was clients^2 x parameters floats)."""
+    m = masks.double()
+    sums = m.sum(1)
+    diff = (sums[:, None] + sums[None, :] - 2 * (m @ m.T)).to(masks.dtype)
     return 1 - diff / (2 * masks.sum(1, keepdim=True))
 
 
