@@ -552,3 +552,39 @@ def test_selection_ties_within_round_off_go_to_the_earlier_trial(tmp_path):
                    (json.dumps({"mu": mu}, sort_keys=True), json.dumps({"global/val_acc_mean_last10": value})))
     assert 0.3 + 0.6 < 0.9
     assert select(db, spec)[("fedprox", "default")]["params"] == {"mu": 0.01}
+
+
+def test_a_tuned_sweep_in_worker_processes_is_one_pool_and_gives_the_sequential_results(tmp_path, monkeypatch):
+    """jobs = 2 runs every method's grid, then its chosen point's other seeds, in one pool of
+    workers (issue 55: a pool per method and phase restarted the workers 148 times in the lite
+    suite, about 3 s each, with a worker idle at each phase's end): same runs, same results, same
+    choices as jobs = 1, each method's other seeds planned from its whole grid."""
+    import sqlite3
+
+    from fedskew.experiments import sweep
+
+    pools = []
+
+    class Counted(sweep.WorkerPool):
+        def __init__(self, *a, **k):
+            pools.append(self)
+            super().__init__(*a, **k)
+
+    spec = load_spec({**TINY, "methods": [{"name": "fedavg", "trials": [{"lr": 0.05}, {"lr": 0.01}]},
+                                          {"name": "fedprox", "trials": [{"mu": 0.01, "lr": 0.05}, {"mu": 0.1, "lr": 0.01}]},
+                                          {"name": "scaffold", "trials": [{"lr": 0.05}, {"lr": 0.02}]}],
+                      "seeds": [0, 1], "selection": {"split": "validation", "validation_fraction": 0.2,
+                                                     "tune_seeds": [0]}})
+    run_sweep(spec, tmp_path / "one", jobs=1).close()
+    monkeypatch.setattr(sweep, "WorkerPool", Counted)
+    run_sweep(spec, tmp_path / "two", jobs=2).close()
+    assert len(pools) == 1
+    got = {}
+    for name in ("one", "two"):
+        db = sqlite3.connect(tmp_path / name / "results.sqlite")
+        got[name] = ({r[0]: (r[1], json.loads(r[2])["global/test_acc"]) for r in
+                      db.execute("SELECT run_id, status, summary FROM runs")},
+                     sorted(db.execute("SELECT label, partition, params, value FROM selections")))
+    assert got["one"] == got["two"]
+    assert len(got["two"][0]) == 3 * (2 + 1) and {s for s, _ in got["two"][0].values()} == {"done"}
+    assert len(got["two"][1]) == 3

@@ -417,10 +417,17 @@ class WorkerPool:
                 queue.insert(0, [r])
         self.pool = self._new_pool()
 
-    def run(self, units: list[list[dict]], run_dir: dict[str, str]) -> None:
+    def run(self, units: list[list[dict]], run_dir: dict[str, str],
+            more: Callable[[], list[list[dict]]] | None = None) -> None:
+        """Run ``units``; with ``more``, asked for further units (their folders added to ``run_dir``)
+        whenever the queue is empty and a worker idle, until it gives none and nothing runs."""
         queue, suspects = list(units), set()
         try:
-            while queue or self.running:
+            while True:
+                if more is not None and not queue and len(self.running) < self.jobs:
+                    queue.extend(more())
+                if not queue and not self.running:
+                    break
                 self._fill(queue, run_dir, suspects)
                 done, _ = wait(self.running, timeout=1.0, return_when=FIRST_COMPLETED)
                 self._drain()

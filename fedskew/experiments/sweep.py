@@ -243,21 +243,25 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
     rec = _Recorder(db, runs, on_event)
     todo = rec.planned(runs, sweep_dir)
 
+    def units_for(todo: list[dict], run_dir: dict[str, str]) -> list[list[dict]]:
+        """``todo`` as units of work, in packs formed from every run the sweep knows, finished ones
+        included, so that a resumed sweep packs its unfinished runs beside the same runs as before
+        (a pack's arithmetic depends on its lanes at float round-off); their folders into ``run_dir``."""
+        run_dir.update({r["run_id"]: str(sweep_dir / "runs" / r["run_id"]) for r in todo})
+        ids = {r["run_id"] for r in todo}
+        return [u for u in ([r for r in unit if r["run_id"] in ids] for unit in packs(list(rec.by_id.values()), pack))
+                if u]
+
     def execute(todo: list[dict]) -> None:
-        """Run ``todo`` here, in worker processes or on Ray (Ray reports no rounds), in packs formed
-        from every run the sweep knows, finished ones included, so that a resumed sweep packs its
-        unfinished runs beside the same runs as before (a pack's arithmetic depends on its lanes at
-        float round-off)."""
-        run_dir = {r["run_id"]: str(sweep_dir / "runs" / r["run_id"]) for r in todo}
+        """Run ``todo`` here, in worker processes or on Ray (Ray reports no rounds)."""
+        run_dir: dict[str, str] = {}
+        units = units_for(todo, run_dir)
         if ray is not None:
             from fedskew.experiments.on_ray import run_on_ray
 
             run_on_ray(todo, {k: str(Path(v).resolve()) for k, v in run_dir.items()}, ray, spec.resources,
                        rec.started, rec.finished)
-            return
-        units = [u for u in ([r for r in unit if r["run_id"] in run_dir] for unit in packs(list(rec.by_id.values()), pack))
-                 if u]
-        if jobs <= 1:
+        elif jobs <= 1:
             run_in_process(units, run_dir, rec)
         else:
             WorkerPool(jobs, rec).run(units, run_dir)
@@ -266,8 +270,9 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
         execute(todo)
         select(db, spec)
         return db
-    # one method at a time: its grid on the tuning seeds, then its selected point of each partition on
-    # the other seeds, so that a sweep stopped half-way has whole methods
+    # method by method: its grid on the tuning seeds, then its selected point of each partition on
+    # the other seeds, so that a sweep stopped half-way has whole methods (in worker processes, at
+    # most three in part: the next method's grid fills the workers the last runs of one leave idle)
     planned = {r["run_id"] for r in runs}
     # the other seeds' runs of every (label, partition) whose grid had finished are known now: those
     # that finished before are announced at once, so that a resumed sweep's progress and ETA count them
@@ -278,11 +283,48 @@ def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, o
     for r in finished_later:
         rec.event("skipped", r)
     announced = frozenset(r["run_id"] for r in finished_later)
-    for method in spec.methods:
-        execute([r for r in todo if r["label"] == method.column])
-        chosen = select(db, spec)
+
+    def other_seeds(method) -> list[dict]:
+        """The runs of ``method``'s selected points on the other seeds (its grid has finished; the
+        choices are recorded when the sweep ends: another method's grid may be part-way)."""
+        chosen = select(db, spec, record=False)
         more = [r for r in plan(spec.model_copy(update={"methods": [method]}), chosen) if r["run_id"] not in planned]
-        execute(rec.planned(more, sweep_dir, announced))
+        return rec.planned(more, sweep_dir, announced)
+
+    if jobs <= 1 or ray is not None:
+        for method in spec.methods:
+            execute([r for r in todo if r["label"] == method.column])
+            execute(other_seeds(method))
+    else:
+        run_dir: dict[str, str] = {}
+        methods = list(spec.methods)
+        started: list[list] = []  # [method, its grid's run ids, its other seeds' run ids (None: not planned)]
+
+        def feed() -> list[list[dict]]:
+            """The pool's next units when a worker is idle: the other seeds of a method whose grid
+            has finished, else the next method's grid while at most two methods are unfinished;
+            none while the runs in flight decide what comes next."""
+            while True:
+                ended = {row[0] for row in db.execute("SELECT run_id FROM runs WHERE status IN ('done', 'failed')")}
+                work = None
+                for entry in started:
+                    if entry[2] is None and entry[1] <= ended:
+                        new = other_seeds(entry[0])
+                        entry[2] = {r["run_id"] for r in new}
+                        work = new
+                        break
+                if work is None:
+                    started[:] = [e for e in started if e[2] is None or not e[2] <= ended]
+                    if not methods or len(started) > 2:
+                        return []
+                    method = methods.pop(0)
+                    work = [r for r in todo if r["label"] == method.column]
+                    started.append([method, {r["run_id"] for r in work}, None])
+                units = units_for(work, run_dir)
+                if units:
+                    return units
+
+        WorkerPool(jobs, rec).run([], run_dir, more=feed)
     select(db, spec)
     return db
 
