@@ -588,3 +588,20 @@ def test_a_tuned_sweep_in_worker_processes_is_one_pool_and_gives_the_sequential_
     assert got["one"] == got["two"]
     assert len(got["two"][0]) == 3 * (2 + 1) and {s for s, _ in got["two"][0].values()} == {"done"}
     assert len(got["two"][1]) == 3
+
+
+def test_a_board_names_the_options_that_act_in_none_of_a_method_s_runs(tmp_path):
+    """CFL's default start_round (20) is the lite suite's rounds: no cluster ever splits, every run
+    of it is FedAvg's, and its board says so beside the cells (issue 55); a method whose runs all
+    act is not named."""
+    import warnings
+
+    from fedskew.config import InertOptionWarning
+    from fedskew.experiments.bench import inert_options
+
+    spec = load_spec({**TINY, "methods": ["fedavg", "cfl", {"name": "ghbm", "trials": [{"tau": 1}]}]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", InertOptionWarning)
+        run_sweep(spec, tmp_path / "label-skew-fmnist", jobs=1).close()
+    assert inert_options("label-skew", tmp_path) == {
+        "cfl": "start_round = 20 is not below rounds = 2: no cluster is ever split, so this run is FedAvg"}

@@ -138,7 +138,12 @@ def md_tables(text: str) -> list[dict]:
             continue
         header = [c.strip() for c in line.strip("|").split("|")]
         above = " ".join(lines[max(0, i - 6):i]).lower()
-        kind = "personalised" if "personalised" in above.split("global")[-1] else "global"
+        heading = next((h.lower() for h in reversed(lines[:i]) if h.startswith("## ")), "")
+        if heading:  # a generated board: its section's title names what it scores
+            kind = "unseen" if "held-out clients" in heading else "personalised" if "personalised" in heading \
+                else "global"
+        else:
+            kind = "personalised" if "personalised" in above.split("global")[-1] else "global"
         rows = {}
         for row in lines[i + 2:]:
             if not row.startswith("|"):
@@ -213,9 +218,10 @@ def prose_problems(prose: str, tables: list[dict]) -> list[str]:
             m = re.match(r"\S+ (?:under|in) (\S+)", plain[at:])
             return next((s for s in settings if m and m.group(1).rstrip(",.:*") == _setting_text(s)), None)
 
-        for m in re.finditer(r"(?<![\w.=/<])(\d+\.\d+)(?![\d.]*\s?(?:s\b|M\b|h\b|%|x\b|points?\b))", clause):
+        unit = r"\s?(?:s\b|M\b|h\b|%|x\b|points?\b)"  # a time, size, share or difference (also of a range a-b)
+        for m in re.finditer(rf"(?<![\w.=/<])(\d+\.\d+)(?![\d.]*{unit})(?!-\d+(?:\.\d+)?{unit})", clause):
             value, at = m.group(1), m.start()
-            if re.search(r"(p <|lr|alpha|sigma|lam|mu|beta|std|tau|=)\s*$", clause[:at][-8:]):
+            if re.search(r"(p <|lr|alpha|sigma|lam|mu|beta|std|tau|=|Section)\s*$", clause[:at][-8:]):
                 continue
             method = owner(len(_key_text(clause[:at])))
             ok = any(_matches(value, x) for t in tabs if method in t["rows"]
@@ -390,3 +396,59 @@ def test_the_readme_s_suite_run_counts_are_the_code_s():
     assert (f"{rows['seed-papers', 'paper']} runs for seed-papers, {rows['niid-bench', 'paper']} for niid-bench,\n"
             f"  {rows['label-skew', 'paper']:,} for label-skew") in board
     assert f"the command today plans {rows['label-skew', 'lite']:,} runs" in board
+
+
+def inline_table(text: str) -> dict:
+    """The hand-made tables of a piece of prose (rows '| Method | ... |'): every decimal number in a
+    method's row is one of its values (the check of a claim outside the generated boards' sections)."""
+    rows: dict = {}
+    for line in text.splitlines():
+        cells = [c.strip().strip("*") for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) > 1:
+            nums = tuple(abs(float(x)) for c in cells[1:] for x in re.findall(r"-?\d+\.\d+", c))
+            rows.setdefault(_key(cells[0]), {"cells": {}, "avg": None})["cells"][len(rows)] = nums
+    return {"kind": "published", "settings": [], "rows": rows}
+
+
+def claims_outside_the_boards(text: str, boards: list[dict]) -> list[str]:
+    """Issue 55: prose outside a board's markers (the rest of docs/leaderboard.md, README's claims)
+    is checked too, section by section (`## ` headings): a number or place it gives a method must be
+    one of that method's in a generated board, the registry or a table of the same section."""
+    problems = []
+    for section in re.split(r"\n(?=## )", text):
+        tables = [*boards, inline_table(section)]
+        problems += prose_problems(section, tables)
+    return problems
+
+
+def board_tables() -> list[dict]:
+    from fedskew.experiments.published import load
+
+    registry = {}  # a published number of the registry, cited beside its method
+    for e in load():
+        registry.setdefault(_key(e.method), []).extend(v for v in (e.value, e.spread) if v is not None)
+    tables = [t for path in sorted((ROOT / "docs/leaderboards").glob("*.md")) for t in md_tables(path.read_text())]
+    return [*tables, {"kind": "published", "settings": [],
+                      "rows": {k: {"cells": {"registry": tuple(v)}, "avg": None} for k, v in registry.items()}}]
+
+
+def test_claims_outside_the_boards_sections_agree_with_some_table():
+    """The whole of docs/leaderboard.md, and README's leaderboard claims: an audit found 7 of 9 false
+    statements outside the markers the check read before (issue 55)."""
+    doc = (ROOT / "docs/leaderboard.md").read_text()
+    outside = re.sub(r"<!-- ([\w-]+): begin -->.*?<!-- \1: end -->", "", doc, flags=re.S)
+    problems = [f"docs/leaderboard.md: {p}" for p in claims_outside_the_boards(outside, board_tables())]
+    readme = (ROOT / "README.md").read_text()
+    for name, body in re.findall(r"<!-- ([\w-]+): begin -->(.*?)<!-- \1: end -->", readme, re.S):
+        tables = md_tables((ROOT / "docs/leaderboards" / f"{name}.md").read_text())
+        problems += [f"README.md ({name}): {p}" for p in prose_problems(body, tables)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_whole_file_check_catches_a_claim_outside_the_markers():
+    boards = md_tables("global accuracy\n\n| method | S1 | S2 | avg rank | W/T/L vs fedavg |\n|---|---|---|---|---|\n"
+                       "| fedx | 70.00 +- 1.00 (#1) | 60.00 +- 1.00 (#2) | 1.50 | 1/1/0 |\n"
+                       "| fedavg | 50.00 +- 2.00 (#2) | 61.00 +- 1.00 (#1) | 1.50 | - |\n")
+    text = "## A\n\nFedX reaches 70.0 under S1.\n\n## B\n\n| FedAvg | 33.50 |\n\nFedAvg gives 33.5 here; FedX 71.2.\n"
+    problems = claims_outside_the_boards(text, boards)
+    assert len(problems) == 1 and "71.2 for fedx" in problems[0]

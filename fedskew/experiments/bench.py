@@ -835,6 +835,41 @@ def code_of_runs(name: str, folder: Path, methods: list[str] | None = None) -> C
                    for r in done_rows(name, folder, methods))
 
 
+def inert_options(name: str, folder: Path, methods: list[str] | None = None) -> dict[str, str]:
+    """Method label -> what its options switch off (``Method.inert``) in every finished run of the
+    suite in ``folder``, for the labels where each run says so (CFL's ``start_round`` at lite scale:
+    its every run is FedAvg's); a board says it beside the cells (issue 55)."""
+    import sqlite3
+    import warnings
+
+    from fedskew.algorithms import method_inert
+    from fedskew.config import InertOptionWarning, MethodConfig
+
+    said: dict[str, set] = {}
+    for paper in SUITES[name]["papers"]:
+        if not (folder / paper / "results.sqlite").is_file():
+            continue
+        db = sqlite3.connect(folder / paper / "results.sqlite")
+        try:
+            rows = db.execute("SELECT label, method, config FROM runs WHERE status='done'").fetchall()
+        finally:
+            db.close()
+        seen: dict[str, str | None] = {}
+        for label, method, config in rows:
+            if methods and method not in methods:
+                continue
+            c = json.loads(config)
+            key = json.dumps([c["method"], c["rounds"], c["partition"].get("num_clients"), c["clients_per_round"]],
+                             sort_keys=True)
+            if key not in seen:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", InertOptionWarning)
+                    seen[key] = method_inert(MethodConfig.model_validate(c["method"]), c["rounds"],
+                                             c["partition"].get("num_clients", 0), c["clients_per_round"])
+            said.setdefault(label, set()).add(seen[key])
+    return {label: next(iter(texts)) for label, texts in sorted(said.items()) if None not in texts and len(texts) == 1}
+
+
 def mixed_code(code: Counter) -> str | None:
     """One sentence when the runs do not come from one clean commit (issue 55), else None."""
     dirty = sum(n for c, n in code.items() if c.endswith("+dirty"))
@@ -875,6 +910,10 @@ def write_leaderboard(name: str, scale: str, command: str, out: str | Path | Non
     if where:
         intro.text += f" Measured with {where}; CPU results are exact to the last digit only with the same torch, " \
                       f"CPU and thread count."
+    inert = inert_options(name, folder, methods)
+    if inert:
+        intro.text += " Options that act in none of a method's runs here (`Method.inert`, generated): " + "; ".join(
+            f"{label}: {text}" for label, text in inert.items()) + "."
     sections = ([Section("Not from one clean commit", f"This board is not from one clean commit: {mixed}. "
                                                       f"`--report --strict` refuses such a board.")]
                 if mixed else []) + [intro]
