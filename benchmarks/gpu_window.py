@@ -198,6 +198,7 @@ def window(out: Path, data: str | None, budget: float, plan: list[dict], root: P
         record["campaign_complete"] = result["rc"] == 0 and not result["cut"]
         if work.is_dir():
             record["campaign_bytes"] = pack(work, out / "campaign.tar.gz")
+        shutil.rmtree(work.parent, ignore_errors=True)  # packed: the checkpoints there do not come back
     record["seconds"] = round(time.monotonic() - start, 1)
     (out / "window.json").write_text(json.dumps(record, indent=2))
     print(json.dumps({k: record[k] for k in ("card", "campaign_step", "seconds")}))

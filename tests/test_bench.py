@@ -498,6 +498,21 @@ def test_a_board_where_every_method_ties_says_so_once():
     assert "First by average rank: a (1.00); last: b (2.00)." in board_summary(board, None, {})
 
 
+def test_the_summary_counts_the_methods_that_win_and_lose():
+    """Issue 55: the prose's counts of methods winning or losing against the baseline come from the
+    generator (tests/test_docs.py checks docs/leaderboard.md against them)."""
+    from fedskew.experiments.bench import board_rows, board_summary
+
+    base = {0: 0.50, 1: 0.52, 2: 0.51}
+    shifted = lambda d: {k: v + d[k] for k, v in base.items()}  # noqa: E731
+    board = _board({("fedavg", "s"): base, ("a", "s"): shifted({0: 0.10, 1: 0.11, 2: 0.10}),
+                    ("b", "s"): shifted({0: 0.09, 1: 0.10, 2: 0.09}), ("c", "s"): shifted({0: -0.10, 1: -0.12, 2: -0.10}),
+                    ("d", "s"): shifted({0: 0.01, 1: -0.02, 2: 0.0})})
+    text = board_summary(board, "fedavg", board_rows(board, "fedavg")[1])
+    assert "Significant wins against fedavg, 2 methods (settings): a (1), b (1); significant losses, 1 method: c (1)." \
+        in text
+
+
 def test_a_cell_with_missing_seeds_is_marked_and_none_is_not_ranked():
     from fedskew.experiments.bench import board_rows
 

@@ -285,6 +285,74 @@ def test_the_leaderboard_prose_agrees_with_the_tables_it_cites():
     assert not problems, "\n".join(problems)
 
 
+COUNT_WORDS = {"no": 0, "none": 0, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7,
+               "eight": 8, "nine": 9, "ten": 10, "eleven": 11, "twelve": 12}
+
+
+def board_counts(board: str) -> dict[str, tuple[int, int]]:
+    """Per table kind of a generated board (its section titles, as :func:`md_tables` reads them):
+    the generated summary's counts of methods with a significant win, and a loss, against the
+    baseline."""
+    counts = {}
+    for section in re.split(r"\n(?=## )", board):
+        heading = section.splitlines()[0].lower()
+        got = re.search(r"Significant wins against \w+, (\d+) methods? .*?significant losses, (\d+) method", section)
+        if got:
+            kind = ("unseen" if "held-out clients" in heading else "personalised" if "personalised" in heading
+                    else "global")
+            counts.setdefault(kind, (int(got.group(1)), int(got.group(2))))
+    return counts
+
+
+def count_problems(prose: str, counts: dict[str, tuple[int, int]]) -> list[str]:
+    """Issue 55: a count of methods that win (or lose) significantly against the baseline, in a
+    sentence of the prose ('39 of the other 73 methods win significantly against it', '36 lose',
+    'no method wins significantly ... and nine lose'), must be the generated summary's count of the
+    table its sentence names ('personalised', 'unseen'; else the global one)."""
+    problems = []
+    number = r"(\d+|" + "|".join(COUNT_WORDS) + r")"
+    for sentence in re.split(r"(?<=\.)\s+(?=[A-Z*])", re.sub(r"\s+", " ", prose)):
+        low = sentence.lower()
+        if "win" not in low or "significant" not in low:
+            continue
+        kind = "unseen" if "unseen" in low else "personalised" if "personalised" in low else "global"
+        if kind not in counts:
+            continue
+        for which, pattern in ((0, rf"\b{number} (?:of the other \d+ )?methods? wins? significantly"),
+                               (1, rf"\b{number} (?:methods? )?lose")):
+            for m in re.finditer(pattern, low):
+                said = COUNT_WORDS.get(m.group(1), None)
+                said = int(m.group(1)) if said is None else said
+                if said != counts[kind][which]:
+                    problems.append(f"{said} {'win' if which == 0 else 'lose'} ({kind}; the summary says "
+                                    f"{counts[kind][which]}): {sentence[:160]}")
+    return problems
+
+
+def test_the_count_check_catches_a_wrong_count():
+    board = ("## x: global accuracy\n\nSummary (generated): Significant wins against fedavg, 2 methods (settings): "
+             "a (1), b (2); significant losses, 1 method: c (1).\n\n## x: personalised accuracy\n\nSummary "
+             "(generated): Significant wins against fedavg, 0 methods (settings): none; significant losses, 3 "
+             "methods: a (1), b (1), c (1).\n")
+    counts = board_counts(board)
+    assert counts == {"global": (2, 1), "personalised": (0, 3)}
+    assert count_problems("Two of the other 9 methods win significantly against it, one loses.", counts) == []
+    assert count_problems("No method wins significantly against the personalised FedAvg, and three lose.",
+                          counts) == []
+    assert len(count_problems("3 methods win significantly against FedAvg, 1 loses.", counts)) == 1
+    assert len(count_problems("In the personalised table 0 methods win significantly, 2 lose.", counts)) == 1
+
+
+def test_the_leaderboard_prose_counts_wins_and_losses_as_the_boards_summaries_do():
+    doc = (ROOT / "docs/leaderboard.md").read_text()
+    problems, checked = [], 0
+    for name, body in re.findall(r"<!-- ([\w-]+): begin -->(.*?)<!-- \1: end -->", doc, re.S):
+        counts = board_counts((ROOT / "docs/leaderboards" / f"{name}.md").read_text())
+        problems += [f"{name}: {p}" for p in count_problems(body, counts)]
+        checked += bool(counts)
+    assert checked and not problems, "\n".join(problems)
+
+
 def test_the_readme_counts_the_registry():
     readme = (ROOT / "README.md").read_text()
     counts = re.findall(r"any of the (\d+) names `fedskew methods` lists", readme)

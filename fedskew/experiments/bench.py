@@ -728,8 +728,9 @@ def board_summary(board: Board, baseline: str | None, record: dict[str, list[int
         text += (f"First by average rank: {', '.join(firsts)} ({ranked[0][0]:.2f}); last: {', '.join(lasts)} "
                  f"({ranked[-1][0]:.2f}).")
     if baseline:
-        text += (f" Significant wins against {baseline} (settings): {listing(wins)}; significant losses: "
-                 f"{listing(losses)}.")
+        text += (f" Significant wins against {baseline}, {len(wins)} method{'s' if len(wins) != 1 else ''} "
+                 f"(settings): {listing(wins)}; significant losses, {len(losses)} method"
+                 f"{'s' if len(losses) != 1 else ''}: {listing(losses)}.")
     text += (f" Cells whose every run failed: {len(failed)}" + (f" ({', '.join(f'{m} {s}' for m, s in failed)})"
                                                                  if failed else "") +
              f"; cells missing seeds: {len(partial)}" +
