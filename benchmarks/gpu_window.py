@@ -6,7 +6,9 @@ does the most valuable thing first, each step under its own time limit:
 
 1. CUDA correctness: ``python -m pytest -m gpu`` (tests/test_gpu.py) -> ``gpu-tests.txt``;
 2. speed figures, ratios measured in the same call: the engine table at 10 and 100 clients, runs
-   as lanes, and one FedMR ResNet-18 round (three steps of benchmarks/gpu_suite.sh) -> ``speed.txt``;
+   as lanes, the compiled step against the eager one (benchmarks/compile_speed.py: ``compile``'s
+   default waits on it) and one FedMR ResNet-18 round (three steps of benchmarks/gpu_suite.sh)
+   -> ``speed.txt``;
 3. the next step of the campaign (:data:`CAMPAIGN`, by cost) that the repository's campaign folder
    does not hold complete, with the time left: ``fedskew bench ...`` in a folder seeded from the
    campaign folder (its finished runs are skipped), stopped by SIGINT at its limit (every run
@@ -176,6 +178,10 @@ def window(out: Path, data: str | None, budget: float, plan: list[dict], root: P
         record["steps"].append({"name": "speed-lanes", **run_step(
             [py, "benchmarks/lanes_speed.py", "--device", "cuda", "--runs", "20", "--rounds", "5", "--repeats", "1"],
             min(40, left() - 150), out / "speed.txt", env, ROOT)})
+        # compile=on against the eager step (issue 53, item 2): its default waits on this number
+        record["steps"].append({"name": "speed-compile", **run_step(
+            [py, "benchmarks/compile_speed.py", "--device", "cuda", "--rounds", "5"] + (["--data", data] if data else []),
+            min(70, left() - 210), out / "speed.txt", env, ROOT)})
         # FedMR Table 1's cost on this card (ResNet-18, a quarter of each client's data, projected):
         # the campaign plan leaves it out while a run costs GPU-hours
         record["steps"].append({"name": "speed-fedmr-round", **run_step(

@@ -249,6 +249,9 @@ class RunConfig(_Strict):
     max_parallel_clients: int | None = Field(None, ge=1, description="vectorized: clients per chunk")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="training forward's compute dtype (fp32 master weights; fp16 with dynamic loss scaling)")
+    compile: Literal["off", "on", "auto"] = Field(
+        "auto", description="vectorized: torch.compile of the stacked loss (forward and backward; CUDA graphs on "
+                            "CUDA); auto is off until a measurement shows it pays (CPU: slower, docs/benchmarks.md)")
     pad_batches: bool = Field(True, description="vectorized: pad a step's batches to one size (one call per step) "
                                                 "where the method declares it exact and the model has no BatchNorm")
     final_personalization: bool = Field(True, description="train every client once from the final model")
@@ -264,6 +267,8 @@ class RunConfig(_Strict):
     _coerce = field_validator("method", "dataset", "partition", "model", mode="before")(
         lambda cls, v: _name_or_mapping(v))
     _former_keys = model_validator(mode="before")(lambda cls, data: _architecture_keys(data))
+    _compile = field_validator("compile", mode="before")(  # YAML (and the command line) read on/off as booleans
+        lambda cls, v: {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v)
     _loggers = field_validator("logger", mode="before")(  # logger=tensorboard or logger=tensorboard,wandb
         lambda cls, v: [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v)
 
@@ -331,6 +336,9 @@ class RunConfig(_Strict):
             raise ValueError(f"clients_per_round = {self.clients_per_round} exceeds partition.num_clients = "
                              f"{self.partition.num_clients}")
         self._check_held_out()
+        if self.compile == "on" and self.executor != "vectorized":
+            raise ValueError("compile = on compiles the vectorized executor's stacked step; set executor = "
+                             "vectorized, or compile = off")
         return self
 
     def _check_optimiser(self) -> None:
@@ -398,7 +406,7 @@ class RunConfig(_Strict):
 ADDED_RUN_KEYS = {"optimizer": "sgd", "adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "lr_schedule": "step",
                   "lr_decay_every": 1, "lr_min": 0.0, "stragglers": 0.0, "client_dropout": 0.0,
                   "partition.size_exponent": 0.0, "partition.partitioner": None, "partition.partitioner_options": {},
-                  "partition.held_out": 0.0}
+                  "partition.held_out": 0.0, "compile": "auto"}
 
 
 def without_added(resolved: dict, added: dict) -> dict:

@@ -198,9 +198,11 @@ def test_resume_refuses_a_folder_holding_a_config_copied_from_a_real_run(tmp_pat
     assert json.loads((d / "summary.json").read_text()) == {"mine": 1}  # untouched
     assert sorted(p.name for p in d.iterdir()) == ["config.yaml", "summary.json"]
     # the real run resumes (read back: it finished), a copy of its whole folder too
-    assert cli("resume", "real", cwd=tmp_path).returncode == 0
+    done = cli("resume", "real", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-1500:]
     shutil.copytree(tmp_path / "real", tmp_path / "copy")
-    assert cli("resume", "copy", "rounds=3", cwd=tmp_path).returncode == 0
+    done = cli("resume", "copy", "rounds=3", cwd=tmp_path)  # (it failed twice under a paused, loaded suite:
+    assert done.returncode == 0, done.stderr[-1500:]       # its stderr tells why, should it fail again)
 
 
 def test_a_checkpoint_of_another_run_is_never_taken(tmp_path):
@@ -223,6 +225,14 @@ def test_a_checkpoint_of_another_run_is_never_taken(tmp_path):
     (["method=fedfed", "method.vae_epochs=1000000000"], "method.vae_epochs = 1000000000 is not allowed"),
 ])
 def test_sizes_are_bounded_before_anything_is_allocated(tmp_path, args, text):
+    one_sentence(cli("run", *args, "rounds=1", cwd=tmp_path, timeout=120), text)
+
+
+@pytest.mark.parametrize("args, text", [
+    (["compile=sometimes"], "config key 'compile' = 'sometimes' is not allowed: Input should be 'off', 'on' or 'auto'"),
+    (["compile=on"], "compile = on compiles the vectorized executor's stacked step; set executor = vectorized"),
+])
+def test_compile_takes_off_on_or_auto_and_on_needs_the_vectorised_executor(tmp_path, args, text):
     one_sentence(cli("run", *args, "rounds=1", cwd=tmp_path, timeout=120), text)
 
 

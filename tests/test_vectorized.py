@@ -618,3 +618,24 @@ def test_lazy_client_closures_can_be_called_again():
     assert all(torch.equal(a[k], b[k]) for k in a)
     direct = bn_recalibration_fn(exp.model, x[rows], 7)(state)
     assert all(torch.equal(a[k], direct[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [["method=fedprox"], ["model=cnnbn", "model.width=4"]], ids=["fedprox", "cnnbn"])
+def test_the_compiled_step_matches_the_eager_one(tmp_path, extra, caplog):
+    """``compile=on`` (issue 53, item 2): the vectorised step's loss through torch.compile (inductor
+    on the CPU) trains what the eager step trains, to float round-off (fused kernels sum in their
+    own order), with ragged step groups and padded batches (BASE's clients differ in size), a
+    method's loss hook (FedProx) and BatchNorm buffers; every step shape compiled, none sent back to
+    eager by the recompile limit."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager = run(load_config(None, BASE + extra + ["executor=vectorized"]), tmp_path / "eager")
+    vec = Experiment(load_config(None, BASE + extra + ["executor=vectorized", "compile=on"]), tmp_path / "compiled")
+    compiled = vec.run()
+    assert vec.executor.fallback_reason is None, vec.executor.fallback_reason
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
+    assert_parity(tmp_path, extra + ["executor=vectorized"], eager, compiled)

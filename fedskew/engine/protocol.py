@@ -52,6 +52,7 @@ class LocalSettings:
     eps: float = 1e-8
     stragglers: float = 0.0  # the fraction of clients that do fewer local steps in a round (streams.straggler_steps)
     rounds: int | None = None  # the run's rounds: the final personalisation pass (round `rounds`) never straggles
+    compile: bool = False  # vectorized: the stacked loss through torch.compile (fedskew.engine.vectorized.compiled)
 
     @property
     def sgd_momentum(self) -> float:

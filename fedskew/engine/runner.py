@@ -461,7 +461,15 @@ def local_settings(cfg) -> LocalSettings:
     """How the clients of a run (``cfg`` a RunConfig) train locally."""
     return LocalSettings(cfg.local_epochs, cfg.batch_size, cfg.momentum, cfg.weight_decay, cfg.grad_clip, cfg.seed,
                          4 if cfg.dataset.augment else 0, cfg.precision, cfg.optimizer, tuple(cfg.adam_betas),
-                         cfg.adam_eps, cfg.stragglers, cfg.rounds)
+                         cfg.adam_eps, cfg.stragglers, cfg.rounds, compile_step(cfg))
+
+
+def compile_step(cfg) -> bool:
+    """Whether the vectorised step runs through torch.compile: ``compile = on``; ``auto`` is off
+    everywhere until a measurement shows that it pays (on this project's CPU a warm compiled lite
+    run took 1.10 x the eager one's time, after a compile of about 100 s: docs/benchmarks.md; on
+    CUDA it awaits a GPU window, issue 53)."""
+    return cfg.compile == "on"
 
 
 def make_executor(cfg, model, fed, method, device, pack=None):

@@ -121,6 +121,27 @@ def put(target: dict, values: dict, a: int, b: int, gi: torch.Tensor | None, add
             target[k].index_copy_(0, gi, v)
 
 
+def compiled(losses, device: torch.device):
+    """``losses`` (a vmapped loss) through ``torch.compile``: its forward and, by AOTAutograd, its
+    backward as compiled graphs (the step's ``torch.autograd.grad`` runs the compiled backward), on
+    CUDA replayed as CUDA graphs (``mode="reduce-overhead"``) to cut the host-bound step's kernel
+    launches (issue 53, item 2). The optimiser's update stays eager (``optimizer_step_``).
+
+    Every step shape compiles once: vmap reads its number of lanes in Python, so the lanes a step
+    takes (clients run out of batches at different steps) and a padded batch's rows specialise the
+    graph, and every vmapped loss shares vmap's one code object, whose recompile limit (8 by
+    default) would send the rest back to eager; ``COMPILE_SHAPES`` raises it."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILE_SHAPES)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                           4 * COMPILE_SHAPES)
+    return torch.compile(losses, mode="reduce-overhead" if device.type == "cuda" else None)
+
+
+COMPILE_SHAPES = 256  # step shapes a run's stacked loss may compile (lanes x padded rows x stage)
+
+
 @torch.no_grad()
 def apply_correction(params: State, correction: State, lr) -> None:
     """``p -= lr * correction`` (``Method.step_correction``) for the parameters it names; ``lr`` a
@@ -219,9 +240,10 @@ class VectorizedExecutor(Executor):
         when asked."""
         key = (stage, lane_payload, padded, options, masks)
         if key not in self._vmapped_losses:
-            self._vmapped_losses[key] = vmap(self._loss(stage), in_dims=(
+            f = vmap(self._loss(stage), in_dims=(
                 0, 0, 0, 0, 0 if lane_payload else None, 0, 0 if padded else None, 0 if options else None,
                 0 if masks else None))
+            self._vmapped_losses[key] = compiled(f, self.device) if self.settings.compile else f
         return self._vmapped_losses[key]
 
     def _dropout_masks(self, gens: list, members: np.ndarray, rows: np.ndarray, longest: int, passes: int
