@@ -60,20 +60,6 @@ def test_sequential_vectorised_and_packed_agree_on_cuda(tmp_path, case):
     packed_as_alone(tmp_path / "packed", extra)  # two runs (another seed, lr and float options) as lanes
 
 
-@pytest.mark.parametrize("case", ["fedavg", "cnnbn"])
-def test_the_compiled_step_matches_the_eager_one_on_cuda(tmp_path, case):
-    """``compile=on``: the stacked loss through torch.compile with CUDA graphs (``reduce-overhead``)
-    trains what the eager vectorised step trains (issue 53, item 2); the window's speed step says
-    whether it pays."""
-    extra = CASES[case] + CUDA
-    eager = run(load_config(None, base_for(extra) + extra + ["executor=vectorized"]), tmp_path / "eager")
-    vec = Experiment(load_config(None, base_for(extra) + extra + ["executor=vectorized", "compile=on"]),
-                     tmp_path / "compiled")
-    got = vec.run()
-    assert vec.executor.fallback_reason is None, vec.executor.fallback_reason
-    assert_parity(tmp_path, extra + ["executor=vectorized"], eager, got)
-
-
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("executor", ["sequential", "vectorized"])
 def test_mixed_precision_runs_finish_and_learn_on_cuda(tmp_path, precision, executor):
@@ -111,3 +97,18 @@ def test_a_checkpoint_moves_between_cuda_and_the_cpu(tmp_path, first, then):
     b = fedskew.resume(tmp_path / "copy", device=then)
     assert (tmp_path / "r" / "metrics.jsonl").read_text().startswith(before)
     assert len(a.history) == 4 and all(torch.equal(a.global_state[k], b.global_state[k]) for k in a.global_state)
+
+
+@pytest.mark.parametrize("case", ["fedavg", "cnnbn"])
+def test_the_compiled_step_matches_the_eager_one_on_cuda(tmp_path, case):
+    """``compile=on``: the stacked loss through torch.compile with CUDA graphs (``reduce-overhead``)
+    trains what the eager vectorised step trains (issue 53, item 2); the window's speed step says
+    whether it pays. Last in this file: its compilation is the slowest part of the window's test
+    step, whose limit would otherwise cut the tests after it."""
+    extra = CASES[case] + CUDA
+    eager = run(load_config(None, base_for(extra) + extra + ["executor=vectorized"]), tmp_path / "eager")
+    vec = Experiment(load_config(None, base_for(extra) + extra + ["executor=vectorized", "compile=on"]),
+                     tmp_path / "compiled")
+    got = vec.run()
+    assert vec.executor.fallback_reason is None, vec.executor.fallback_reason
+    assert_parity(tmp_path, extra + ["executor=vectorized"], eager, got)

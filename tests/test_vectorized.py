@@ -620,6 +620,15 @@ def test_lazy_client_closures_can_be_called_again():
     assert all(torch.equal(a[k], direct[k]) for k in a)
 
 
+def inductor_builds() -> str | None:
+    """Why torch.compile's CPU backend cannot build here (no C++ compiler, no Python headers), or None."""
+    try:
+        torch.compile(lambda t: t * 2 + 1)(torch.ones(3))
+    except Exception as exc:  # the environment's, not fedskew's: said in the skip
+        return f"torch.compile's inductor cannot build on this machine: {str(exc).splitlines()[0][:200]}"
+    return None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [["method=fedprox"], ["model=cnnbn", "model.width=4"]], ids=["fedprox", "cnnbn"])
 def test_the_compiled_step_matches_the_eager_one(tmp_path, extra, caplog):
@@ -630,6 +639,8 @@ def test_the_compiled_step_matches_the_eager_one(tmp_path, extra, caplog):
     eager by the recompile limit."""
     import torch._dynamo
 
+    if (why := inductor_builds()) is not None:
+        pytest.skip(why)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     eager = run(load_config(None, BASE + extra + ["executor=vectorized"]), tmp_path / "eager")
