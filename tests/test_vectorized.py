@@ -638,15 +638,21 @@ def test_the_compiled_step_matches_the_eager_one(tmp_path, extra, caplog):
     method's loss hook (FedProx) and BatchNorm buffers; every step shape compiled, none sent back to
     eager by the recompile limit."""
     import torch._dynamo
+    import torch._inductor.config
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-    if (why := inductor_builds()) is not None:
-        pytest.skip(why)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    eager = run(load_config(None, BASE + extra + ["executor=vectorized"]), tmp_path / "eager")
-    vec = Experiment(load_config(None, BASE + extra + ["executor=vectorized", "compile=on"]), tmp_path / "compiled")
-    compiled = vec.run()
-    assert vec.executor.fallback_reason is None, vec.executor.fallback_reason
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
-    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
+    # inductor's kernels go to the test's folder (removed with it), and no precompiled headers
+    # (150 MB, always in /tmp/torchinductor_USER) are left behind
+    with temporary_cache_dir(str(tmp_path / "inductor")), \
+            torch._inductor.config.patch(cpp_cache_precompile_headers=False):
+        if (why := inductor_builds()) is not None:
+            pytest.skip(why)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        eager = run(load_config(None, BASE + extra + ["executor=vectorized"]), tmp_path / "eager")
+        vec = Experiment(load_config(None, BASE + extra + ["executor=vectorized", "compile=on"]), tmp_path / "compiled")
+        compiled = vec.run()
+        assert vec.executor.fallback_reason is None, vec.executor.fallback_reason
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+        assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
     assert_parity(tmp_path, extra + ["executor=vectorized"], eager, compiled)

@@ -467,7 +467,7 @@ def local_settings(cfg) -> LocalSettings:
 def compile_step(cfg) -> bool:
     """Whether the vectorised step runs through torch.compile: ``compile = on``; ``auto`` is off
     everywhere until a measurement shows that it pays (on this project's CPU a warm compiled lite
-    run took 1.10 x the eager one's time, after a compile of about 100 s: docs/benchmarks.md; on
+    run took 1.16 x the eager one's time, after a compile of about 90 s: docs/benchmarks.md; on
     CUDA it awaits a GPU window, issue 53)."""
     return cfg.compile == "on"
 
