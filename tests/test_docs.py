@@ -128,6 +128,11 @@ def _key(name: str) -> str:
     return re.sub(r"[^a-z0-9_]", "", name.lower())
 
 
+def section_kind(heading: str) -> str:
+    """What a generated board's section scores, from its title: 'unseen', 'personalised' or 'global'."""
+    return "unseen" if "held-out clients" in heading else "personalised" if "personalised" in heading else "global"
+
+
 def md_tables(text: str) -> list[dict]:
     """Every methods x settings table of a generated leaderboard (header 'method', ..., 'avg rank'):
     its kind ('global' or 'personalised', from the lines above it) and per method its cells (mean,
@@ -140,8 +145,7 @@ def md_tables(text: str) -> list[dict]:
         above = " ".join(lines[max(0, i - 6):i]).lower()
         heading = next((h.lower() for h in reversed(lines[:i]) if h.startswith("## ")), "")
         if heading:  # a generated board: its section's title names what it scores
-            kind = "unseen" if "held-out clients" in heading else "personalised" if "personalised" in heading \
-                else "global"
+            kind = section_kind(heading)
         else:
             kind = "personalised" if "personalised" in above.split("global")[-1] else "global"
         rows = {}
@@ -298,9 +302,7 @@ def board_counts(board: str) -> dict[str, tuple[int, int]]:
         heading = section.splitlines()[0].lower()
         got = re.search(r"Significant wins against \w+, (\d+) methods? .*?significant losses, (\d+) method", section)
         if got:
-            kind = ("unseen" if "held-out clients" in heading else "personalised" if "personalised" in heading
-                    else "global")
-            counts.setdefault(kind, (int(got.group(1)), int(got.group(2))))
+            counts.setdefault(section_kind(heading), (int(got.group(1)), int(got.group(2))))
     return counts
 
 
@@ -321,8 +323,7 @@ def count_problems(prose: str, counts: dict[str, tuple[int, int]]) -> list[str]:
         for which, pattern in ((0, rf"\b{number} (?:of the other \d+ )?methods? wins? significantly"),
                                (1, rf"\b{number} (?:methods? )?lose")):
             for m in re.finditer(pattern, low):
-                said = COUNT_WORDS.get(m.group(1), None)
-                said = int(m.group(1)) if said is None else said
+                said = int(m.group(1)) if m.group(1).isdigit() else COUNT_WORDS[m.group(1)]
                 if said != counts[kind][which]:
                     problems.append(f"{said} {'win' if which == 0 else 'lose'} ({kind}; the summary says "
                                     f"{counts[kind][which]}): {sentence[:160]}")
