@@ -139,7 +139,7 @@ def test_ctrl_c_stops_a_run_with_the_resume_hint(tmp_path):
     wait_for(tmp_path / "r" / "metrics.jsonl", 1, proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130 and "Traceback" not in err
+    assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err[-2000:])  # (exit 1 once, 2026-11-28)
     assert "fedskew: interrupted; the run directory keeps the last checkpoint: `fedskew resume r` continues it." in err
     done = cli("resume", "r", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
