@@ -150,8 +150,11 @@ def seed(work: Path, root: Path, step: str) -> None:
         shutil.copytree(root / step, work, dirs_exist_ok=True)
 
 
+STEPS = ("gpu-tests", "speed-engine", "speed-lanes", "speed-compile", "speed-fedmr-round", "campaign")
+
+
 def window(out: Path, data: str | None, budget: float, plan: list[dict], root: Path, allow_cpu: bool,
-           campaign_limit: float | None = None, stop_after: int | None = None) -> int:
+           campaign_limit: float | None = None, stop_after: int | None = None, steps=STEPS) -> int:
     import torch
 
     start = time.monotonic()
@@ -168,27 +171,32 @@ def window(out: Path, data: str | None, budget: float, plan: list[dict], root: P
     left = lambda: budget - (time.monotonic() - start)  # noqa: E731
     py = sys.executable
     if device == "cuda":
-        record["steps"].append({"name": "gpu-tests", **run_step(
+        if "gpu-tests" in steps:
+            record["steps"].append({"name": "gpu-tests", **run_step(
             [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-n", "0", "tests/test_gpu.py"],
             min(150, left() - 150), out / "gpu-tests.txt", env, ROOT)})
-        record["steps"].append({"name": "speed-engine", **run_step(
+        if "speed-engine" in steps:
+            record["steps"].append({"name": "speed-engine", **run_step(
             [py, "benchmarks/engine_speed.py", "--device", "cuda", "--precision", "fp32", "--clients", "10", "100",
              "--models", "mlp", "tcnn", "cnnbn", "--engines", "sequential", "grouped", "padded", "--rounds", "3"],
             min(80, left() - 150), out / "speed.txt", env, ROOT)})
-        record["steps"].append({"name": "speed-lanes", **run_step(
+        if "speed-lanes" in steps:
+            record["steps"].append({"name": "speed-lanes", **run_step(
             [py, "benchmarks/lanes_speed.py", "--device", "cuda", "--runs", "20", "--rounds", "5", "--repeats", "1"],
             min(40, left() - 150), out / "speed.txt", env, ROOT)})
         # compile=on against the eager step (issue 53, item 2): its default waits on this number
-        record["steps"].append({"name": "speed-compile", **run_step(
+        if "speed-compile" in steps:
+            record["steps"].append({"name": "speed-compile", **run_step(
             [py, "benchmarks/compile_speed.py", "--device", "cuda", "--rounds", "5"] + (["--data", data] if data else []),
             min(70, left() - 210), out / "speed.txt", env, ROOT)})
         # FedMR Table 1's cost on this card (ResNet-18, a quarter of each client's data, projected):
         # the campaign plan leaves it out while a run costs GPU-hours
-        record["steps"].append({"name": "speed-fedmr-round", **run_step(
+        if "speed-fedmr-round" in steps:
+            record["steps"].append({"name": "speed-fedmr-round", **run_step(
             [py, "benchmarks/engine_speed.py", "--device", "cuda", "--paper", "fedmr", "--paper-fraction", "0.25",
              "--engines", "sequential", "padded", "--rounds", "2"] + (["--data", data] if data else []),
             min(60, left() - 150), out / "speed.txt", env, ROOT)})
-    step = next_step(plan, root)
+    step = next_step(plan, root) if "campaign" in steps else None
     record["campaign_step"] = step["step"] if step else None
     if step is not None:
         work = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu-window-{os.getpid()}" / step["step"]
@@ -250,13 +258,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--campaign-limit", type=float, help="seconds for the campaign step (default: what is left)")
     p.add_argument("--stop-after", type=int, help="stop the campaign step after this many more finished runs "
                                                   "(sizing a step; the tests' window that stops mid-run)")
+    p.add_argument("--steps", default=",".join(STEPS),
+                   help=f"the steps to run, comma-separated (default all, in this order: {','.join(STEPS)})")
     args = p.parse_args(argv)
+    steps = args.steps.split(",")
+    if unknown := [s for s in steps if s not in STEPS]:
+        p.error(f"--steps: {','.join(unknown)} is not a step; the steps are {','.join(STEPS)}")
     if args.prepare:
         return prepare()
     if args.out is None:
         p.error("--out is required (the folder whose files come back: $OUT on the device)")
     return window(args.out, args.data, args.budget, TEST_PLAN if args.plan == "test" else CAMPAIGN,
-                  args.campaign_root, args.allow_cpu, args.campaign_limit, args.stop_after)
+                  args.campaign_root, args.allow_cpu, args.campaign_limit, args.stop_after, steps)
 
 
 if __name__ == "__main__":
