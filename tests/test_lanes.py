@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 
 import pytest
 import torch
@@ -215,11 +216,15 @@ def check_out_of_memory_halving(tmp_path, monkeypatch, capsys, extra=()):
     Also tests/test_gpu.py's, on CUDA."""
     from fedskew.engine.lanes import LaneExecutor
 
-    real, raised = LaneExecutor.train_requests, []
+    real, raised, failed_call, alive_at_retry = LaneExecutor.train_requests, [], [], []
 
     def tight(self, requests, check=False):
+        if failed_call:  # the failed call's tensors must be freed before the retry (no traceback holds them)
+            alive_at_retry.append(failed_call[0]() is not None)
         if sum(len(r.rows) for r in requests) > 5 and not raised:
             raised.append(1)
+            stacked = torch.empty(1000)  # what the failed call had built; its frame holds it
+            failed_call.append(weakref.ref(stacked))
             raise torch.OutOfMemoryError("CUDA out of memory (faked)")
         return real(self, requests, check)
 
@@ -227,6 +232,7 @@ def check_out_of_memory_halving(tmp_path, monkeypatch, capsys, extra=()):
     configs = [["rounds=2", *extra], ["rounds=2", "seed=1", *extra]]
     pack, results = packed(tmp_path, configs)
     assert raised and pack.max_lanes == 5 and pack.merge
+    assert alive_at_retry and not any(alive_at_retry), "the retry ran while the failed call's tensors were held"
     assert "out of device memory with 10 lanes stacked" in capsys.readouterr().out
     for i, cfg in enumerate(configs):
         assert_as_alone(tmp_path, cfg, f"alone{i}", results[i], alone(tmp_path, cfg, f"alone{i}"))
@@ -234,6 +240,32 @@ def check_out_of_memory_halving(tmp_path, monkeypatch, capsys, extra=()):
 
 def test_a_pack_out_of_memory_halves_its_lanes(tmp_path, monkeypatch, capsys):
     check_out_of_memory_halving(tmp_path, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("entry", ["execute_run", "execute_pack"])
+def test_a_worker_hands_its_cached_device_memory_back_once_its_runs_are_gone(tmp_path, monkeypatch, entry):
+    """Workers share one GPU: after a run or a pack, ``torch.cuda.empty_cache`` runs once the runs'
+    models are freed (a GPU window's idle workers held 33 GiB each, and the next pack ran out of
+    memory at one lane). CUDA is faked as initialised; empty_cache records what was still alive."""
+    from fedskew.experiments import pool
+
+    models, alive_at_release, real_run = [], [], Experiment.run
+
+    def run_and_watch(self, *args, **kwargs):
+        models.append(weakref.ref(self.model))
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(Experiment, "run", run_and_watch)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: alive_at_release.append([m() is not None for m in models]))
+    configs = [dict(load_config(None, vec([]) + ["rounds=1", f"seed={i}"]).model_dump(mode="json")) for i in (0, 1)]
+    if entry == "execute_run":
+        summary, _, _ = pool.execute_run(configs[0], str(tmp_path / "run"))
+        assert "global/test_acc" in summary
+    else:
+        outcomes = pool.execute_pack(configs, [str(tmp_path / "a"), str(tmp_path / "b")])
+        assert [o[0] for o in outcomes] == ["done", "done"]
+    assert alive_at_release == [[False] * len(models)] and models
 
 
 # ---------------------------------------------------------------------------------------------

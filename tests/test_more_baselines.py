@@ -2171,6 +2171,10 @@ def test_pfedfda_head_is_the_shared_covariance_gaussian_classifier():
     want = torch.linalg.inv(shrunk) @ mu.T
     torch.testing.assert_close(w, want.T)
     torch.testing.assert_close(b, -0.5 * torch.diag(mu @ want) + pi.log())
+    # statistics on the run's device, priors (the client's counts) on the host: the head is built on
+    # the statistics' device (the meta device stands in for CUDA; a GPU window found the mix failing)
+    w, b = lda_head(mu.to("meta"), cov.to("meta"), pi)
+    assert w.device.type == b.device.type == "meta" and w.shape == (2, 2) and b.shape == (2,)
 
 
 def test_pfedfda_statistics_and_beta(tmp_path):

@@ -445,9 +445,9 @@ def lda_head(means: torch.Tensor, cov: torch.Tensor, priors: torch.Tensor) -> tu
     result moved by 1e-14 from one call to the next on the same inputs, the same bits every time
     (issue 54: two identical pFedFDA runs had betas 1e-13 apart)."""
     d = cov.shape[0]
-    cov = (1 - FDA_EPS) * cov + FDA_EPS * torch.trace(cov) / d * torch.eye(d, dtype=cov.dtype)
+    cov = (1 - FDA_EPS) * cov + FDA_EPS * torch.trace(cov) / d * torch.eye(d, dtype=cov.dtype, device=cov.device)
     w = torch.linalg.solve(cov, means.T).T
-    return w, -0.5 * (means * w).sum(1) + torch.log(priors)
+    return w, -0.5 * (means * w).sum(1) + torch.log(priors.to(means.device))  # (priors: the host's counts)
 
 
 def gaussian_mle(z: torch.Tensor, y: torch.Tensor, global_means: torch.Tensor, min_samples: int,

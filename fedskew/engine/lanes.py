@@ -337,10 +337,18 @@ class Pack:
             if not (self.merge and len(chunk) > 1):
                 self._alone(chunk)
                 continue
-            stage = signature(chunk[0].request)
+            stage, out_of_memory = signature(chunk[0].request), False
             try:
                 outs = chunk[0].experiment.executor.train_requests([s.request for s in chunk], stage not in self.checked)
             except torch.OutOfMemoryError:
+                out_of_memory = True  # retried below: here the error's traceback still holds the failed call's tensors
+            except (RuntimeError, ValueError, NotImplementedError) as exc:
+                self.merge = False
+                self.reason = str(exc).splitlines()[0][:200]
+                print(f"fedskew: the runs of a pack train one call per run from here: {self.reason}", flush=True)
+                self._alone(chunk)
+                continue
+            if out_of_memory:
                 lanes = sum(len(s.request.rows) for s in chunk)
                 self.max_lanes = max(1, lanes // 2)
                 if torch.cuda.is_available():
@@ -348,12 +356,6 @@ class Pack:
                 print(f"fedskew: out of device memory with {lanes} lanes stacked; packs continue with at most "
                       f"{self.max_lanes} lanes a call.", flush=True)
                 self._train(chunk)
-                continue
-            except (RuntimeError, ValueError, NotImplementedError) as exc:
-                self.merge = False
-                self.reason = str(exc).splitlines()[0][:200]
-                print(f"fedskew: the runs of a pack train one call per run from here: {self.reason}", flush=True)
-                self._alone(chunk)
                 continue
             self.calls += 1
             self.checked.add(stage)
