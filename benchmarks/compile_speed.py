@@ -51,6 +51,7 @@ def main() -> None:
                 res = run(load_config(None, keys(args) + [f"compile={mode}"]), Path(tmp) / f"{mode}{rep}")
                 times[mode].append(time.perf_counter() - t)
                 states[mode] = res.global_state
+                print(f"compile={mode}, run {rep + 1}: {times[mode][-1]:.2f} s", flush=True)  # (what a cut step keeps)
     diff = max((states["off"][k] - v).abs().max().item() for k, v in states["on"].items() if v.is_floating_point())
     where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu, 1 torch thread"
     print(f"compile_speed ({where}, torch {torch.__version__}, {'lite label-skew MLP' if args.data else 'digits'}, "

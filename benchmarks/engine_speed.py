@@ -132,21 +132,27 @@ def build(engine: str, overrides: list[str]):
     return Bare(exp) if engine == "bare" else Engine(exp)
 
 
-def time_engines(overrides: list[str], engines: list[str], rounds: int) -> tuple[dict, Experiment]:
-    """Median seconds per round of each engine (interleaved), and one engine's experiment."""
+def time_engines(overrides: list[str], engines: list[str], rounds: int, log=None) -> tuple[dict, Experiment]:
+    """Median seconds per round of each engine (interleaved), and one engine's experiment; ``log``
+    gets each round's time as it is measured (what a cut run still reports)."""
     built = {e: build(e, overrides) for e in engines}
     exp = list(built.values())[-1].exp  # the last engine's (vectorised, when timed)
     cfg, n = exp.cfg, exp.fed.num_clients
     per_round = cfg.clients_per_round if isinstance(cfg.clients_per_round, int) else n
     picks = [sample_clients(cfg.seed, t, n, min(per_round, n)) for t in range(rounds + 1)]
-    for eng in built.values():  # warm-up: first-call costs (allocations, the padding check)
+    for name, eng in built.items():  # warm-up: first-call costs (allocations, the padding check)
+        t0 = time.perf_counter()
         eng.round(0, picks[0], cfg.lr)
+        if log:
+            log(f"  {name}: warm-up round {time.perf_counter() - t0:.2f} s")
     times = {e: [] for e in built}
     for t in range(1, rounds + 1):
         for name, eng in built.items():
             t0 = time.perf_counter()
             eng.round(t, picks[t], cfg.lr)
             times[name].append(time.perf_counter() - t0)
+            if log:
+                log(f"  {name}: round {t} {times[name][-1]:.3f} s")
     return {k: statistics.median(v) for k, v in times.items()}, exp
 
 
@@ -307,7 +313,7 @@ def paper_table(args):
         elif args.paper_fraction < 1:
             overrides.append(f"dataset.train_subsample={args.paper_fraction}")
         engines = [e for e in args.engines if e != "flower" and not (e == "bare" and "method=map" in overrides)]
-        med, exp = time_engines(overrides, engines, args.rounds)
+        med, exp = time_engines(overrides, engines, args.rounds, log=lambda line: print(line, flush=True))
         pad = getattr(exp.executor, "padded", None)
         print(f"\n{name}{note}: {exp.fed.num_clients} clients, {exp.cfg.clients_per_round} per round, "
               f"{len(exp.fed.data.y_train)} training samples, model {exp.cfg.model.name}, method {exp.cfg.method.name}")

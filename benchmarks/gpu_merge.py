@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_window import CAMPAIGN, CAMPAIGN_ROOT, KEEP, ROOT, TEST_PLAN, campaign_state, done_runs  # noqa: E402
+from gpu_window import CAMPAIGN, CAMPAIGN_ROOT, KEEP, ROOT, SPEED, TEST_PLAN, campaign_state, done_runs  # noqa: E402
 
 
 class Refused(Exception):
@@ -45,17 +45,27 @@ def merge(files_at: Path, root: Path, commit: str | None = None) -> str:
         raise Refused(f"'{files_at}' holds no window.json: it is not what benchmarks/gpu_window.py writes.")
     record = json.loads(record_path.read_text())
     commit = commit or head_commit()
-    if record.get("commit") != commit:
+    ran = record.get("commit") or ""
+    if not (len(ran) >= 7 and (ran.startswith(commit) or commit.startswith(ran))):  # (full or short hashes)
         raise Refused(f"the window ran commit {record.get('commit')!r} and this checkout is {commit!r}: its runs are "
                       f"not this code's, so nothing is merged (check out that commit, or run a new window).")
     plan = {s["step"]: s for s in CAMPAIGN + TEST_PLAN}
     step = record.get("campaign_step")
     summary = [f"window on {record.get('card')} ({record.get('seconds')} s)"]
-    stamp = record.get("started", "")[:10] + "-" + "".join(c if c.isalnum() else "-" for c in record.get("card", ""))[:40]
+    started = record.get("started", "")  # (two windows of one day and card: the minute tells them apart)
+    card = "".join(c if c.isalnum() else "-" for c in record.get("card", ""))[:40]
+    stamp = f"{started[:10]}-{started[11:16].replace(':', '')}-{card}"
     tarball = files_at / "campaign.tar.gz"
     if step is not None and step not in plan:
         raise Refused(f"the window ran campaign step {step!r}, which is not in the plan "
                       f"({', '.join(plan)}); nothing is merged.")
+    state = campaign_state(root)
+    if any(w.get("started") == started and w.get("commit") == record.get("commit") for w in state["windows"]):
+        raise Refused(f"the window of {started} ({record.get('commit')}) is merged already; nothing is merged again.")
+    state["windows"].append({k: record.get(k) for k in ("started", "card", "commit", "seconds", "campaign_step")})
+    for s in record.get("steps", []):  # a speed step brought back whole is left out of later windows
+        if s["name"] in SPEED and s.get("rc") == 0 and not s.get("cut"):
+            state.setdefault("measured", {})[s["name"]] = {k: record.get(k) for k in ("started", "card", "commit")}
     if step is not None and tarball.is_file():
         suite = plan[step]["bench"][0]
         scale = plan[step]["bench"][plan[step]["bench"].index("--scale") + 1]
@@ -82,17 +92,16 @@ def merge(files_at: Path, root: Path, commit: str | None = None) -> str:
             if target.exists():
                 shutil.rmtree(target)
             shutil.copytree(got, target)
-        state = campaign_state(root)
         status = "complete" if record.get("campaign_complete") else "partial"
         state["steps"][step] = {"status": status, "about": plan[step]["about"]}
-        state["windows"].append({k: record.get(k) for k in ("started", "card", "commit", "seconds", "campaign_step")})
-        (root / "campaign.json").write_text(json.dumps(state, indent=2) + "\n")
         done = sum(len(done_runs(db)) for db in target.glob("*/results.sqlite"))
         summary.append(f"campaign step {step}: {status}, {done} finished runs in {target}")
         rebuilt = subprocess.run([sys.executable, "-m", "fedskew.cli", "bench", suite, "--scale", scale, "--out",
                                   str(target), "--report"], capture_output=True, text=True, cwd=ROOT)
         summary.append(f"leaderboard: {target / 'leaderboard.md'}" if rebuilt.returncode == 0 else
                        f"leaderboard not rebuilt: {rebuilt.stderr.strip()[-300:]}")
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "campaign.json").write_text(json.dumps(state, indent=2) + "\n")
     runs_dir = root.parent / "gpu-runs"
     for name in ("gpu-tests.txt", "speed.txt"):
         if (files_at / name).is_file():

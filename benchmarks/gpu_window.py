@@ -1,19 +1,21 @@
 """One GPU window (issue 53): the prepared command a session runs first whenever it is lent a GPU.
 
 A window is 15 minutes of device time, the machine's start included, drawn by chance, and one
-device call runs at most 10 minutes; this script is sized to finish inside 9 (``--budget 540``) and
-does the most valuable thing first, each step under its own time limit:
+device call runs at most 10 minutes; this script is sized to finish inside 9 (``--budget 540``),
+each step under its own time limit:
 
-1. CUDA correctness: ``python -m pytest -m gpu`` (tests/test_gpu.py) -> ``gpu-tests.txt``;
-2. speed figures, ratios measured in the same call: the engine table at 10 and 100 clients, runs
-   as lanes, the compiled step against the eager one (benchmarks/compile_speed.py: ``compile``'s
-   default waits on it) and one FedMR ResNet-18 round (three steps of benchmarks/gpu_suite.sh)
-   -> ``speed.txt``;
-3. the next step of the campaign (:data:`CAMPAIGN`, by cost) that the repository's campaign folder
-   does not hold complete, with the time left: ``fedskew bench ...`` in a folder seeded from the
-   campaign folder (its finished runs are skipped), stopped by SIGINT at its limit (every run
-   checkpoints and is marked interrupted) -> ``campaign.tar.gz`` (the bench folder's results
-   database and each run's text files; no data or weights) and ``campaign.txt`` (its log).
+1. speed figures (:data:`SPEED`), each step alone on the card, ratios measured in the same call:
+   the engine table at 10 and 100 clients, runs as lanes, the compiled step against the eager one
+   (benchmarks/compile_speed.py: ``compile``'s CUDA default waits on it) and one FedMR ResNet-18
+   round -> ``speed.txt``. A step an earlier window brought back whole is left out
+   (:func:`default_steps`);
+2. then, side by side: CUDA correctness, ``python -m pytest -m gpu`` (tests/test_gpu.py) in a
+   thread -> ``gpu-tests.txt``; and the next step of the campaign (:data:`CAMPAIGN`, by cost) that
+   the repository's campaign folder does not hold complete, with the time left: ``fedskew bench
+   ...`` in a folder seeded from the campaign folder (its finished runs are skipped), stopped by
+   SIGINT at its limit (every run checkpoints and is marked interrupted) -> ``campaign.tar.gz``
+   (the bench folder's results database and each run's text files; no data or weights) and
+   ``campaign.txt`` (its log).
 
 It writes ``window.json`` (card, torch, commit, each step's exit status and seconds) beside them:
 at most 6 files, within the device tool's limits. ``benchmarks/gpu_merge.py FILES_AT``, run here
@@ -23,9 +25,10 @@ checkpoints are weights: not in the repository).
 
 Here, once a session (the device machine's Python 3.12 lacks pydantic; the data must travel)::
 
-    python benchmarks/gpu_window.py --prepare        # .whl/ and .gpu-data/ (ignored), then prints the command
+    python benchmarks/gpu_window.py --prepare        # .whl/ and .gpu-data/ (ignored), then prints the commands
 
-There, through the device tool's ``run`` with ``carry: [".whl", ".gpu-data"]``: the printed command.
+There, through the device tool's ``run`` with ``carry: [".whl", ".gpu-data"]``: the printed command,
+then at once the second one (``--steps campaign``) with the device time left.
 Without a CUDA device it refuses in one sentence (``--allow-cpu`` runs the mechanism on the CPU: the
 tests of tests/test_gpu_window.py).
 """
@@ -44,6 +47,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # fedskew from this checkout (the device machine has it nowhere else)
 CAMPAIGN_ROOT = ROOT / "docs" / "gpu-campaign"
 WHEELS = ["pydantic==2.13.4", "pydantic-core==2.46.4", "annotated-types==0.7.0", "typing-inspection==0.4.2"]
 
@@ -150,11 +154,40 @@ def seed(work: Path, root: Path, step: str) -> None:
         shutil.copytree(root / step, work, dirs_exist_ok=True)
 
 
-STEPS = ("gpu-tests", "speed-engine", "speed-lanes", "speed-compile", "speed-fedmr-round", "campaign")
+# The speed steps: (arguments after the interpreter, seconds at most). Each runs alone (nothing else
+# on the card) and, once a window has brought it back whole, is left out of later windows
+# (campaign.json's "measured"; --steps names it to measure it again).
+SPEED = {
+    "speed-engine": (["benchmarks/engine_speed.py", "--device", "cuda", "--precision", "fp32", "--clients", "10", "100",
+                      "--models", "mlp", "tcnn", "cnnbn", "--engines", "sequential", "grouped", "padded",
+                      "--rounds", "3"], 80),
+    "speed-lanes": (["benchmarks/lanes_speed.py", "--device", "cuda", "--runs", "20", "--rounds", "5",
+                     "--repeats", "1"], 40),
+    # compile=on against the eager step (item 2): its CUDA default waits on this number. The first
+    # window cut it at 51 s, in its first compilation.
+    "speed-compile": (["benchmarks/compile_speed.py", "--device", "cuda", "--rounds", "5"], 180),
+    # FedMR Table 1's cost on this card (ResNet-18, a tenth of each client's data, projected; the
+    # first window cut a quarter's two rounds at 58 s): the plan leaves FedMR out while a run costs
+    # GPU-hours
+    "speed-fedmr-round": (["benchmarks/engine_speed.py", "--device", "cuda", "--paper", "fedmr", "--paper-fraction",
+                           "0.1", "--engines", "sequential", "padded", "--rounds", "1"], 120),
+}
+STEPS = ("gpu-tests", *SPEED, "campaign")
+
+
+def default_steps(root: Path) -> list[str]:
+    """Every step but the speed steps an earlier window measured whole."""
+    measured = campaign_state(root).get("measured", {})
+    return [s for s in STEPS if s not in measured]
 
 
 def window(out: Path, data: str | None, budget: float, plan: list[dict], root: Path, allow_cpu: bool,
            campaign_limit: float | None = None, stop_after: int | None = None, steps=STEPS) -> int:
+    """The speed steps first, each alone on the card; then the CUDA tests in a thread beside the
+    campaign step (the tests use a sliver of the card: the first window ran them alone for 157 s,
+    and 9 of its 12 campaign runs finished only in a second call)."""
+    import threading
+
     import torch
 
     start = time.monotonic()
@@ -170,32 +203,18 @@ def window(out: Path, data: str | None, budget: float, plan: list[dict], root: P
               "device": device, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "steps": []}
     left = lambda: budget - (time.monotonic() - start)  # noqa: E731
     py = sys.executable
+    tests, tests_done = {}, None
     if device == "cuda":
-        if "gpu-tests" in steps:
-            record["steps"].append({"name": "gpu-tests", **run_step(
-            [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-n", "0", "tests/test_gpu.py"],
-            min(150, left() - 150), out / "gpu-tests.txt", env, ROOT)})
-        if "speed-engine" in steps:
-            record["steps"].append({"name": "speed-engine", **run_step(
-            [py, "benchmarks/engine_speed.py", "--device", "cuda", "--precision", "fp32", "--clients", "10", "100",
-             "--models", "mlp", "tcnn", "cnnbn", "--engines", "sequential", "grouped", "padded", "--rounds", "3"],
-            min(80, left() - 150), out / "speed.txt", env, ROOT)})
-        if "speed-lanes" in steps:
-            record["steps"].append({"name": "speed-lanes", **run_step(
-            [py, "benchmarks/lanes_speed.py", "--device", "cuda", "--runs", "20", "--rounds", "5", "--repeats", "1"],
-            min(40, left() - 150), out / "speed.txt", env, ROOT)})
-        # compile=on against the eager step (issue 53, item 2): its default waits on this number
-        if "speed-compile" in steps:
-            record["steps"].append({"name": "speed-compile", **run_step(
-            [py, "benchmarks/compile_speed.py", "--device", "cuda", "--rounds", "5"] + (["--data", data] if data else []),
-            min(70, left() - 210), out / "speed.txt", env, ROOT)})
-        # FedMR Table 1's cost on this card (ResNet-18, a quarter of each client's data, projected):
-        # the campaign plan leaves it out while a run costs GPU-hours
-        if "speed-fedmr-round" in steps:
-            record["steps"].append({"name": "speed-fedmr-round", **run_step(
-            [py, "benchmarks/engine_speed.py", "--device", "cuda", "--paper", "fedmr", "--paper-fraction", "0.25",
-             "--engines", "sequential", "padded", "--rounds", "2"] + (["--data", data] if data else []),
-            min(60, left() - 150), out / "speed.txt", env, ROOT)})
+        for name, (args, limit) in SPEED.items():
+            if name in steps:
+                extra = ["--data", data] if data and name in ("speed-compile", "speed-fedmr-round") else []
+                record["steps"].append({"name": name, **run_step([py, *args, *extra], min(limit, left() - 150),
+                                                                 out / "speed.txt", env, ROOT)})
+    if "gpu-tests" in steps:  # (on the CPU, with --allow-cpu, its tests skip: the mechanism's test)
+        cmd = [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-n", "0", "tests/test_gpu.py"]
+        tests_done = threading.Thread(target=lambda: tests.update(run_step(cmd, left() - 45, out / "gpu-tests.txt",
+                                                                          env, ROOT)))
+        tests_done.start()
     step = next_step(plan, root) if "campaign" in steps else None
     record["campaign_step"] = step["step"] if step else None
     if step is not None:
@@ -213,6 +232,9 @@ def window(out: Path, data: str | None, budget: float, plan: list[dict], root: P
         if work.is_dir():
             record["campaign_bytes"] = pack(work, out / "campaign.tar.gz")
         shutil.rmtree(work.parent, ignore_errors=True)  # packed: the checkpoints there do not come back
+    if tests_done is not None:
+        tests_done.join()
+        record["steps"].insert(len(record["steps"]) - (step is not None), {"name": "gpu-tests", **tests})
     record["seconds"] = round(time.monotonic() - start, 1)
     (out / "window.json").write_text(json.dumps(record, indent=2))
     print(json.dumps({k: record[k] for k in ("card", "campaign_step", "seconds")}))
@@ -222,6 +244,13 @@ def window(out: Path, data: str | None, budget: float, plan: list[dict], root: P
 def prepare() -> int:
     """Here, before the window: the wheels the device's Python 3.12 lacks, Fashion-MNIST beside the
     code (both ignored by git, carried by the device tool), then the command to run there."""
+    from fedskew.engine.rundir import git_commit
+
+    commit = git_commit()
+    if not commit or commit.endswith("+dirty"):
+        print(f"gpu_window: the checkout is {commit or 'not a git commit'}; commit first, so that the window's runs "
+              "are one commit's and its files merge.", file=sys.stderr)
+        return 2
     exclude = ROOT / ".git" / "info" / "exclude"
     exclude.parent.mkdir(parents=True, exist_ok=True)
     lines = exclude.read_text().splitlines() if exclude.is_file() else []
@@ -235,13 +264,13 @@ def prepare() -> int:
     (ROOT / ".gpu-data" / "fashion-mnist").mkdir(parents=True, exist_ok=True)
     for f in source.glob("*.gz"):
         shutil.copy(f, ROOT / ".gpu-data" / "fashion-mnist" / f.name)
-    from fedskew.engine.rundir import git_commit
-
-    print("device tool run, carry [\".whl\", \".gpu-data\"], timeout_s 600:\n"
-          "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
-          ".whl/*.whl && export PYTHONPATH=/tmp/site || exit; "
-          f"FEDSKEW_GIT_COMMIT={git_commit()} python3 benchmarks/gpu_window.py --out $OUT "
-          "--data .gpu-data")
+    setup = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
+             f".whl/*.whl && export PYTHONPATH=/tmp/site || exit; FEDSKEW_GIT_COMMIT={commit} python3 "
+             "benchmarks/gpu_window.py --out $OUT --data .gpu-data")
+    print("device tool run, carry [\".whl\", \".gpu-data\"], timeout_s 600:\n" + setup + "\n\n"
+          "then, at once (the machine is warm; the first call holds it about 590 s of the 900), carry the same, "
+          "timeout_s 260 (the campaign goes on; merge each call's files, the first's first):\n" + setup +
+          " --steps campaign --budget 230")
     return 0
 
 
@@ -258,10 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--campaign-limit", type=float, help="seconds for the campaign step (default: what is left)")
     p.add_argument("--stop-after", type=int, help="stop the campaign step after this many more finished runs "
                                                   "(sizing a step; the tests' window that stops mid-run)")
-    p.add_argument("--steps", default=",".join(STEPS),
-                   help=f"the steps to run, comma-separated (default all, in this order: {','.join(STEPS)})")
+    p.add_argument("--steps", help=f"the steps to run, comma-separated, of {','.join(STEPS)} (default: all but the "
+                                   "speed steps an earlier window measured whole)")
     args = p.parse_args(argv)
-    steps = args.steps.split(",")
+    steps = args.steps.split(",") if args.steps else default_steps(args.campaign_root)
     if unknown := [s for s in steps if s not in STEPS]:
         p.error(f"--steps: {','.join(unknown)} is not a step; the steps are {','.join(STEPS)}")
     if args.prepare:

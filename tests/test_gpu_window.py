@@ -52,6 +52,8 @@ def test_a_window_stopped_mid_run_is_merged_and_the_next_one_finishes_to_the_uni
     record = json.loads((tmp_path / "w1" / "window.json").read_text())
     assert record["campaign_step"] == "smoke-niid" and not record["campaign_complete"], record
     assert record["steps"][-1]["cut"]  # stopped by SIGINT while runs were left
+    tests = [s for s in record["steps"] if s["name"] == "gpu-tests"]  # beside the campaign, in a thread
+    assert tests and tests[0]["rc"] == 0 and "(exit 0" in (tmp_path / "w1" / "gpu-tests.txt").read_text()
     assert len(list((tmp_path / "w1").iterdir())) <= 8  # the device tool's limit on files back
     merged = merge(tmp_path / "w1", root)
     assert merged.returncode == 0, merged.stderr[-2000:]
@@ -84,3 +86,33 @@ def test_the_merge_refuses_another_commit_s_another_plan_s_or_a_lesser_campaign_
     done = merge(files, root)
     assert done.returncode == 2 and "campaign step 'nope', which is not in the plan" in done.stderr
     assert not root.exists()  # nothing written
+
+
+def test_a_speed_step_measured_whole_is_left_out_of_later_windows_and_a_window_merges_once(tmp_path):
+    """campaign.json's ``measured`` holds the speed steps a window brought back whole (exit 0, not
+    cut); the next window's default steps leave them out, a cut one stays in. The window's commit
+    may be the full hash (the device tool's command) or the short one. A window merged twice is
+    refused, nothing written."""
+    from gpu_merge import head_commit
+    from gpu_window import STEPS, default_steps
+
+    root, files = tmp_path / "campaign", tmp_path / "back"
+    files.mkdir()
+    full = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = head_commit() if head_commit().endswith("+dirty") else full  # (a dirty tree has no full hash to give)
+    steps = [{"name": "speed-engine", "rc": 0, "cut": False}, {"name": "speed-compile", "rc": 1, "cut": True},
+             {"name": "gpu-tests", "rc": 0, "cut": False}]
+    (files / "window.json").write_text(json.dumps({"commit": commit, "campaign_step": None, "card": "NVIDIA H200",
+                                                   "started": "2026-11-28 19:16:53 UTC", "steps": steps}))
+    (files / "speed.txt").write_text("mlp 100 clients: sequential 1.019s padded 0.035s\n")
+    assert default_steps(root) == list(STEPS)
+    done = merge(files, root)
+    assert done.returncode == 0, done.stderr
+    state = json.loads((root / "campaign.json").read_text())
+    assert list(state["measured"]) == ["speed-engine"] and len(state["windows"]) == 1
+    assert default_steps(root) == [s for s in STEPS if s != "speed-engine"]
+    assert (tmp_path / "gpu-runs" / "2026-11-28-1916-NVIDIA-H200-window-speed.txt").is_file()
+    before = (root / "campaign.json").read_text()
+    again = merge(files, root)
+    assert again.returncode == 2 and "is merged already; nothing is merged again" in again.stderr
+    assert (root / "campaign.json").read_text() == before
