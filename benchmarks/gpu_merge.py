@@ -4,7 +4,8 @@ benchmarks/gpu_window.py).
     python benchmarks/gpu_merge.py FILES_AT [--campaign-root docs/gpu-campaign]
 
 FILES_AT holds ``window.json`` and, when the window reached its campaign step, ``campaign.tar.gz``;
-``gpu-tests.txt`` and ``speed.txt`` are copied to ``docs/gpu-runs/`` under the window's date and card.
+``gpu-tests.txt``, ``speed.txt`` and ``campaign.txt`` are copied to ``docs/gpu-runs/`` under the
+window's date, minute and card.
 The campaign step's bench folder (results database, each run's config, summary, metrics and
 identity; no data or weights) replaces ``CAMPAIGN_ROOT/<step>/`` when it holds every finished run
 that folder held, ``campaign.json`` records the step (complete or partial) and the window, and the
@@ -103,7 +104,7 @@ def merge(files_at: Path, root: Path, commit: str | None = None) -> str:
     root.mkdir(parents=True, exist_ok=True)
     (root / "campaign.json").write_text(json.dumps(state, indent=2) + "\n")
     runs_dir = root.parent / "gpu-runs"
-    for name in ("gpu-tests.txt", "speed.txt"):
+    for name in ("gpu-tests.txt", "speed.txt", "campaign.txt"):
         if (files_at / name).is_file():
             runs_dir.mkdir(parents=True, exist_ok=True)
             shutil.copy(files_at / name, runs_dir / f"{stamp}-window-{name}")

@@ -496,7 +496,9 @@ def board_tables() -> list[dict]:
     registry = {}  # a published number of the registry, cited beside its method
     for e in load():
         registry.setdefault(_key(e.method), []).extend(v for v in (e.value, e.spread) if v is not None)
-    tables = [t for path in sorted((ROOT / "docs/leaderboards").glob("*.md")) for t in md_tables(path.read_text())]
+    boards = [*sorted((ROOT / "docs/leaderboards").glob("*.md")),
+              *sorted((ROOT / "docs/gpu-campaign").glob("*/leaderboard.md"))]  # (the GPU campaign's boards)
+    tables = [t for path in boards for t in md_tables(path.read_text())]
     return [*tables, {"kind": "published", "settings": [],
                       "rows": {k: {"cells": {"registry": tuple(v)}, "avg": None} for k, v in registry.items()}}]
 
