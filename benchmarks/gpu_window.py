@@ -154,6 +154,25 @@ def seed(work: Path, root: Path, step: str) -> None:
         shutil.copytree(root / step, work, dirs_exist_ok=True)
 
 
+def work_folder(keep: Path | None, root: Path, step: str) -> Path:
+    """The campaign step's bench folder on this machine. Without ``keep``: a new folder seeded from
+    the campaign folder, removed once packed. With ``keep`` (the device commands pass it): the
+    folder an earlier call on this machine left there, when it holds every run the campaign folder
+    holds finished, so that a second call of one window goes on from the first's finished runs and
+    resumes its cut ones from their checkpoints; else a new one seeded from the campaign folder."""
+    if keep is None:
+        work = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu-window-{os.getpid()}" / step
+        seed(work, root, step)
+        return work
+    work = keep / step
+    merged = {r for db in (root / step).glob("*/results.sqlite") for r in done_runs(db)}
+    kept = {r for db in work.glob("*/results.sqlite") for r in done_runs(db)}
+    if not work.is_dir() or not merged <= kept:
+        shutil.rmtree(work, ignore_errors=True)
+        seed(work, root, step)
+    return work
+
+
 # The speed steps: (arguments after the interpreter, seconds at most). Each runs alone (nothing else
 # on the card) and, once a window has brought it back whole, is left out of later windows
 # (campaign.json's "measured"; --steps names it to measure it again).
@@ -167,10 +186,10 @@ SPEED = {
     # window cut it at 51 s, in its first compilation.
     "speed-compile": (["benchmarks/compile_speed.py", "--device", "cuda", "--rounds", "5"], 180),
     # FedMR Table 1's cost on this card (ResNet-18, a tenth of each client's data, projected; the
-    # first window cut a quarter's two rounds at 58 s): the plan leaves FedMR out while a run costs
-    # GPU-hours
+    # first window cut a quarter's two rounds at 58 s), and channels_last's gain on it (whose auto
+    # waits on this number): the plan leaves FedMR out while a run costs GPU-hours
     "speed-fedmr-round": (["benchmarks/engine_speed.py", "--device", "cuda", "--paper", "fedmr", "--paper-fraction",
-                           "0.1", "--engines", "sequential", "padded", "--rounds", "1"], 120),
+                           "0.1", "--engines", "bare", "sequential", "sequential-cl", "padded", "--rounds", "1"], 150),
 }
 STEPS = ("gpu-tests", *SPEED, "campaign")
 
@@ -182,7 +201,8 @@ def default_steps(root: Path) -> list[str]:
 
 
 def window(out: Path, data: str | None, budget: float, plan: list[dict], root: Path, allow_cpu: bool,
-           campaign_limit: float | None = None, stop_after: int | None = None, steps=STEPS) -> int:
+           campaign_limit: float | None = None, stop_after: int | None = None, steps=STEPS,
+           keep: Path | None = None) -> int:
     """The speed steps first, each alone on the card; then the CUDA tests in a thread beside the
     campaign step (the tests use a sliver of the card: the first window ran them alone for 157 s,
     and 9 of its 12 campaign runs finished only in a second call)."""
@@ -211,15 +231,17 @@ def window(out: Path, data: str | None, budget: float, plan: list[dict], root: P
                 record["steps"].append({"name": name, **run_step([py, *args, *extra], min(limit, left() - 150),
                                                                  out / "speed.txt", env, ROOT)})
     if "gpu-tests" in steps:  # (on the CPU, with --allow-cpu, its tests skip: the mechanism's test)
-        cmd = [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-n", "0", "tests/test_gpu.py"]
+        # 4 test processes (the host has 16 cores): the registry-wide case adds 148 small runs to the
+        # 17 checks that took 157 s in one process in the first window
+        cmd = [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-n", "4" if device == "cuda" else "0",
+               "tests/test_gpu.py"]
         tests_done = threading.Thread(target=lambda: tests.update(run_step(cmd, left() - 45, out / "gpu-tests.txt",
                                                                           env, ROOT)))
         tests_done.start()
     step = next_step(plan, root) if "campaign" in steps else None
     record["campaign_step"] = step["step"] if step else None
     if step is not None:
-        work = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu-window-{os.getpid()}" / step["step"]
-        seed(work, root, step["step"])
+        work = work_folder(keep, root, step["step"])
         cmd = [py, "-m", "fedskew.cli", "bench", *step["bench"], "--out", str(work), "--jobs", "4" if device == "cuda"
                else "1"] + (["--data", data] if data else []) + (["--device", "cuda", "--executor", "vectorized",
                                                                   "--pack", "auto"] if device == "cuda" else [])
@@ -231,7 +253,8 @@ def window(out: Path, data: str | None, budget: float, plan: list[dict], root: P
         record["campaign_complete"] = result["rc"] == 0 and not result["cut"]
         if work.is_dir():
             record["campaign_bytes"] = pack(work, out / "campaign.tar.gz")
-        shutil.rmtree(work.parent, ignore_errors=True)  # packed: the checkpoints there do not come back
+        if keep is None:
+            shutil.rmtree(work.parent, ignore_errors=True)  # packed: the checkpoints there do not come back
     if tests_done is not None:
         tests_done.join()
         record["steps"].insert(len(record["steps"]) - (step is not None), {"name": "gpu-tests", **tests})
@@ -266,7 +289,7 @@ def prepare() -> int:
         shutil.copy(f, ROOT / ".gpu-data" / "fashion-mnist" / f.name)
     setup = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
              f".whl/*.whl && export PYTHONPATH=/tmp/site || exit; FEDSKEW_GIT_COMMIT={commit} python3 "
-             "benchmarks/gpu_window.py --out $OUT --data .gpu-data")
+             "benchmarks/gpu_window.py --out $OUT --data .gpu-data --keep-work /tmp/fedskew-window")
     print("device tool run, carry [\".whl\", \".gpu-data\"], timeout_s 600:\n" + setup + "\n\n"
           "then, at once (the machine is warm; the first call holds it about 590 s of the 900), carry the same, "
           "timeout_s 260 (the campaign goes on; merge each call's files, the first's first):\n" + setup +
@@ -287,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--campaign-limit", type=float, help="seconds for the campaign step (default: what is left)")
     p.add_argument("--stop-after", type=int, help="stop the campaign step after this many more finished runs "
                                                   "(sizing a step; the tests' window that stops mid-run)")
+    p.add_argument("--keep-work", type=Path, help="keep the campaign's bench folder under this folder, and go on "
+                                                  "from it in a later call on this machine (the device commands)")
     p.add_argument("--steps", help=f"the steps to run, comma-separated, of {','.join(STEPS)} (default: all but the "
                                    "speed steps an earlier window measured whole)")
     args = p.parse_args(argv)
@@ -298,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         p.error("--out is required (the folder whose files come back: $OUT on the device)")
     return window(args.out, args.data, args.budget, TEST_PLAN if args.plan == "test" else CAMPAIGN,
-                  args.campaign_root, args.allow_cpu, args.campaign_limit, args.stop_after, steps)
+                  args.campaign_root, args.allow_cpu, args.campaign_limit, args.stop_after, steps,
+                  args.keep_work.resolve() if args.keep_work else None)  # (the bench runs in the repository)
 
 
 if __name__ == "__main__":

@@ -252,6 +252,9 @@ class RunConfig(_Strict):
     compile: Literal["off", "on", "auto"] = Field(
         "auto", description="vectorized: torch.compile of the stacked loss (forward and backward; CUDA graphs on "
                             "CUDA); auto is off until a measurement shows it pays (CPU: slower, docs/benchmarks.md)")
+    channels_last: Literal["off", "on", "auto"] = Field(
+        "auto", description="sequential: convolutions and image batches in the channels-last layout (NHWC); auto "
+                            "is off until a GPU window measures it (docs/benchmarks.md)")
     pad_batches: bool = Field(True, description="vectorized: pad a step's batches to one size (one call per step) "
                                                 "where the method declares it exact and the model has no BatchNorm")
     final_personalization: bool = Field(True, description="train every client once from the final model")
@@ -267,7 +270,8 @@ class RunConfig(_Strict):
     _coerce = field_validator("method", "dataset", "partition", "model", mode="before")(
         lambda cls, v: _name_or_mapping(v))
     _former_keys = model_validator(mode="before")(lambda cls, data: _architecture_keys(data))
-    _compile = field_validator("compile", mode="before")(  # YAML (and the command line) read on/off as booleans
+    # YAML (and the command line) read on/off as booleans
+    _on_off = field_validator("compile", "channels_last", mode="before")(
         lambda cls, v: {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v)
     _loggers = field_validator("logger", mode="before")(  # logger=tensorboard or logger=tensorboard,wandb
         lambda cls, v: [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v)
@@ -339,6 +343,9 @@ class RunConfig(_Strict):
         if self.compile == "on" and self.executor != "vectorized":
             raise ValueError("compile = on compiles the vectorized executor's stacked step; set executor = "
                              "vectorized, or compile = off")
+        if self.channels_last == "on" and self.executor != "sequential":
+            raise ValueError("channels_last = on lays out the sequential executor's model and batches; set executor = "
+                             "sequential, or channels_last = off")
         return self
 
     def _check_optimiser(self) -> None:
@@ -406,7 +413,8 @@ class RunConfig(_Strict):
 ADDED_RUN_KEYS = {"optimizer": "sgd", "adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "lr_schedule": "step",
                   "lr_decay_every": 1, "lr_min": 0.0, "stragglers": 0.0, "client_dropout": 0.0,
                   "partition.size_exponent": 0.0, "partition.partitioner": None, "partition.partitioner_options": {},
-                  "partition.held_out": 0.0, "compile": "auto"}
+                  "partition.held_out": 0.0, "compile": "auto",
+                  "channels_last": "auto"}
 
 
 def without_added(resolved: dict, added: dict) -> dict:

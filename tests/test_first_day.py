@@ -236,6 +236,16 @@ def test_compile_takes_off_on_or_auto_and_on_needs_the_vectorised_executor(tmp_p
     one_sentence(cli("run", *args, "rounds=1", cwd=tmp_path, timeout=120), text)
 
 
+@pytest.mark.parametrize("args, text", [
+    (["channels_last=nhwc"], "config key 'channels_last' = 'nhwc' is not allowed: Input should be 'off', 'on' or "
+                             "'auto'"),
+    (["channels_last=on", "executor=vectorized"],
+     "channels_last = on lays out the sequential executor's model and batches; set executor = sequential"),
+])
+def test_channels_last_takes_off_on_or_auto_and_on_needs_the_sequential_executor(tmp_path, args, text):
+    one_sentence(cli("run", *args, "rounds=1", cwd=tmp_path, timeout=120), text)
+
+
 def test_bench_flags_are_checked_before_anything_runs(tmp_path):
     one_sentence(cli("bench", "label-skew", cwd=tmp_path), "bench label-skew needs --scale smoke, lite or paper")
     one_sentence(cli("bench", "label-skew", "--scale", "smoke", "--seeds", ",", cwd=tmp_path),

@@ -17,8 +17,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 def window(tmp_path, out, root, *extra, env=None):
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_window.py"), "--out", str(out),
-                           "--campaign-root", str(root), "--plan", "test", *extra], capture_output=True, text=True,
-                          env=env or ENV, cwd=tmp_path, timeout=1800)
+                           "--campaign-root", str(root), "--plan", "test", *map(str, extra)],
+                          capture_output=True, text=True, env=env or ENV, cwd=tmp_path, timeout=1800)
 
 
 def merge(files_at, root):
@@ -47,7 +47,8 @@ def test_a_window_stopped_mid_run_is_merged_and_the_next_one_finishes_to_the_uni
 
     env = {**ENV, "FEDSKEW_GIT_COMMIT": head_commit()}
     root = tmp_path / "campaign"
-    first = window(tmp_path, tmp_path / "w1", root, "--allow-cpu", "--stop-after", "3", env=env)
+    kept = tmp_path / "kept"  # (the device commands' --keep-work: a second call on the machine goes on from it)
+    first = window(tmp_path, tmp_path / "w1", root, "--allow-cpu", "--stop-after", "3", "--keep-work", kept, env=env)
     assert first.returncode == 0, first.stderr[-2000:]
     record = json.loads((tmp_path / "w1" / "window.json").read_text())
     assert record["campaign_step"] == "smoke-niid" and not record["campaign_complete"], record
@@ -60,7 +61,8 @@ def test_a_window_stopped_mid_run_is_merged_and_the_next_one_finishes_to_the_uni
     state = json.loads((root / "campaign.json").read_text())
     assert state["steps"]["smoke-niid"]["status"] == "partial" and len(state["windows"]) == 1
     assert not list(root.rglob("*.pt"))  # no weights in the campaign folder
-    second = window(tmp_path, tmp_path / "w2", root, "--allow-cpu", env=env)
+    assert list(kept.rglob("checkpoint.pt"))  # the cut runs' checkpoints stay on the machine, for the next call
+    second = window(tmp_path, tmp_path / "w2", root, "--allow-cpu", "--keep-work", kept, env=env)
     assert second.returncode == 0, second.stderr[-2000:]
     assert json.loads((tmp_path / "w2" / "window.json").read_text())["campaign_complete"]
     assert merge(tmp_path / "w2", root).returncode == 0

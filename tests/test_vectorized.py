@@ -629,6 +629,24 @@ def inductor_builds() -> str | None:
     return None
 
 
+def test_channels_last_trains_what_the_default_layout_trains(tmp_path):
+    """``channels_last=on`` (issue 53, item 2: FedMR's ResNet-18 path): the sequential executor's
+    model and image batches in the NHWC layout train the same model as the default layout, to float
+    round-off (convolution kernels sum in their own order); the layout really is channels-last (a
+    batch indexed from the data keeps it); on a model without convolutions nothing changes."""
+    extra = ["model=cnnbn", "model.width=4"]
+    seq = run(load_config(None, BASE + extra + ["executor=sequential"]), tmp_path / "nchw")
+    exp = Experiment(load_config(None, BASE + extra + ["executor=sequential", "channels_last=on"]), tmp_path / "nhwc")
+    got = exp.run()
+    x = exp.executor.x  # (digits have one channel, where both layouts are the same strides)
+    assert x.dim() == 4 and x[:3].is_contiguous(memory_format=torch.channels_last)
+    conv = next(p for p in exp.model.parameters() if p.dim() == 4 and p.shape[1] > 1)
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    assert_parity(tmp_path, extra + ["executor=sequential"], seq, got)
+    mlp = run(load_config(None, BASE + ["executor=sequential", "channels_last=on"]), tmp_path / "mlp")
+    assert_same(run(load_config(None, BASE + ["executor=sequential"]), tmp_path / "mlp0"), mlp, tol=0.0)
+
+
 @pytest.mark.slow
 def test_the_compiled_step_matches_the_eager_one(tmp_path, caplog):
     """``compile=on`` (issue 53, item 2): the vectorised step's loss through torch.compile (inductor

@@ -83,6 +83,9 @@ class SequentialExecutor(Executor):
         self.settings = settings
         self.device = device
         self.x = fed.data.x_train.to(device)
+        if settings.channels_last and self.x.dim() == 4:  # NHWC: indexing keeps the layout, so every batch has it
+            model.to(memory_format=torch.channels_last)
+            self.x = self.x.contiguous(memory_format=torch.channels_last)
         self.y = fed.data.y_train.to(device)
         self.train_idx = [i.to(device) for i in fed.train_idx]
         self.test_idx = [i.to(device) for i in fed.test_idx]

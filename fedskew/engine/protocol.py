@@ -53,6 +53,7 @@ class LocalSettings:
     stragglers: float = 0.0  # the fraction of clients that do fewer local steps in a round (streams.straggler_steps)
     rounds: int | None = None  # the run's rounds: the final personalisation pass (round `rounds`) never straggles
     compile: bool = False  # vectorized: the stacked loss through torch.compile (fedskew.engine.vectorized.compiled)
+    channels_last: bool = False  # sequential: the model and image batches in the NHWC layout (SequentialExecutor)
 
     @property
     def sgd_momentum(self) -> float:

@@ -152,7 +152,8 @@ def _check_inflated_size(path: Path) -> None:
 RESUMABLE = ("lr", "lr_decay", "lr_decay_every", "lr_schedule", "lr_min", "grad_clip", "rounds", "eval_every",
              "checkpoint_every", "fail_fast", "logger",
              "final_personalization", "device", "executor", "distributed", "max_parallel_clients", "pad_batches",
-             "compile", "precision", "feature_stats", "classifier_stats", "forgetting_stats", "forgetting_test_samples")
+             "compile", "channels_last", "precision", "feature_stats", "classifier_stats", "forgetting_stats",
+             "forgetting_test_samples")
 
 
 def run_identity(cfg: RunConfig) -> str:

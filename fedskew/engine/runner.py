@@ -458,10 +458,12 @@ class Experiment:
 
 
 def local_settings(cfg) -> LocalSettings:
-    """How the clients of a run (``cfg`` a RunConfig) train locally."""
+    """How the clients of a run (``cfg`` a RunConfig) train locally. ``channels_last``'s ``auto`` is
+    off, as ``compile``'s is: the layout awaits a GPU window's measurement of FedMR's ResNet-18 round
+    (benchmarks/engine_speed.py's ``sequential-cl`` engine)."""
     return LocalSettings(cfg.local_epochs, cfg.batch_size, cfg.momentum, cfg.weight_decay, cfg.grad_clip, cfg.seed,
                          4 if cfg.dataset.augment else 0, cfg.precision, cfg.optimizer, tuple(cfg.adam_betas),
-                         cfg.adam_eps, cfg.stragglers, cfg.rounds, compile_step(cfg))
+                         cfg.adam_eps, cfg.stragglers, cfg.rounds, compile_step(cfg), cfg.channels_last == "on")
 
 
 def compile_step(cfg) -> bool:
