@@ -1000,7 +1000,7 @@ def test_an_interrupted_bench_resumes_to_the_same_board_but_its_time_line(tmp_pa
     assert cut.returncode != 0  # it stopped before the end
     again = subprocess.run([*args, "--out", "cut"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                            timeout=1800)
-    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.returncode == 0, (again.stdout[-3000:], again.stderr[-2000:])  # (a failed run is named in stdout)
     strip = lambda path: [line.replace("--out cut", "--out X").replace("--out whole", "--out X")
                           for line in path.read_text().splitlines() if not line.startswith(TIME_LINE)]
     boards = [strip(tmp_path / name / "leaderboard.md") for name in ("whole", "cut")]
