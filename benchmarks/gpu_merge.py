@@ -27,7 +27,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_window import CAMPAIGN, CAMPAIGN_ROOT, KEEP, ROOT, SPEED, TEST_PLAN, campaign_state, done_runs  # noqa: E402
+from gpu_window import (CAMPAIGN, CAMPAIGN_ROOT, KEEP, ROOT, SPEED, TEST_PLAN, campaign_state, done_runs,  # noqa: E402
+                        finished)
 
 
 class Refused(Exception):
@@ -95,7 +96,7 @@ def merge(files_at: Path, root: Path, commit: str | None = None) -> str:
             shutil.copytree(got, target)
         status = "complete" if record.get("campaign_complete") else "partial"
         state["steps"][step] = {"status": status, "about": plan[step]["about"]}
-        done = sum(len(done_runs(db)) for db in target.glob("*/results.sqlite"))
+        done = finished(target)
         summary.append(f"campaign step {step}: {status}, {done} finished runs in {target}")
         rebuilt = subprocess.run([sys.executable, "-m", "fedskew.cli", "bench", suite, "--scale", scale, "--out",
                                   str(target), "--report"], capture_output=True, text=True, cwd=ROOT)

@@ -97,9 +97,14 @@ def done_runs(db_path: Path) -> set[str]:
         con.close()
 
 
+def done_in(folder: Path) -> set[str]:
+    """The finished runs of a bench folder's results databases."""
+    return {r for db in folder.glob("*/results.sqlite") for r in done_runs(db)}
+
+
 def finished(folder: Path) -> int:
-    """Finished runs in a bench folder's results databases."""
-    return sum(len(done_runs(db)) for db in folder.glob("*/results.sqlite"))
+    """How many runs a bench folder holds finished."""
+    return len(done_in(folder))
 
 
 def run_step(cmd: list[str], limit: float, log: Path, env: dict, cwd: Path, stop=None) -> dict:
@@ -165,9 +170,7 @@ def work_folder(keep: Path | None, root: Path, step: str) -> Path:
         seed(work, root, step)
         return work
     work = keep / step
-    merged = {r for db in (root / step).glob("*/results.sqlite") for r in done_runs(db)}
-    kept = {r for db in work.glob("*/results.sqlite") for r in done_runs(db)}
-    if not work.is_dir() or not merged <= kept:
+    if not work.is_dir() or not done_in(root / step) <= done_in(work):
         shutil.rmtree(work, ignore_errors=True)
         seed(work, root, step)
     return work
