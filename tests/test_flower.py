@@ -89,7 +89,11 @@ def test_deployment_matches_fedskew_run(federation, tmp_path, extra):
 
 
 def test_a_killed_supernode_leaves_the_round_to_the_others(tmp_path):
-    cfg = load_config(None, BASE + ["rounds=3"])
+    """SuperNode 1 is killed once round 0 is recorded: round 1 waits out the ServerApp's reply
+    timeout (45 s) for it, then aggregates node 0 alone, reporting node 1 as failed; the run ends.
+    (BASE's two rounds: each round after the kill waits the whole timeout, which a third round
+    only repeated.)"""
+    cfg = load_config(None, BASE)
     with LocalFederation(2, tmp_path / "fed") as fed:
         proc = fed.run(cfg, tmp_path / "flower", timeout=45, wait=False)
         deadline = time.time() + 180
@@ -103,12 +107,30 @@ def test_a_killed_supernode_leaves_the_round_to_the_others(tmp_path):
     time.sleep(0.5)
     assert alive(pids) == []
     recs = records(tmp_path / "flower")
-    assert [r["round"] for r in recs] == [0, 1, 2] and (tmp_path / "flower" / "summary.json").is_file()
+    assert [r["round"] for r in recs] == [0, 1] and (tmp_path / "flower" / "summary.json").is_file()
     assert recs[0]["clients_failed"] == []
     for r in recs[1:]:  # client 1 is gone: reported, the round aggregates client 0 alone
         assert [f["client"] for f in r["clients_failed"]] == [1]
         assert r["comm/up_floats"] == recs[0]["comm/up_floats"] // 2
         assert r["global/test_acc"] is not None
+
+
+@pytest.fixture(scope="module")
+def one_ray_instance():
+    """One Ray instance for the module's simulations. Flower's simulation starts Ray and shuts it
+    down on every call (about 6 s of a 20 s case on a quiet machine, more on a busy one); here Ray
+    is started once, with the arguments Flower's Ray backend would pass (no dashboard; fedskew is
+    installed, so its actors import it without the backend's PYTHONPATH), and the backend's
+    ``ray.shutdown`` does nothing until the module's simulations are done. Each call still starts
+    and terminates its own actors."""
+    ray = pytest.importorskip("ray")
+    ray.init(include_dashboard=False)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ray, "shutdown", lambda *args, **kwargs: None)
+            yield
+    finally:
+        ray.shutdown()
 
 
 @pytest.mark.parametrize("extra", [["method=map", "model.classifier_bias=false"], ["method=local"],
@@ -120,7 +142,7 @@ def test_a_killed_supernode_leaves_the_round_to_the_others(tmp_path):
                                    ["method=fedfed", "rounds=3", "method.distill_rounds=1", "method.vae_width=4"]],
                          ids=["map", "local", "fedadagrad", "fedasam+disco", "fedconcat", "feddbe", "gpfl", "fedcp",
                               "fedas", "fedfomo", "pfedhn", "fedamp", "fedpac", "fedfed"])
-def test_simulation_runtime_matches_fedskew_run(tmp_path, extra):
+def test_simulation_runtime_matches_fedskew_run(tmp_path, extra, one_ray_instance):
     """MAP; Local (nothing is sent either way); FedAdagrad (server state m, v); FedASAM's two
     passes in the ClientApp with FedDisco's weights on the server; FedConcat's two phases (the
     second's step budget, Method.local_steps, in the ClientApp); FedDBE (a kept PRBM, the global
@@ -131,7 +153,6 @@ def test_simulation_runtime_matches_fedskew_run(tmp_path, extra):
     own download (``Method.download``, a ``download`` record in the message): FedFOMO's chosen
     models, pFedHN's generated models, FedAMP's cloud models, FedPAC's combined heads, FedFed's
     shared samples (after its VAE rounds and the upload of the shared features)."""
-    pytest.importorskip("ray")
     from fedskew.flower.app import simulate
 
     cfg = load_config(None, BASE + extra)

@@ -268,6 +268,33 @@ def test_a_worker_hands_its_cached_device_memory_back_once_its_runs_are_gone(tmp
     assert alive_at_release == [[False] * len(models)] and models
 
 
+def test_each_worker_sizes_its_chunks_from_its_share_of_the_device(monkeypatch):
+    """Workers that share one GPU each plan for 1 / jobs of its memory: in a GPU window four workers
+    each sized their chunks from the whole card's free memory, and three ran out of memory however
+    far they halved. CUDA's memory counters are faked (GiB: 100 total, 90 free, 6 reserved of which
+    2 allocated)."""
+    from fedskew.engine import memory
+    from fedskew.experiments.pool import WorkerPool
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (90 * gib, 100 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 6 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2 * gib)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(memory, "DEVICE_SHARE", 1.0)
+    assert memory._device_memory(cuda) == 94 * gib  # free + the allocator's unused blocks
+    monkeypatch.setattr(memory, "DEVICE_SHARE", 0.25)
+    assert memory._device_memory(cuda) == 23 * gib  # a quarter of the card, less what this process holds
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 30 * gib)
+    assert memory._device_memory(cuda) == 0  # over its share already: chunks of one client
+    pool = WorkerPool(4, rec=None)  # the share each worker of a sweep's pool is given
+    try:
+        share = pool.pool.submit(eval, "__import__('fedskew.engine.memory').engine.memory.DEVICE_SHARE")
+        assert share.result(timeout=120) == 0.25
+    finally:
+        pool.pool.shutdown()
+
+
 # ---------------------------------------------------------------------------------------------
 # Sweeps
 

@@ -45,12 +45,23 @@ def activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
     return total[0]
 
 
+# The share of a CUDA device this process may plan for: 1 / the number of sweep workers that share
+# it (set by :func:`fedskew.experiments.pool.worker_init`). Each worker sized its chunks from the
+# whole device's free memory, so the first to start a large chunk took most of the card and the
+# others ran out of memory however far they halved (a GPU window of 2026-11-28: four workers,
+# MAP's final passes, 33 GiB held by each of three).
+DEVICE_SHARE = 1.0
+
+
 def _device_memory(device: torch.device) -> int:
     """Bytes the executor may use: on CUDA the free memory plus what PyTorch's caching allocator
-    holds unused (the previous chunk's blocks); on CPU the physical memory."""
+    holds unused (the previous chunk's blocks), within this process's :data:`DEVICE_SHARE` of the
+    device; on CPU the physical memory."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        budget = free + torch.cuda.memory_reserved(device) - allocated
+        return max(0, min(budget, int(DEVICE_SHARE * total) - allocated))
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

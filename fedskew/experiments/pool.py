@@ -175,12 +175,16 @@ def check_data(runs: list[dict]) -> None:
             load_dataset(DatasetConfig.model_validate(r["config"]["dataset"]), r["seed"])
 
 
-def worker_init(external: dict[str, tuple[str, str]], parent: int, rounds=None) -> None:
+def worker_init(external: dict[str, tuple[str, str]], parent: int, rounds=None, jobs: int = 1) -> None:
     """A sweep worker: it dies with the sweep process ``parent``, stops its run after the current
     round on SIGTERM or SIGINT (the sweep forwards them), reports each round on ``rounds``, one
-    torch thread, and the methods registered from outside the package."""
+    torch thread, the methods registered from outside the package, and a 1 / ``jobs`` share of a
+    CUDA device's memory to size its stacked chunks from (:data:`fedskew.engine.memory.DEVICE_SHARE`)."""
     global _ROUNDS
     _ROUNDS = rounds
+    from fedskew.engine import memory
+
+    memory.DEVICE_SHARE = 1.0 / max(1, jobs)
 
     from fedskew.engine.durable import stop_after_this_round
 
@@ -366,7 +370,7 @@ class WorkerPool:
     def _new_pool(self) -> ProcessPoolExecutor:
         self.rounds = self.context.SimpleQueue()
         return ProcessPoolExecutor(self.jobs, mp_context=self.context, initializer=worker_init,
-                                   initargs=(self.external, os.getpid(), self.rounds))
+                                   initargs=(self.external, os.getpid(), self.rounds, self.jobs))
 
     def _workers(self) -> list:
         return list((getattr(self.pool, "_processes", None) or {}).values())
