@@ -100,14 +100,23 @@ RAY_ENV = {**ENV, "RAY_health_check_period_ms": "1000", "RAY_health_check_failur
 
 
 class Node:
-    """One Ray node: `ray start --block` in its own session, stopped by killing that session."""
+    """One Ray node: `ray start --block` in its own session, stopped by killing that session.
+
+    Each node of a test's cluster hands its workers' ports out of its own range: every raylet
+    takes them from Ray's one default range (10002-19999), and nodes on one host then gave the
+    same port twice (a driver's ``ray.init`` died with "Failed to start the grpc server. The
+    specified port is 10002", in 2 of 3 full suites of 2026-11-28)."""
 
     def __init__(self, args: list[str], tmp: Path):
         self.port = next((a.split("=", 1)[1] for a in args if a.startswith("--port=")), None)
         ray = Path(sys.executable).with_name("ray")
-        self.log = open(tmp / f"ray-{len(list(tmp.glob('ray-*.log')))}.log", "w")
-        self.proc = subprocess.Popen([str(ray), "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1", *args], env=RAY_ENV,
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        index = len(list(tmp.glob('ray-*.log')))
+        self.log = open(tmp / f"ray-{index}.log", "w")
+        first = 10002 + 3000 * index  # (below Linux's ephemeral ports, where free_port's come from)
+        ports = [f"--min-worker-port={first}", f"--max-worker-port={first + 2999}"]
+        self.proc = subprocess.Popen([str(ray), "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
+                                      *ports, *args], env=RAY_ENV, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
 
     def kill(self) -> None:
         import signal
