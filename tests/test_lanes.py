@@ -270,8 +270,8 @@ def test_a_worker_hands_its_cached_device_memory_back_once_its_runs_are_gone(tmp
 
 def test_each_worker_sizes_its_chunks_from_its_share_of_the_device(monkeypatch):
     """Workers that share one GPU each plan for 1 / jobs of its memory: in a GPU window four workers
-    each sized their chunks from the whole card's free memory, and three ran out of memory however
-    far they halved. CUDA's memory counters are faked (GiB: 100 total, 90 free, 6 reserved of which
+    each sized their chunks from the whole card's free memory, and MAP's three runs ran out of
+    memory however far they halved. CUDA's memory counters are faked (GiB: 100 total, 90 free, 6 reserved of which
     2 allocated)."""
     from fedskew.engine import memory
     from fedskew.experiments.pool import WorkerPool
