@@ -365,8 +365,8 @@ def package_imports(path: Path) -> set[str]:
 
 def test_dependencies_point_one_way():
     problems = []
-    for path in sorted((ROOT / "fedskew").rglob("*.py")):
-        rel = path.relative_to(ROOT / "fedskew")
+    for path in sorted((ROOT / "src" / "fedskew").rglob("*.py")):
+        rel = path.relative_to(ROOT / "src" / "fedskew")
         part = rel.parts[0].removesuffix(".py")
         if part == "__init__":  # the public API imports everything, lazily
             continue
@@ -374,4 +374,4 @@ def test_dependencies_point_one_way():
             if used not in ALLOWED[part]:
                 problems.append(f"fedskew/{rel} imports fedskew.{used}")
     assert not problems, problems
-    assert package_imports(ROOT / "fedskew/flower/client.py") == set()  # the deployment ClientApp: torch-free
+    assert package_imports(ROOT / "src/fedskew/flower/client.py") == set()  # the deployment ClientApp: torch-free

@@ -388,7 +388,7 @@ def test_design_cites_files_modules_and_hooks_that_exist():
     from fedskew.algorithms.base import Method
 
     text = (ROOT / "docs/design.md").read_text()
-    files = {p.name for d in ("fedskew", "benchmarks", "tests", "examples") for p in (ROOT / d).rglob("*.py")}
+    files = {p.name for d in ("src", "benchmarks", "tests", "examples") for p in (ROOT / d).rglob("*.py")}
     problems = [f"file {f}" for f in sorted(set(re.findall(r"([A-Za-z_0-9]+\.py)\b", text))) if f not in files]
     names = fedskew_names()
     for dotted in sorted(set(re.findall(r"`((?:fedskew\.)?[A-Za-z_][A-Za-z_0-9]*(?:\.[A-Za-z_][A-Za-z_0-9]*)+)`", text))):

@@ -1,4 +1,4 @@
-"""Runs as lanes (fedskew/engine/lanes.py): runs packed into one stacked program give what each run
+"""Runs as lanes (src/fedskew/engine/lanes.py): runs packed into one stacked program give what each run
 gives alone, to float round-off; a failing run leaves the pack; sweeps pack, resume and refuse bad
 input like unpacked ones.
 

@@ -359,7 +359,7 @@ def test_every_executor_runs_rounds_through_the_one_driver(tmp_path, monkeypatch
     payload = exp.method.broadcast(federated_state(exp.model), {})
     exp.executor.train_client(0, 0, payload, {}, 0.01)  # Flower's ClientApp and the retry path
     assert calls.count("SequentialExecutor") == 2 + 1 and calls.count("VectorizedExecutor") == 2
-    text = "\n".join((ROOT / "fedskew/engine" / f).read_text() for f in ("local.py", "vectorized.py"))
+    text = "\n".join((ROOT / "src/fedskew/engine" / f).read_text() for f in ("local.py", "vectorized.py"))
     for hook in ("after_training(", "personal_state(", "local_start(", "after_personal("):
         assert hook not in text, f"{hook} is called outside engine/protocol.py"
 
@@ -378,7 +378,7 @@ def test_no_function_is_longer_than_the_limit():
     """A limit on function length instead of a file's lines (issue 46: runner.py met a 400-line
     file cap by joining lines and loosening a signature to **kw)."""
     long = []
-    for path in sorted((ROOT / "fedskew").rglob("*.py")):
+    for path in sorted((ROOT / "src" / "fedskew").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and code_lines(node) > MAX_FUNCTION_LINES:
                 long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({code_lines(node)} lines)")
@@ -406,7 +406,7 @@ def test_no_module_imports_itself_through_others():
     datasets <-> vision/leaf, nets <-> deep/text; lanes added protocol <-> executors): a module's
     imports, followed, never come back to it."""
     paths = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-             for p in (ROOT / "fedskew").rglob("*.py")}
+             for p in (ROOT / "src" / "fedskew").rglob("*.py")}
     graph = {m: module_imports(p, set(paths)) - {m} for m, p in paths.items()}
     circles = set()
     for start in graph:
@@ -423,17 +423,17 @@ def test_no_module_imports_itself_through_others():
 
 
 def test_runner_holds_the_round_loop_only():
-    text = (ROOT / "fedskew/engine/runner.py").read_text()
+    text = (ROOT / "src/fedskew/engine/runner.py").read_text()
     for moved in ("def public_pool", "def public_samples", "def model_caller", "def _forgetting", "def _proxy_stats",
                   "def resume", "RESUMABLE", "def environment", "class RunResult", "flda"):
         assert moved not in text, moved
     calls = sum(t.count("functional_call(") for t in
-                (p.read_text() for p in (ROOT / "fedskew").rglob("*.py") if p.name != "functional.py"))
+                (p.read_text() for p in (ROOT / "src" / "fedskew").rglob("*.py") if p.name != "functional.py"))
     assert calls == 0  # a model as a function of its state: models/functional.py only
 
 
 INFRASTRUCTURE = {"__init__", "base", "compose", "components", "tensors"}
-FAMILIES = {p.stem for p in (ROOT / "fedskew/algorithms").glob("*.py")} - INFRASTRUCTURE  # every other module
+FAMILIES = {p.stem for p in (ROOT / "src/fedskew/algorithms").glob("*.py")} - INFRASTRUCTURE  # every other module
 
 
 def test_method_families_do_not_import_each_other():
@@ -441,7 +441,7 @@ def test_method_families_do_not_import_each_other():
     attachable pieces (components) and pure tensor functions (tensors), never another family."""
     problems = []
     for name in sorted(FAMILIES | {"components", "compose", "tensors", "base"}):
-        tree = ast.parse((ROOT / "fedskew/algorithms" / f"{name}.py").read_text())
+        tree = ast.parse((ROOT / "src/fedskew/algorithms" / f"{name}.py").read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fedskew.algorithms."):
                 used = node.module.split(".")[2]

@@ -86,7 +86,7 @@ def git_commit() -> str | None:
     tracked files; None elsewhere (an installed wheel, a copy without .git)."""
     import subprocess
 
-    source = Path(__file__).resolve().parents[2]
+    source = Path(__file__).resolve().parents[3]
     if not (source / ".git").exists():
         return None
     try:

@@ -688,7 +688,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                 "(docs/methods.md, \"Options reference\")")
     p_sw = sub.add_parser("sweep", help="methods x options x partitions x seeds into a results database and a "
                                          "report (no file: FedAvg vs the four seed methods on digits)")
-    p_sw.add_argument("file", nargs="?", help="sweep YAML (see fedskew/experiments/sweep.py)")
+    p_sw.add_argument("file", nargs="?", help="sweep YAML (see src/fedskew/experiments/sweep.py)")
     p_sw.add_argument("--out", help="sweep folder (default runs/sweep-<name>); running again resumes it")
     p_sw.add_argument("--jobs", type=int, help="runs at once, one torch thread each (default: min(2, cores))")
     p_sw.add_argument("--no-report", action="store_true", help="skip the report at the end")
