@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 from common import parser
-
 from fedskew.config import load_config
 from fedskew.engine.runner import run
 
@@ -79,7 +78,9 @@ def main():
         return statistics.mean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
 
     base = stats("fedavg", "last5")[0] if any(r["method"] == "fedavg" for r in rows) else None
-    print("\n| method | options | last round (%) | mean of last 5 (%) | vs FedAvg (points) | extra comm (%) | diverged |")
+    print(
+        "\n| method | options | last round (%) | mean of last 5 (%) | vs FedAvg (points) | extra comm (%) | diverged |"
+    )
     print("|---|---|---|---|---|---|---|")
     for method in args.methods:
         (lm, ls), (fm, fs) = stats(method, "last"), stats(method, "last5")

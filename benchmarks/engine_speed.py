@@ -188,7 +188,9 @@ def flower_round_seconds(cfg, rounds: int) -> float | None:
             _EXP = Exp(validate_config(cfg_json))
         k = int(context.node_config["partition-id"])
         start = msg.content["arrays"].to_torch_state_dict()
-        res = _EXP.executor.train_client(int(msg.content["config"]["server-round"]), k, as_model_part(start), {}, cfg.lr)
+        res = _EXP.executor.train_client(
+            int(msg.content["config"]["server-round"]), k, as_model_part(start), {}, cfg.lr
+        )
         trained = {key[len("model."):]: v for key, v in res.upload.items()}
         content = RecordDict({"arrays": ArrayRecord(trained),
                               "metrics": MetricRecord({"num-examples": res.report.num_samples})})
@@ -362,8 +364,13 @@ def memory_table(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 100])
-    parser.add_argument("--models", nargs="+", default=["mlp", "tcnn", "cnnbn"], choices=sorted(MODELS),
-                        help="mlp: 64-64 MLP; mlp200: 200-200 MLP; tcnn: CNN without BatchNorm; cnnbn: BN CNN (width 16)")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["mlp", "tcnn", "cnnbn"],
+        choices=sorted(MODELS),
+        help="mlp: 64-64 MLP; mlp200: 200-200 MLP; tcnn: CNN without BatchNorm; cnnbn: BN CNN (width 16)",
+    )
     parser.add_argument("--engines", nargs="+", default=["bare", "sequential", "grouped", "padded"], choices=ENGINES)
     parser.add_argument("--flower", action="store_true", help="also time Flower's simulation engine (<= 100 clients)")
     parser.add_argument("--dataset", default="digits")

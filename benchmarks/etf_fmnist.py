@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 from common import mean_std, parser
-
 from fedskew.config import load_config
 from fedskew.engine.runner import run
 
@@ -63,8 +62,11 @@ def main():
                 s = res.summary
                 rows.append({"k": k, "variant": name, "seed": seed, "last": s["global/test_acc"],
                              "last10": s["global/test_acc_mean_last10"]})
-                print(f"k={k} {name} seed {seed}: last {100 * s['global/test_acc']:.2f} "
-                      f"last10 {100 * s['global/test_acc_mean_last10']:.2f} ({time.perf_counter() - t0:.0f}s)", flush=True)
+                print(
+                    f"k={k} {name} seed {seed}: last {100 * s['global/test_acc']:.2f} "
+                    f"last10 {100 * s['global/test_acc_mean_last10']:.2f} ({time.perf_counter() - t0:.0f}s)",
+                    flush=True,
+                )
     (out / "results.json").write_text(json.dumps(rows, indent=2))
     print("\n| split | variant | last round (%) | mean of last 10 (%) | diverged |")
     print("|---|---|---|---|---|")

@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 from common import mean_std, parser
-
 from fedskew.config import load_config
 from fedskew.engine.runner import run
 
@@ -61,13 +60,20 @@ def main():
             res = run(load_config(None, common + [f"method={method}", *METHODS[method], f"seed={seed}"]),
                       out / f"{method}-s{seed}")
             accs = [h["global/test_acc"] for h in res.history]
-            forgetting = {role: [h[f"forgetting/{role}"] for h in res.history if h.get(f"forgetting/{role}") is not None]
-                          for role in ROLES}
+            forgetting = {
+                role: [h[f"forgetting/{role}"] for h in res.history if h.get(f"forgetting/{role}") is not None]
+                for role in ROLES
+            }
             rows.append({"method": method, "seed": seed, "accs": accs,
                          "forgetting": {r: (sum(v) / len(v) if v else None) for r, v in forgetting.items()}})
-            print(f"{method} seed {seed}: final {100 * accs[-1]:.2f} best {100 * max(accs):.2f} forgetting "
-                  + " ".join(f"{r} {rows[-1]['forgetting'][r]:.3f}" for r in ROLES if rows[-1]['forgetting'][r] is not None)
-                  + f" ({time.perf_counter() - t0:.0f}s)", flush=True)
+            print(
+                f"{method} seed {seed}: final {100 * accs[-1]:.2f} best {100 * max(accs):.2f} forgetting "
+                + " ".join(
+                    f"{r} {rows[-1]['forgetting'][r]:.3f}" for r in ROLES if rows[-1]["forgetting"][r] is not None
+                )
+                + f" ({time.perf_counter() - t0:.0f}s)",
+                flush=True,
+            )
     (out / "results.json").write_text(json.dumps(rows, indent=2))
 
     def to_target(r):

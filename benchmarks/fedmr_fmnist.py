@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 from common import mean_std, parser
-
 from fedskew.config import load_config
 from fedskew.engine.runner import run
 
@@ -86,8 +85,11 @@ def main():
     for clients in args.clients:
         for method in sorted({r["method"] for r in rows if r["clients"] == clients}):
             sel = [r for r in rows if r["clients"] == clients and r["method"] == method]
-            print(f"| P{clients}C2 | {method} | {mean_std([r['last'] for r in sel])} | {mean_std([r['last10'] for r in sel])} "
-                  f"| {sel[0]['extra_pct']:.2f} |")
+            print(
+                f"| P{clients}C2 | {method} | {mean_std([r['last'] for r in sel])} "
+                f"| {mean_std([r['last10'] for r in sel])} "
+                f"| {sel[0]['extra_pct']:.2f} |"
+            )
     print(f"\nrun directories and results.json in {out}")
 
 

@@ -27,8 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_window import (CAMPAIGN, CAMPAIGN_ROOT, KEEP, ROOT, SPEED, TEST_PLAN, campaign_state, done_runs,  # noqa: E402
-                        finished)
+from gpu_window import CAMPAIGN, CAMPAIGN_ROOT, KEEP, ROOT, SPEED, TEST_PLAN, campaign_state, done_runs, finished  # noqa: E402
 
 
 class Refused(Exception):

@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 from common import mean_std, parser
-
 from fedskew.algorithms import METHODS
 from fedskew.experiments.sweep import load_spec, run_sweep
 

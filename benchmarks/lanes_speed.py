@@ -71,20 +71,26 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     times = {"alone": [], "packed": [], "sequential": []}
     for rep in range(args.repeats):
-        t, alone = timed(lambda: [Experiment(c, tmp / f"alone{rep}-{i}").run() for i, c in enumerate(cfgs)])
+        t, alone = timed(lambda rep=rep: [Experiment(c, tmp / f"alone{rep}-{i}").run() for i, c in enumerate(cfgs)])
         times["alone"].append(t)
         pack = Pack()
-        t, packed = timed(lambda: pack.run([Experiment(c, tmp / f"packed{rep}-{i}", pack=pack)
+        t, packed = timed(lambda pack=pack, rep=rep: pack.run([Experiment(c, tmp / f"packed{rep}-{i}", pack=pack)
                                             for i, c in enumerate(cfgs)]))
         times["packed"].append(t)
         if args.sequential:
-            t, _ = timed(lambda: [Experiment(c.model_copy(update={"executor": "sequential"}), tmp / f"seq{rep}-{i}").run()
-                                  for i, c in enumerate(cfgs)])
+            t, _ = timed(
+                lambda rep=rep: [
+                    Experiment(c.model_copy(update={"executor": "sequential"}), tmp / f"seq{rep}-{i}").run()
+                    for i, c in enumerate(cfgs)
+                ]
+            )
             times["sequential"].append(t)
     diff = max((a.global_state[k] - b.global_state[k]).abs().max().item()
                for a, b in zip(alone, packed) for k in a.global_state)
     med = {k: statistics.median(v) for k, v in times.items() if v}
-    device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
+    device = (
+        torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
+    )
     print(f"setting {args.setting}: {args.runs} runs x {args.rounds} rounds on {device}, torch {torch.__version__}; "
           f"median of {args.repeats}")
     for k, v in med.items():

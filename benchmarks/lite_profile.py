@@ -99,7 +99,10 @@ def main() -> None:
     for k in keys:
         part = sum(r.get(k, 0.0) for r in rows)
         print(f"  {k:6s} {part:7.1f} s  {100 * part / total:5.1f} %")
-    print("slowest: " + ", ".join(f"{r['method']} {r['total']:.1f} s" for r in sorted(rows, key=lambda r: -r["total"])[:8]))
+    print(
+        "slowest: "
+        + ", ".join(f"{r['method']} {r['total']:.1f} s" for r in sorted(rows, key=lambda r: -r["total"])[:8])
+    )
     print(f"suite estimate: {total:.1f} s x 35 runs / {args.procs} jobs = {total * 35 / args.procs / 60:.0f} min")
 
 

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 from common import mean_std, parser
-
 from fedskew.algorithms import METHODS as REGISTERED
 from fedskew.config import load_config
 from fedskew.engine.runner import run

@@ -35,7 +35,8 @@ SWEEP = {"name": "scaling", "base": {"rounds": 10, "local_epochs": 2, "clients_p
 
 def db_rows(folder: Path):
     db = sqlite3.connect(folder / "results.sqlite")
-    drop = lambda d: {k: v for k, v in json.loads(d).items() if not k.startswith("time/")}
+    def drop(d):
+        return {k: v for k, v in json.loads(d).items() if not k.startswith("time/")}
     rows = ({r[0]: (r[1], drop(r[2])) for r in db.execute("SELECT run_id, status, summary FROM runs")},
             {(r[0], r[1]): drop(r[2]) for r in db.execute("SELECT run_id, round, metrics FROM rounds")})
     db.close()
@@ -88,7 +89,10 @@ def round_time(out: Path, data: str, rounds: int, epochs: int) -> None:
                      sum(r["time/client_train_s"] for r in recs) / len(recs), recs[-1]["global/test_acc"]))
         print(f"{label}: round {rows[-1][1]:.2f} s", flush=True)
     base = rows[0][1]
-    print(f"\nE = {epochs}:\n\n| 100-client round | round (s) | client training (s) | vs 1 process, 1 thread | final global acc |")
+    print(
+        f"\nE = {epochs}:\n\n| 100-client round | round (s) | client training (s) | vs 1 process, 1 thread "
+        "| final global acc |"
+    )
     print("|---|---|---|---|---|")
     for label, r, t, acc in rows:
         print(f"| {label} | {r:.2f} | {t:.2f} | {base / r:.2f}x | {100 * acc:.2f} |")

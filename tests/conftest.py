@@ -10,7 +10,6 @@ import torch
 
 from fedskew.engine.reaper import Reaper
 
-
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     # A test run started in the background of a non-interactive shell (`sh -c 'pytest &'`, nohup)
     # inherits SIGINT ignored, and so would every fedskew process the tests start: Python keeps an

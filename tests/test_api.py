@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import fedskew
-from fedskew.config import ConfigError, load_config
 from fedskew.algorithms import BUILTIN, METHODS
+from fedskew.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"rounds": 3, "partition.num_clients": 6, "clients_per_round": 3, "local_epochs": 1, "model.hidden": [32]}
@@ -81,7 +81,10 @@ def test_run_with_overrides_equals_the_cli_run(tmp_path):
 
 def test_load_config_takes_every_form_of_a_config(tmp_path):
     cli = load_config("examples/fedavg_digits.yaml", ["rounds=7", "partition.classes_per_client=2", "method=map"])
-    assert fedskew.load_config("examples/fedavg_digits.yaml", ["rounds=7", "partition.classes_per_client=2"], method="map") == cli
+    assert (
+        fedskew.load_config("examples/fedavg_digits.yaml", ["rounds=7", "partition.classes_per_client=2"], method="map")
+        == cli
+    )
     assert fedskew.load_config(ROOT / "examples/fedavg_digits.yaml", {"partition.classes_per_client": 2}, rounds=7,
                                method="map") == cli
     assert fedskew.load_config(cli) == cli  # a RunConfig passes through
@@ -325,7 +328,7 @@ def test_import_fedskew_is_light_and_help_is_the_guide():
     assert fedskew.Method is METHODS["fedavg"] and fedskew.RunResult.__doc__
     assert all(getattr(fedskew, name) is not None for name in fedskew.__all__)
     with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
-        fedskew.nothing
+        _ = fedskew.nothing
 
 
 # Which top-level parts of the package each part may import: one way,

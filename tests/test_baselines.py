@@ -38,11 +38,11 @@ import numpy as np
 import pytest
 import torch
 
+from fedskew.algorithms.drift import FedNova
 from fedskew.config import load_config
 from fedskew.engine.protocol import batch_schedule
 from fedskew.engine.rundir import read_checkpoint
 from fedskew.engine.runner import Experiment, run
-from fedskew.algorithms.drift import FedNova
 
 SETUP = ["dataset=synthetic", "dataset.num_classes=3", "dataset.dim=4", "dataset.train_per_class=10",
          "dataset.test_per_class=5", "partition=dirichlet", "partition.alpha=1.0", "partition.min_size=4",
@@ -69,7 +69,8 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
     n = np.array([len(y) for y in ys], dtype=float)
     init = {k: v.double().numpy() for k, v in exp.model.state_dict().items()}
     x = [init["classifier.weight"], init["classifier.bias"]]
-    zeros = lambda: [np.zeros_like(x[0]), np.zeros_like(x[1])]
+    def zeros():
+        return [np.zeros_like(x[0]), np.zeros_like(x[1])]
     cs, ck = zeros(), {k: zeros() for k in range(3)}  # SCAFFOLD/FedDC c, c_k; FedDyn h, g_k
     hk = {k: zeros() for k in range(3)}  # FedDC drifts
     m, v = zeros(), [np.full_like(x[0], opts.get("tau", 1e-3) ** 2), np.full_like(x[1], opts.get("tau", 1e-3) ** 2)]
@@ -156,7 +157,9 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
         elif method == "fedexp":  # Algorithm 1 with the official code's |S| eps, scored on the last-two mean
             spread = sum(pk * sum(((ys_out[k][j] - x[j]) ** 2).sum() for j in range(2)) for pk, k in zip(p, selected))
             delta = [avg[j] - x[j] for j in range(2)]
-            eps = opts.get("epsilon", 1e-3) * (len(selected) if opts.get("epsilon_scale", "clients") == "clients" else 1)
+            eps = opts.get("epsilon", 1e-3) * (
+                len(selected) if opts.get("epsilon_scale", "clients") == "clients" else 1
+            )
             eps *= 0.998 ** (2 * (t + 1)) if official else 1.0
             eta_g = max(1.0, 0.5 * spread / (sum((d ** 2).sum() for d in delta) + eps))
             opts.setdefault("_etas", []).append(eta_g)
@@ -182,7 +185,9 @@ def reference(method: str, opts: dict, exp: Experiment, schedule: list[list[int]
                 if method == "fedadagrad":  # Reddi et al. Algorithm 2: v accumulates
                     v[j] = v[j] + d2
                 else:
-                    v[j] = b2 * v[j] + (1 - b2) * d2 if method == "fedadam" else v[j] - (1 - b2) * d2 * np.sign(v[j] - d2)
+                    v[j] = (
+                        b2 * v[j] + (1 - b2) * d2 if method == "fedadam" else v[j] - (1 - b2) * d2 * np.sign(v[j] - d2)
+                    )
                 x[j] = x[j] + lr_g * m[j] / (np.sqrt(v[j]) + tau)
     return x
 
@@ -302,7 +307,8 @@ def test_mmd_on_two_tiny_samples_by_hand():
     x, y = torch.tensor([[0.0], [1.0]]), torch.tensor([[3.0]])
     # pooled points 0, 1, 3: squared distances 1, 9, 4 -> b0 = 2 * (1 + 9 + 4) / 6 = 14 / 3
     b0 = 14 / 3
-    k = lambda d2: sum(np.exp(-d2 / (s * b0)) for s in (0.25, 0.5, 1.0, 2.0, 4.0))
+    def k(d2):
+        return sum(np.exp(-d2 / (s * b0)) for s in (0.25, 0.5, 1.0, 2.0, 4.0))
     kxx = (2 * k(0) + 2 * k(1)) / 4
     kyy = k(0)
     kxy = (k(9) + k(4)) / 2
@@ -374,7 +380,10 @@ def test_momentum_aware_control_update_by_hand():
 def test_localghbm_is_ghbm_under_full_participation(tmp_path):
     """With every client in every round, C = 1 and GHBM's tau = 1: the model a client received last
     round is x_{t-1}, so LocalGHBM's momentum x_{t-1} - x_t is GHBM's, step for step."""
-    setup = [a for a in SETUP if not a.startswith(("clients_per_round", "rounds"))] + ["clients_per_round=3", "rounds=4"]
+    setup = [a for a in SETUP if not a.startswith(("clients_per_round", "rounds"))] + [
+        "clients_per_round=3",
+        "rounds=4",
+    ]
     ghbm = run(load_config(None, setup + ["method=ghbm"]), tmp_path / "ghbm").global_state
     local = run(load_config(None, setup + ["method=localghbm"]), tmp_path / "local").global_state
     avg = run(load_config(None, setup), tmp_path / "avg").global_state

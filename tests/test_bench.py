@@ -75,9 +75,14 @@ def test_bench_list_and_smoke_end_to_end(tmp_path):
                          timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "seed-papers" in out.stdout and "smoke" in out.stdout and "paper" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "fedskew.cli", "bench", "seed-papers", "--scale", "smoke", "--jobs", "2"],
-                         capture_output=True, text=True, timeout=3600, cwd=tmp_path,  # generous: a busy 2-core machine
-                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
+    out = subprocess.run(
+        [sys.executable, "-m", "fedskew.cli", "bench", "seed-papers", "--scale", "smoke", "--jobs", "2"],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        cwd=tmp_path,  # generous: a busy 2-core machine
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     board = (tmp_path / "runs" / "bench-seed-papers-smoke" / "leaderboard.md").read_text()
     assert "Scale: smoke: bundled digits" in board
@@ -227,11 +232,16 @@ def test_the_momentum_control_runs_fedavg_under_the_four_s_optimiser():
     assert [m.label or m.name for m in parsed.methods] == ["fedavg", "fedcm", "fedhbm", "ghbm", "localghbm",
                                                             "fedavg-sgd"]
     assert parsed.report["baseline"] == "fedavg-sgd"
-    optimiser = lambda label: sorted((c["lr"], c["momentum"], c["weight_decay"]) for m in parsed.methods
-                                     if (m.label or m.name) == label
-                                     for c in (run_config(parsed, m, p, "#C=2", 0) for p in m.trials))
+    def optimiser(label):
+        return sorted((c["lr"], c["momentum"], c["weight_decay"]) for m in parsed.methods
+                                         if (m.label or m.name) == label
+                                         for c in (run_config(parsed, m, p, "#C=2", 0) for p in m.trials))
     assert optimiser("fedavg-sgd") == sorted((lr, 0.0, 1e-4) for lr in (0.03333333, 0.1, 0.3))
-    assert {o[1:] for o in optimiser("ghbm")} == {(0.0, 1e-4)} and {o[0] for o in optimiser("ghbm")} <= {0.03333333, 0.1, 0.3}
+    assert {o[1:] for o in optimiser("ghbm")} == {(0.0, 1e-4)} and {o[0] for o in optimiser("ghbm")} <= {
+        0.03333333,
+        0.1,
+        0.3,
+    }
     assert optimiser("fedavg") == sorted((lr, 0.9, 1e-5) for lr in (0.00333333, 0.01, 0.03))  # the library default
 
 
@@ -319,7 +329,9 @@ def test_label_skew_smoke_end_to_end(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     folder = tmp_path / "runs" / "bench-label-skew-smoke"
     board = (folder / "leaderboard.md").read_text()
-    assert "| method | #C=1 | #C=2 | Dir0.1 | Dir0.5 | P10C2 | C-10-2 | Dir0.5-U20 | avg rank | W/T/L vs fedavg |" in board
+    assert (
+        "| method | #C=1 | #C=2 | Dir0.1 | Dir0.5 | P10C2 | C-10-2 | Dir0.5-U20 | avg rank | W/T/L vs fedavg |" in board
+    )
     assert "global accuracy (test set" in board and "personalised accuracy" in board
     glob = board[board.index("global accuracy (test set"):board.index("## label-skew on digits: budget")]
     rows = {line.split("|")[1].strip(): line for line in glob.splitlines() if line.startswith("| fed")}
@@ -328,7 +340,9 @@ def test_label_skew_smoke_end_to_end(tmp_path):
     # the clients never trained on: a board of the one setting that holds some out, every method scored
     unseen = board[board.index("accuracy on held-out clients"):]
     assert "| method | Dir0.5-U20 | avg rank | W/T/L vs fedavg |" in unseen
-    assert all(unseen.count(f"| {m} | ") == 1 and f"| {m} | none" not in unseen for m in ("fedavg", "fedprox", "fedrep"))
+    assert all(
+        unseen.count(f"| {m} | ") == 1 and f"| {m} | none" not in unseen for m in ("fedavg", "fedprox", "fedrep")
+    )
     budget = board[board.index("budget and the configuration"):board.index("## label-skew on digits: personalised")]
     trials_of = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in budget.splitlines()
                  if line.startswith("| fed")}
@@ -347,7 +361,10 @@ def test_label_skew_smoke_end_to_end(tmp_path):
     md, _, _ = write_leaderboard("label-skew", "smoke", "cmd", folder, ["fedrep", "fedavg"])
     part = md.read_text()
     glob = part[part.index("global accuracy (test set"):part.index("## label-skew on digits: budget")]
-    assert {line.split("|")[1].strip() for line in glob.splitlines() if line.startswith("| fed")} == {"fedavg", "fedrep"}
+    assert {line.split("|")[1].strip() for line in glob.splitlines() if line.startswith("| fed")} == {
+        "fedavg",
+        "fedrep",
+    }
     assert "Summary (generated): 2 methods" in part and f"{done['fedavg'] + done['fedrep']} finished runs" in part
     assert "fedprox" not in part
 
@@ -360,7 +377,9 @@ def test_label_skew_smoke_end_to_end(tmp_path):
 
     table = yaml.safe_load(Path(bench.__file__).with_name("bench_timings.yaml").read_text())["niid-bench"]["lite"]
     minutes = 60 * table["seconds_per_run"] / 2 / 60
-    assert estimate("niid-bench", "lite", 60, tmp_path / "nothing") == f"~{minutes:.0f} min with 2 jobs ({table['where']})"
+    assert (
+        estimate("niid-bench", "lite", 60, tmp_path / "nothing") == f"~{minutes:.0f} min with 2 jobs ({table['where']})"
+    )
     assert estimate("label-skew", "paper", 60, tmp_path / "nothing") == "not measured"
     bad = subprocess.run([sys.executable, "-m", "fedskew.cli", "bench", "label-skew", "--methods", "fedavgg"],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
@@ -419,8 +438,10 @@ def test_bench_parts_seeds_and_executor(tmp_path):
     assert "--parts map --seeds 0" in board
     fedavg = next(row for row in board.splitlines() if row.startswith("| fedavg |") and "Table I, row FedAvg" in row)
     assert "not run" not in fedavg
-    for args, text in ((["--parts", "mapp"], "bench --parts names 'mapp', which is not a part of suite 'seed-papers'"),
-                       (["--parts", "map", "--seeds", "7"], "bench --seeds names '7', which is not a seed of part 'map'")):
+    for args, text in (
+        (["--parts", "mapp"], "bench --parts names 'mapp', which is not a part of suite 'seed-papers'"),
+        (["--parts", "map", "--seeds", "7"], "bench --seeds names '7', which is not a seed of part 'map'"),
+    ):
         out = subprocess.run(base + args + ["--out", "c"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                              env=env)
         assert out.returncode == 2 and text in out.stderr and "Traceback" not in out.stderr, out.stderr
@@ -511,9 +532,15 @@ def test_the_summary_counts_the_methods_that_win_and_lose():
 
     base = {0: 0.50, 1: 0.52, 2: 0.51}
     shifted = lambda d: {k: v + d[k] for k, v in base.items()}  # noqa: E731
-    board = _board({("fedavg", "s"): base, ("a", "s"): shifted({0: 0.10, 1: 0.11, 2: 0.10}),
-                    ("b", "s"): shifted({0: 0.09, 1: 0.10, 2: 0.09}), ("c", "s"): shifted({0: -0.10, 1: -0.12, 2: -0.10}),
-                    ("d", "s"): shifted({0: 0.01, 1: -0.02, 2: 0.0})})
+    board = _board(
+        {
+            ("fedavg", "s"): base,
+            ("a", "s"): shifted({0: 0.10, 1: 0.11, 2: 0.10}),
+            ("b", "s"): shifted({0: 0.09, 1: 0.10, 2: 0.09}),
+            ("c", "s"): shifted({0: -0.10, 1: -0.12, 2: -0.10}),
+            ("d", "s"): shifted({0: 0.01, 1: -0.02, 2: 0.0}),
+        }
+    )
     text = board_summary(board, "fedavg", board_rows(board, "fedavg")[1])
     assert "Significant wins against fedavg, 2 methods (settings): a (1), b (1); significant losses, 1 method: c (1)." \
         in text
@@ -591,11 +618,18 @@ def test_a_tuned_sweep_in_worker_processes_is_one_pool_and_gives_the_sequential_
             pools.append(self)
             super().__init__(*a, **k)
 
-    spec = load_spec({**TINY, "methods": [{"name": "fedavg", "trials": [{"lr": 0.05}, {"lr": 0.01}]},
-                                          {"name": "fedprox", "trials": [{"mu": 0.01, "lr": 0.05}, {"mu": 0.1, "lr": 0.01}]},
-                                          {"name": "scaffold", "trials": [{"lr": 0.05}, {"lr": 0.02}]}],
-                      "seeds": [0, 1], "selection": {"split": "validation", "validation_fraction": 0.2,
-                                                     "tune_seeds": [0]}})
+    spec = load_spec(
+        {
+            **TINY,
+            "methods": [
+                {"name": "fedavg", "trials": [{"lr": 0.05}, {"lr": 0.01}]},
+                {"name": "fedprox", "trials": [{"mu": 0.01, "lr": 0.05}, {"mu": 0.1, "lr": 0.01}]},
+                {"name": "scaffold", "trials": [{"lr": 0.05}, {"lr": 0.02}]},
+            ],
+            "seeds": [0, 1],
+            "selection": {"split": "validation", "validation_fraction": 0.2, "tune_seeds": [0]},
+        }
+    )
     run_sweep(spec, tmp_path / "one", jobs=1).close()
     monkeypatch.setattr(sweep, "WorkerPool", Counted)
     run_sweep(spec, tmp_path / "two", jobs=2).close()

@@ -11,7 +11,12 @@ def one_sentence(msg: str) -> bool:
 
 def test_defaults_are_the_documented_contract():
     cfg = load_config()
-    assert (cfg.method.name, cfg.dataset.name, cfg.partition.name, cfg.model.name) == ("fedavg", "digits", "pcdd", "mlp")
+    assert (cfg.method.name, cfg.dataset.name, cfg.partition.name, cfg.model.name) == (
+        "fedavg",
+        "digits",
+        "pcdd",
+        "mlp",
+    )
     for key in ["method", "dataset", "partition", "model", "rounds", "clients_per_round", "local_epochs",
                 "batch_size", "lr", "seed", "device", "out_dir"]:
         assert key in cfg.model_dump()

@@ -9,15 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fedskew.algorithms import build_method
+from fedskew.algorithms.server_opt import FedAdam, FedYogi
+from fedskew.algorithms.tensors import intra_class_loss
 from fedskew.config import load_config
 from fedskew.engine.local import load_state
 from fedskew.engine.protocol import batch_schedule
 from fedskew.engine.runner import Experiment
 from fedskew.engine.vectorized import VectorizedExecutor
-from fedskew.algorithms import build_method
-from fedskew.algorithms.tensors import intra_class_loss
 from fedskew.metrics import live_units
-from fedskew.algorithms.server_opt import FedAdam, FedYogi
 
 SMALL = ["partition.num_clients=5", "clients_per_round=2", "rounds=1", "local_epochs=2", "batch_size=16",
          "final_personalization=false"]
@@ -132,9 +132,11 @@ def test_fedka_anchor_loss_is_zero_where_local_equals_global_with_batchnorm(tmp_
     glob = federated_state(exp.model)
     payload = exp.method.broadcast(glob, {})
     k = 0
-    state = exp.executor.sequential.prepare(0, k, payload, exp.method.client_init(k, glob, exp.info)) \
-        if isinstance(exp.executor, VectorizedExecutor) else exp.executor.prepare(0, k, payload,
-                                                                                exp.method.client_init(k, glob, exp.info))
+    state = (
+        exp.executor.sequential.prepare(0, k, payload, exp.method.client_init(k, glob, exp.info))
+        if isinstance(exp.executor, VectorizedExecutor)
+        else exp.executor.prepare(0, k, payload, exp.method.client_init(k, glob, exp.info))
+    )
     assert 0 < state["ka.valid"].sum() < exp.method.opt.anchor_cap  # real anchors plus padding
     x = exp.fed.data.x_train[exp.fed.train_idx[k][:16]]
     y = exp.fed.data.y_train[exp.fed.train_idx[k][:16]]

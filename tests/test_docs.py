@@ -98,18 +98,21 @@ def test_every_method_and_component_names_its_source_in_plain_text():
     import subprocess
     import sys
 
-    from fedskew.algorithms import plain_text
+    from fedskew.algorithms import BUILTIN, plain_text
 
-    from fedskew.algorithms import BUILTIN
-
-    missing = [n for n, c in {**{k: METHODS[k] for k in BUILTIN}, **{f"component {k}": v for k, v in COMPONENTS.items()}}.items()
-               if "source" not in c.__dict__ or c.source is None]
+    missing = [
+        n
+        for n, c in {**{k: METHODS[k] for k in BUILTIN}, **{f"component {k}": v for k, v in COMPONENTS.items()}}.items()
+        if "source" not in c.__dict__ or c.source is None
+    ]
     assert not missing, f"no Source: {missing}"
     for cls in [*(METHODS[k] for k in BUILTIN), *COMPONENTS.values()]:
         s = cls.source
         assert s.authors and s.title and s.venue and s.implements and s.code, cls
         assert s.arxiv is None or re.fullmatch(r"\d{4}\.\d{4,5}(, \d{4}\.\d{4,5})*", s.arxiv), s.arxiv
-    assert plain_text("see :class:`~fedskew.algorithms.components.Discrepancy` and ``x``") == "see `Discrepancy` and `x`"
+    assert (
+        plain_text("see :class:`~fedskew.algorithms.components.Discrepancy` and ``x``") == "see `Discrepancy` and `x`"
+    )
     for name in ("fedavg", "feddisco", "fedproc", "map", "rs"):
         out = subprocess.run([sys.executable, "-m", "fedskew.cli", "methods", name], capture_output=True, text=True,
                              timeout=120, env={**__import__("os").environ, "COLUMNS": "200"}).stdout
@@ -213,11 +216,11 @@ def prose_problems(prose: str, tables: list[dict]) -> list[str]:
         tabs += [t for t in tables if t["kind"] == "published" and t not in tabs]
         plain = clause.replace("(", "").replace(")", "")
 
-        def owner(at: int) -> str:
+        def owner(at: int, spots=spots) -> str:
             before = [n for pos, n in spots if pos <= at]
             return before[-1] if before else spots[0][1]
 
-        def setting_after(at: int) -> str | None:
+        def setting_after(at: int, plain=plain) -> str | None:
             """The setting an ordinal names right after it ('first under Dir0.5')."""
             m = re.match(r"\S+ (?:under|in) (\S+)", plain[at:])
             return next((s for s in settings if m and m.group(1).rstrip(",.:*") == _setting_text(s)), None)
@@ -232,9 +235,12 @@ def prose_problems(prose: str, tables: list[dict]) -> list[str]:
                      for c in [*t["rows"][method]["cells"].values(), (t["rows"][method]["avg"],)] for x in c)
             if not ok:
                 problems.append(f"{value} for {method}: {clause.strip()[:160]}")
-        for m in re.finditer(r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|"
-                             r"twelfth|\d+(?:st|nd|rd|th)) (?!(?:round|seed|trial|grid|rounds|day|session|table|in the other|"
-                             r"in \w+ settings))", clause):
+        for m in re.finditer(
+            r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|"
+            r"twelfth|\d+(?:st|nd|rd|th)) (?!(?:round|seed|trial|grid|rounds|day|session|table|in the other|"
+            r"in \w+ settings))",
+            clause,
+        ):
             word, at = m.group(1), m.start()
             want = ORDINALS.get(word) or int(re.match(r"\d+", word).group())
             method = owner(len(_key_text(clause[:at])))
@@ -245,7 +251,9 @@ def prose_problems(prose: str, tables: list[dict]) -> list[str]:
             else:
                 ok = any(method in t["rows"] and position(t, method) == want for t in tabs)
             if not ok:
-                problems.append(f"'{word}' for {method}{' under ' + setting if setting else ''}: {clause.strip()[:160]}")
+                problems.append(
+                    f"'{word}' for {method}{' under ' + setting if setting else ''}: {clause.strip()[:160]}"
+                )
     return problems
 
 
@@ -391,7 +399,9 @@ def test_design_cites_files_modules_and_hooks_that_exist():
     files = {p.name for d in ("src", "benchmarks", "tests", "examples") for p in (ROOT / d).rglob("*.py")}
     problems = [f"file {f}" for f in sorted(set(re.findall(r"([A-Za-z_0-9]+\.py)\b", text))) if f not in files]
     names = fedskew_names()
-    for dotted in sorted(set(re.findall(r"`((?:fedskew\.)?[A-Za-z_][A-Za-z_0-9]*(?:\.[A-Za-z_][A-Za-z_0-9]*)+)`", text))):
+    for dotted in sorted(
+        set(re.findall(r"`((?:fedskew\.)?[A-Za-z_][A-Za-z_0-9]*(?:\.[A-Za-z_][A-Za-z_0-9]*)+)`", text))
+    ):
         head, *rest = dotted.split(".")
         if dotted.endswith((".py", ".md", ".json", ".jsonl", ".yaml", ".pt")) or head not in names:
             continue  # a file, or torch's, a config key, an argument

@@ -19,14 +19,14 @@ import pytest
 import torch
 import yaml
 
-from conftest import crash_after
 import fedskew
+from conftest import crash_after
 from fedskew.config import ConfigError, load_config
 from fedskew.data.datasets import DatasetError, read_idx
 from fedskew.data.leaf import load_leaf
+from fedskew.engine import rundir as rundir_module
 from fedskew.engine import runner as runner_module
 from fedskew.engine.durable import FolderLock, read_records
-from fedskew.engine import rundir as rundir_module
 from fedskew.engine.rundir import StorageError, compact, read_checkpoint
 
 SMALL = {"rounds": 4, "partition.num_clients": 6, "clients_per_round": 3, "local_epochs": 1, "model.hidden": [16],
@@ -266,7 +266,9 @@ def test_a_signalled_sweep_stops_its_runs_at_a_round_boundary(tmp_path, sig, cod
                            "--no-report"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     direct = fedskew.run({**SMALL, "rounds": 60, "seed": 1}, out_dir=str(tmp_path), run_name="direct")
-    resumed = [p for p in (tmp_path / "sw").glob("runs/*") if yaml.safe_load((p / "config.yaml").read_text())["seed"] == 1]
+    resumed = [
+        p for p in (tmp_path / "sw").glob("runs/*") if yaml.safe_load((p / "config.yaml").read_text())["seed"] == 1
+    ]
     assert records(resumed[0]) == records(direct.run_dir)
 
 
@@ -621,7 +623,7 @@ def test_a_signal_stops_the_run_with_the_resume_command(tmp_path_factory, full, 
     for _ in range(3):  # a loaded machine may let the 4-round run finish before the signal lands
         tmp_path = tmp_path_factory.mktemp("signal")
         proc = cli_popen("run", *SMALL_ARGS, "out_dir=.", "run_name=r", cwd=tmp_path)
-        wait_for(lambda: (tmp_path / "r" / "checkpoint.pt").exists(), proc)
+        wait_for(lambda tmp_path=tmp_path: (tmp_path / "r" / "checkpoint.pt").exists(), proc)
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=300)
         if not (tmp_path / "r" / "summary.json").exists():  # the signal reached the run mid-way: the case tested
@@ -870,7 +872,8 @@ def test_a_read_only_sweep_folder_is_read_without_writing(tmp_path, monkeypatch,
         db.execute("UPDATE runs SET status='x'")
     db.close()
     # the finished sweep run again: its results, nothing written (before: a traceback creating the lock)
-    files = lambda: {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in sweep_dir.rglob("*")}
+    def files():
+        return {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in sweep_dir.rglob("*")}
     before = files()
     spec = {"name": "ro", "base": {**SMALL, "rounds": 1}, "methods": ["fedavg"]}
     (tmp_path / "ro.yaml").write_text(yaml.safe_dump(spec))
@@ -962,7 +965,8 @@ def test_a_config_edited_by_hand_before_resume_is_recorded_as_a_change(tmp_path,
     given = fedskew.resume(tmp_path / "given", lr_decay=0.5)
     changes = [yaml.safe_load((tmp_path / n / "config.yaml").read_text())["changes"] for n in ("edited", "given")]
     assert changes[0] == changes[1] == [{"from_round": 3, "lr_decay": 0.5}]
-    untimed = lambda history: [{k: v for k, v in h.items() if not k.startswith("time/")} for h in history]
+    def untimed(history):
+        return [{k: v for k, v in h.items() if not k.startswith("time/")} for h in history]
     assert untimed(edited.history) == untimed(given.history)
 
 
@@ -1002,8 +1006,9 @@ def test_an_interrupted_bench_resumes_to_the_same_board_but_its_time_line(tmp_pa
     again = subprocess.run([*args, "--out", "cut"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                            timeout=1800)
     assert again.returncode == 0, (again.stdout[-3000:], again.stderr[-2000:])  # (a failed run is named in stdout)
-    strip = lambda path: [line.replace("--out cut", "--out X").replace("--out whole", "--out X")
-                          for line in path.read_text().splitlines() if not line.startswith(TIME_LINE)]
+    def strip(path):
+        return [line.replace("--out cut", "--out X").replace("--out whole", "--out X")
+                              for line in path.read_text().splitlines() if not line.startswith(TIME_LINE)]
     boards = [strip(tmp_path / name / "leaderboard.md") for name in ("whole", "cut")]
     assert sum(line.startswith(TIME_LINE) for line in (tmp_path / "cut" / "leaderboard.md").read_text().splitlines())
     assert boards[0] == boards[1]
@@ -1025,4 +1030,6 @@ def test_fedah_resumes_bit_exactly_on_the_vectorised_executor_and_pfedfda_repeat
     a, b = (read_checkpoint(fedskew.run(fda, out_dir=str(tmp_path), run_name=n).run_dir / "checkpoint.pt")
             for n in ("fda-a", "fda-b"))
     betas = [torch.stack([s["fda.beta"] for _, s in sorted(c["client_states"].items())]) for c in (a, b)]
-    assert torch.equal(*betas) and all(torch.equal(a["global_state"][k], b["global_state"][k]) for k in a["global_state"])
+    assert torch.equal(*betas) and all(
+        torch.equal(a["global_state"][k], b["global_state"][k]) for k in a["global_state"]
+    )

@@ -5,9 +5,9 @@ import torch
 
 from fedskew.cli import main
 from fedskew.config import load_config
-from fedskew.streams import sample_clients
 from fedskew.engine.resume import resume
 from fedskew.engine.runner import Experiment, run
+from fedskew.streams import sample_clients
 
 SMALL = ["rounds=4", "partition.num_clients=8", "clients_per_round=3", "local_epochs=1", "model.hidden=[32]",
          "final_personalization=false"]
@@ -70,7 +70,10 @@ def test_interrupted_run_resumes_exactly(tmp_path):
 
 def test_divergence_stops_with_a_clear_message(tmp_path):
     cfg = load_config(None, SMALL + ["lr=1e6", "momentum=0"])
-    with pytest.raises(FloatingPointError, match=r"round 1: (client \d+.s local loss is (nan|inf)|the aggregated model holds NaN or inf)"):
+    with pytest.raises(
+        FloatingPointError,
+        match=r"round 1: (client \d+.s local loss is (nan|inf)|the aggregated model holds NaN or inf)",
+    ):
         run(cfg, tmp_path)
     assert (tmp_path / "config.yaml").exists()
 

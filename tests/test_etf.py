@@ -5,13 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fedskew.algorithms.neural_collapse import aggregate_memory_vectors, memory_features
 from fedskew.config import ConfigError, ModelConfig, PartitionConfig, load_config
 from fedskew.data.partitions import PartitionError, partition_labels
-from fedskew.streams import numpy_rng
 from fedskew.engine.runner import Experiment, run
-from fedskew.algorithms.neural_collapse import aggregate_memory_vectors, memory_features
 from fedskew.models import ModelError, build_model
 from fedskew.models.nets import simplex_etf
+from fedskew.streams import numpy_rng
 
 SMALL = ["rounds=4", "partition.num_clients=6", "clients_per_round=3", "local_epochs=1", "batch_size=16",
          "model.classifier=etf", "final_personalization=false"]
@@ -109,7 +109,9 @@ def test_gmv_applied_from_the_warmup_round_only(tmp_path):
     z = exp.model(x, return_features=True)[0]
     hand = F.cross_entropy((z + 0.5 * server["gmv.mu"][y]) @ exp.model.classifier.weight.T, y)
     assert loss.item() == pytest.approx(hand.item(), rel=1e-6)
-    plain, _ = method.local_loss(fwd, None, x, y, method.broadcast(res.global_state, {**server, "gmv.t": torch.tensor(0.)}), {})
+    plain, _ = method.local_loss(
+        fwd, None, x, y, method.broadcast(res.global_state, {**server, "gmv.t": torch.tensor(0.0)}), {}
+    )
     assert plain.item() == pytest.approx(F.cross_entropy(exp.model(x), y).item(), rel=1e-6)
 
 

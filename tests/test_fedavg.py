@@ -2,12 +2,12 @@ import numpy as np
 import pytest
 import torch
 
+from fedskew.algorithms import ClientReport, Method
+from fedskew.algorithms.base import FedAvgOptions, as_model_part
 from fedskew.config import ModelConfig, load_config
 from fedskew.data import load_federation
 from fedskew.engine.local import SequentialExecutor, federated_state
 from fedskew.engine.protocol import LocalSettings, batch_schedule
-from fedskew.algorithms import ClientReport, Method
-from fedskew.algorithms.base import FedAvgOptions, as_model_part
 from fedskew.models import build_model
 
 
@@ -66,6 +66,6 @@ def test_sequential_client_training_equals_a_bare_torch_loop():
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         opt.step()
-    for k, v in ref.state_dict().items():
+    for k, _v in ref.state_dict().items():
         assert torch.allclose(as_model_part(federated_state(ref))["model." + k], res.upload["model." + k])
     assert res.report.num_samples == len(idx) and res.report.num_steps == 2 * -(-len(idx) // 8)

@@ -5,11 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fedskew.algorithms.fedka import anchor_indices, knowledge_anchor_loss, not_true_logits, ntd_loss
 from fedskew.config import load_config
 from fedskew.engine.runner import Experiment
-from fedskew.algorithms.fedka import anchor_indices, knowledge_anchor_loss, not_true_logits, ntd_loss
-from fedskew.metrics import class_roles
-from fedskew.metrics import forgetting_degree
+from fedskew.metrics import class_roles, forgetting_degree
 from fedskew.streams import numpy_rng
 
 

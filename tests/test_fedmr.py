@@ -2,12 +2,17 @@ import numpy as np
 import pytest
 import torch
 
-from fedskew.config import load_config
-from fedskew.engine.runner import run
 from fedskew.algorithms import build_method
 from fedskew.algorithms.compose import Composite
-from fedskew.algorithms.tensors import (aggregate_prototypes, class_feature_means, inter_class_margin, intra_class_loss,
-                                   sharing_clients)
+from fedskew.algorithms.tensors import (
+    aggregate_prototypes,
+    class_feature_means,
+    inter_class_margin,
+    intra_class_loss,
+    sharing_clients,
+)
+from fedskew.config import load_config
+from fedskew.engine.runner import run
 from fedskew.metrics import eig_var_top50
 
 NAN = float("nan")

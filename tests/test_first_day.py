@@ -122,8 +122,10 @@ def test_your_own_method_in_the_bench_from_python_and_the_cli(tmp_path, monkeypa
     board = (folder / "leaderboard.md").read_text()
     assert "| doubled |" in board and "Summary (generated)" in board
     # the rebuild line is the call that made it, with the user's module (issue 54)
-    assert (f"Rebuild: `import my_methods; fedskew.bench('label-skew', scale='smoke', methods=['fedavg', 'doubled'], "
-            f"settings=['#C=2'], out={str(tmp_path / 'api')!r})` (`fedskew bench label-skew --scale smoke --out ") in board
+    assert (
+        f"Rebuild: `import my_methods; fedskew.bench('label-skew', scale='smoke', methods=['fedavg', 'doubled'], "
+        f"settings=['#C=2'], out={str(tmp_path / 'api')!r})` (`fedskew bench label-skew --scale smoke --out "
+    ) in board
     rows = fedskew.load_results(folder / "label-skew-fmnist", frame=False)
     assert {r["partition"] for r in rows} == {"#C=2"} and {r["label"] for r in rows} == {"fedavg", "doubled"}
     assert sum(r["label"] == "doubled" for r in rows) == 2  # the smoke budget: two trials, like every method
@@ -133,7 +135,8 @@ def test_your_own_method_in_the_bench_from_python_and_the_cli(tmp_path, monkeypa
     assert "--import my_methods.py" in (tmp_path / "cli" / "leaderboard.md").read_text()  # the rebuild command
     # issue 54, item 17: the user's method changed, so its runs train again; FedAvg's are kept, and
     # the old runs are superseded (never averaged with the new ones)
-    cli_rows = lambda: fedskew.load_results(tmp_path / "cli" / "label-skew-fmnist", frame=False)
+    def cli_rows():
+        return fedskew.load_results(tmp_path / "cli" / "label-skew-fmnist", frame=False)
     before = {r["run_id"] for r in cli_rows()}
     source = (tmp_path / "my_methods.py").read_text()
     (tmp_path / "my_methods.py").write_text(source.replace("scale: float = 2.0", "scale: float = 2.0  # changed"))

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-# real SuperLink, SuperNode and ServerApp processes: left out of README's fast subset; one worker runs every test of the group
+# real SuperLink, SuperNode and ServerApp processes: left out of README's fast subset; one worker runs every test of the
+# group
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("processes")]
 
 pytest.importorskip("flwr")

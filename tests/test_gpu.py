@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import fedskew
+from conftest import crash_after
 from fedskew.algorithms import METHODS
 from fedskew.config import load_config
 from fedskew.engine.rundir import read_checkpoint
 from fedskew.engine.runner import Experiment, run
-from conftest import crash_after
 from test_lanes import check_out_of_memory_halving, packed_as_alone
 from test_vectorized import BASE, assert_parity, base_for
 
@@ -32,7 +32,8 @@ CASES = {  # id -> the case's keys (with BASE); each exercises one part of the m
     "fedrs": ["method=fedrs"],
     "fedphp": ["method=fedphp"],
     "cnnbn": ["model=cnnbn", "model.width=4"],
-    "pfedfda": ["method=pfedfda", "rounds=1"],  # (round 2 is a knife edge here: tests/test_vectorized.py, REGISTRY_OPTIONS)
+    # (round 2 is a knife edge here: tests/test_vectorized.py, REGISTRY_OPTIONS)
+    "pfedfda": ["method=pfedfda", "rounds=1"],
     "adam": ["optimizer=adam", "lr=0.001"],
     "dropout": ["model.dropout=0.3"],
 }
@@ -41,7 +42,11 @@ CASES = {  # id -> the case's keys (with BASE); each exercises one part of the m
 @pytest.fixture(autouse=True)
 def exact_cuda():
     """fp32 as written: no TF32 in matmuls or convolutions, deterministic cuDNN kernels."""
-    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic)
+    before = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.deterministic,
+    )
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.deterministic = True
     yield
@@ -111,8 +116,10 @@ def test_a_checkpoint_moves_between_cuda_and_the_cpu(tmp_path, first, then):
     with pytest.raises(KeyboardInterrupt):
         fedskew.run({**cfg, "device": first}, out_dir=str(tmp_path), run_name="r", on_round=crash_after(1))
     shutil.copytree(tmp_path / "r", tmp_path / "copy")
-    on_cpu, on_gpu = read_checkpoint(tmp_path / "r" / "checkpoint.pt"), read_checkpoint(tmp_path / "r" / "checkpoint.pt",
-                                                                                          "cuda")
+    on_cpu, on_gpu = (
+        read_checkpoint(tmp_path / "r" / "checkpoint.pt"),
+        read_checkpoint(tmp_path / "r" / "checkpoint.pt", "cuda"),
+    )
     for k, v in on_cpu["global_state"].items():
         assert torch.equal(v, on_gpu["global_state"][k].cpu()), k
     before = (tmp_path / "r" / "metrics.jsonl").read_text()

@@ -2,13 +2,12 @@
 gives alone, to float round-off; a failing run leaves the pack; sweeps pack, resume and refuse bad
 input like unpacked ones.
 
-Tolerance: as tests/test_vectorized.py's (its module docstring): 1e-5 on every parameter after the
-case's rounds, or, where the case amplifies round-off past it, within twice what a 1e-6 relative
-change of the learning rate (either way) does to the run alone, and below 1e-2 (FedMR's paper-form
-intra term moves its seed-1 run 7e-3 for that change within one round, measured). What differs between a packed run and the same
-run alone is only how the stacked kernels group their reductions (more lanes in one batched call)
-and, when the runs of a pack differ in learning rate, the update p - lr * buf written as a product
-and a subtraction instead of torch's fused kernel: float round-off either way.
+Tolerance: as tests/test_vectorized.py's (its module docstring): 1e-5 on every parameter after the case's rounds, or,
+where the case amplifies round-off past it, within twice what a 1e-6 relative change of the learning rate (either way)
+does to the run alone, and below 1e-2 (FedMR's paper-form intra term moves its seed-1 run 7e-3 for that change within
+one round, measured). What differs between a packed run and the same run alone is only how the stacked kernels group
+their reductions (more lanes in one batched call) and, when the runs of a pack differ in learning rate, the update p -
+lr * buf written as a product and a subtraction instead of torch's fused kernel: float round-off either way.
 """
 
 import json
@@ -23,11 +22,11 @@ import pytest
 import torch
 import yaml
 
+from fedskew.algorithms import METHODS, Method, build_method
 from fedskew.config import load_config
 from fedskew.engine.lanes import Pack, lane_option_plan
 from fedskew.engine.runner import Experiment
 from fedskew.experiments.sweep import pack_key, packs
-from fedskew.algorithms import METHODS, Method, build_method
 from test_vectorized import BASE, PARITY, TOL, base_for, max_difference
 
 VEC = BASE + ["executor=vectorized"]
@@ -86,11 +85,15 @@ def as_alone(tmp_path, extra, name, got, ref) -> str | None:
     assert not isinstance(got, BaseException), got
     diff, key = max_difference(ref, got)
     if diff > TOL:
-        sensitivity = max(max_difference(ref, alone(tmp_path, extra, f"{name}-nudged{f}", 1 + f))[0] for f in (1e-6, -1e-6))
+        sensitivity = max(
+            max_difference(ref, alone(tmp_path, extra, f"{name}-nudged{f}", 1 + f))[0] for f in (1e-6, -1e-6)
+        )
         if sensitivity > 1e-3:
             return "chaotic"
         if diff > 2 * sensitivity:
-            return f"{key}: packed and alone differ by {diff:.3g}; a 1e-6 change of lr moves the run by {sensitivity:.3g}"
+            return (
+                f"{key}: packed and alone differ by {diff:.3g}; a 1e-6 change of lr moves the run by {sensitivity:.3g}"
+            )
     else:
         for ha, hb in zip(ref.history, got.history):  # (where the dynamics are tame, the records agree too)
             assert ha["train/loss"] == pytest.approx(hb["train/loss"], rel=1e-5, abs=1e-5)
@@ -313,7 +316,9 @@ def cli(*args, cwd, timeout=300):
 def summaries(folder):
     import fedskew
 
-    return {r["run_id"]: (r["status"], r["global/test_acc_mean_last10"]) for r in fedskew.load_results(folder, frame=False)}
+    return {
+        r["run_id"]: (r["status"], r["global/test_acc_mean_last10"]) for r in fedskew.load_results(folder, frame=False)
+    }
 
 
 @pytest.mark.slow

@@ -7,15 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fedskew.algorithms.tensors import hpm_momentum, kd_loss, mmd2, rs_scales
 from fedskew.config import load_config
 from fedskew.engine.local import load_state
 from fedskew.engine.protocol import LocalSettings, batch_schedule
-from fedskew.models.functional import frozen_fn
-from fedskew.engine.runner import Experiment, run
-from fedskew.algorithms.tensors import hpm_momentum, kd_loss, rs_scales
-from fedskew.algorithms.tensors import mmd2
-from fedskew.metrics import classifier_proxy_stats
 from fedskew.engine.rundir import read_checkpoint
+from fedskew.engine.runner import Experiment, run
+from fedskew.metrics import classifier_proxy_stats
+from fedskew.models.functional import frozen_fn
 
 
 def test_rs_scales_hard_and_soft_by_hand():
@@ -178,7 +177,9 @@ def test_map_code_schedule_uploads_all_epochs_and_keeps_a_short_kd_stage(tmp_pat
     """The default (authors' code): the upload is FedRS with all E epochs; the HPM is stage B:
     max(ceil(0.1 S), 5) steps at 0.2 lr from the upload, on the batches that follow, with
     (1 - lambda) CE + lambda KD from the HPM (the initial model on a first visit)."""
-    m = Experiment(load_config(None, ONE + ["method=map", "method.alpha=0.3", "method.kt_lambda=0.2"]), tmp_path / "map")
+    m = Experiment(
+        load_config(None, ONE + ["method=map", "method.alpha=0.3", "method.kt_lambda=0.2"]), tmp_path / "map"
+    )
     res = m.run()
     rs = run(load_config(None, ONE + ["method=fedrs", "method.alpha=0.3"]), tmp_path / "rs")
     for n in res.global_state:
@@ -187,7 +188,9 @@ def test_map_code_schedule_uploads_all_epochs_and_keeps_a_short_kd_stage(tmp_pat
     idx = m.fed.train_idx[k]
     total = 2 * math.ceil(len(idx) / 16)
     extra = max(math.ceil(0.1 * total), 5)
-    batches = batch_schedule(LocalSettings(2, 16, seed=0), 0, k, len(idx), 2 + math.ceil(extra / math.ceil(len(idx) / 16)))
+    batches = batch_schedule(
+        LocalSettings(2, 16, seed=0), 0, k, len(idx), 2 + math.ceil(extra / math.ceil(len(idx) / 16))
+    )
     teacher = {n: v.detach().clone() for n, v in Experiment(load_config(None, ONE + ["method=map"]),
                                                             tmp_path / "init").model.state_dict().items()}
     frozen = frozen_fn(m.model)
@@ -208,8 +211,14 @@ def test_fedphp_uploads_e_epochs_of_ce_plus_kd_and_the_hpm_takes_it(tmp_path):
     k = res.history[0]["clients"][0]
     idx = exp.fed.train_idx[k]
     frozen = frozen_fn(exp.model)
-    upload = _replay(exp, k, teacher, batch_schedule(LocalSettings(2, 16, seed=0), 0, k, len(idx)), exp.cfg.lr,
-                     lambda logits, x, y: 0.8 * F.cross_entropy(logits, y) + 0.2 * kd_loss(logits, frozen(teacher, x)[1]))
+    upload = _replay(
+        exp,
+        k,
+        teacher,
+        batch_schedule(LocalSettings(2, 16, seed=0), 0, k, len(idx)),
+        exp.cfg.lr,
+        lambda logits, x, y: 0.8 * F.cross_entropy(logits, y) + 0.2 * kd_loss(logits, frozen(teacher, x)[1]),
+    )
     hpm = _first_hpm(tmp_path / "php", k)
     for n, v in upload.items():
         assert torch.allclose(res.global_state[n], v, atol=1e-6), n

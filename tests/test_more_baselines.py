@@ -12,20 +12,26 @@ import torch
 import torch.nn.functional as F
 
 from conftest import crash_after
+from fedskew.algorithms.base import ClientData, ClientReport
+from fedskew.algorithms.classifier import class_statistics, cosine_logits, pooled_statistics, sample_virtual
+from fedskew.algorithms.distillation import (
+    GEN,
+    FedGen,
+    diversity_loss,
+    ensemble_distillation_loss,
+    generate,
+    generator_teacher_loss,
+    init_generator,
+)
+from fedskew.algorithms.tensors import decorrelation_loss
 from fedskew.config import ConfigError, load_config
 from fedskew.engine.local import federated_state, load_state, module_forward
 from fedskew.engine.protocol import stage_schedules
+from fedskew.engine.rundir import read_checkpoint
 from fedskew.engine.runner import Experiment, run
 from fedskew.models.nets import PrivateExpertNet
-from fedskew.algorithms.base import ClientData, ClientReport
-from fedskew.algorithms.classifier import class_statistics, cosine_logits, pooled_statistics, sample_virtual
-from fedskew.algorithms.distillation import (GEN, FedGen, diversity_loss, ensemble_distillation_loss, generate,
-                                          generator_teacher_loss, init_generator)
-from fedskew.algorithms.tensors import decorrelation_loss
 from fedskew.streams import torch_seed
-from fedskew.engine.rundir import read_checkpoint
 from test_personalized import ONE, ce, close, is_head, local_test_acc, one_round, own, replay, stages
-
 
 # -- FedBN -----------------------------------------------------------------------------------------
 
@@ -159,7 +165,9 @@ def test_fedala_weight_learning_matches_a_replay_of_the_official_loop(tmp_path):
             for n in names:
                 params[n].data = init[n] + (glob[n] - init[n]) * weights[n]
             student.zero_grad()
-            F.cross_entropy(student(x[begin + i * b: begin + (i + 1) * b]), y[begin + i * b: begin + (i + 1) * b]).backward()
+            F.cross_entropy(
+                student(x[begin + i * b : begin + (i + 1) * b]), y[begin + i * b : begin + (i + 1) * b]
+            ).backward()
             for n in names:
                 weights[n] = torch.clamp(weights[n] - 1.0 * params[n].grad * (glob[n] - init[n]), 0, 1)
     for n in names:
@@ -510,7 +518,9 @@ def test_fedgen_local_loss_is_the_expected_official_loss_over_the_bank(tmp_path)
     server = {**method.server_init(init, info), "fedgen.round": torch.tensor(4.0)}
     payload = method.broadcast(init, server)
     alpha, beta = 10 * 0.98 ** 4, 1 * 0.98 ** 4
-    assert payload["fedgen.alpha"].item() == pytest.approx(alpha) and payload["fedgen.beta"].item() == pytest.approx(beta)
+    assert payload["fedgen.alpha"].item() == pytest.approx(alpha) and payload["fedgen.beta"].item() == pytest.approx(
+        beta
+    )
     assert method.coefficients(0) == (0.0, 0.0)  # the first round's generator is untrained: no regulariser
     k = 2
     idx = exp.fed.train_idx[k]
@@ -907,9 +917,13 @@ def test_sam_perturbation_by_hand():
     w = {"l.weight": torch.tensor([[3.0, -1.0]]), "l.bias": torch.tensor([[2.0]])}
     g = {"l.weight": torch.tensor([[1.0, 2.0]]), "l.bias": torch.tensor([[2.0]])}
     eps = sam_perturbation(w, g, 0.3)
-    assert eps["l.weight"].flatten().tolist() == pytest.approx([0.1, 0.2]) and eps["l.bias"].item() == pytest.approx(0.2)
+    assert eps["l.weight"].flatten().tolist() == pytest.approx([0.1, 0.2]) and eps["l.bias"].item() == pytest.approx(
+        0.2
+    )
     eps = sam_perturbation(w, g, 1.0, adaptive=True, eta=1.0)  # T = (4, 2), 1; T g = (4, 4), 2; norm 6
-    assert eps["l.weight"].flatten().tolist() == pytest.approx([16 / 6, 8 / 6]) and eps["l.bias"].item() == pytest.approx(2 / 6)
+    assert eps["l.weight"].flatten().tolist() == pytest.approx([16 / 6, 8 / 6]) and eps[
+        "l.bias"
+    ].item() == pytest.approx(2 / 6)
 
 
 def test_sam_attaches_to_any_method_and_refuses_fp16_and_a_second_sam():
@@ -1076,7 +1090,9 @@ def test_fedgela_equals_a_replay_of_the_official_client_and_predicts_with_its_sc
     assert torch.allclose(state["gela.ew"], ew)
     load_state(model, init)
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=exp.cfg.lr, momentum=exp.cfg.momentum, weight_decay=exp.cfg.weight_decay)
+    opt = torch.optim.SGD(
+        model.parameters(), lr=exp.cfg.lr, momentum=exp.cfg.momentum, weight_decay=exp.cfg.weight_decay
+    )
     idx = exp.fed.train_idx[k]
     for pos in batches:
         x, y = exp.fed.data.x_train[idx[pos]], exp.fed.data.y_train[idx[pos]]
@@ -1096,8 +1112,9 @@ def test_fedgela_equals_a_replay_of_the_official_client_and_predicts_with_its_sc
     y_test = exp.fed.data.y_train[test]
     scaled = (torch.matmul(z, ew * M).argmax(1) == y_test).float().mean().item()
     assert res.history[0]["personal/acc_after"] == pytest.approx(scaled)
-    assert local_test_acc(exp, k, trained) == pytest.approx((torch.matmul(z, M).argmax(1) == y_test).float().mean().item())
-
+    assert local_test_acc(exp, k, trained) == pytest.approx(
+        (torch.matmul(z, M).argmax(1) == y_test).float().mean().item()
+    )
 
 
 # -- FedConcat -------------------------------------------------------------------------------------
@@ -1107,7 +1124,9 @@ CONCAT = ["method=fedconcat", "method.clusters=2"]
 
 def concat_parts(state, c, d):
     """Cluster c's model inside the concatenation: its branch, its block of the classifier."""
-    branch = {n[len(f"backbone.branches.{c}."):]: v for n, v in state.items() if n.startswith(f"backbone.branches.{c}.")}
+    branch = {
+        n[len(f"backbone.branches.{c}.") :]: v for n, v in state.items() if n.startswith(f"backbone.branches.{c}.")
+    }
     return branch, state["classifier.weight"][:, c * d:(c + 1) * d]
 
 
@@ -1182,7 +1201,9 @@ def test_fedconcat_second_phase_trains_the_concatenated_classifier_on_frozen_enc
     exp = Experiment(load_config(None, ONE + CONCAT + ["method.encoder_rounds=1", "rounds=2"]), tmp_path / "two")
     res = exp.run()
     k = res.history[1]["clients"][0]
-    batches, personal, _ = stage_schedules(exp.executor.settings, exp.method, 1, k, len(exp.fed.train_idx[k]), exp.cfg.lr)
+    batches, personal, _ = stage_schedules(
+        exp.executor.settings, exp.method, 1, k, len(exp.fed.train_idx[k]), exp.cfg.lr
+    )
     assert len(batches) == 3 and not personal
     encoders = torch.nn.Sequential(*[copy.deepcopy(b) for b in exp.model.backbone.branches])
     for i, b in enumerate(encoders):
@@ -1219,9 +1240,15 @@ def test_fedconcat_aggregation_by_hand(tmp_path):
     members = [k for k in range(exp.info.num_clients) if m.assign[k] == m.assign[0]][:2]
     c = int(m.assign[0])
     gen = torch.Generator().manual_seed(0)
-    ups = [{"concat.enc.1.weight": torch.randn(4, 64, generator=gen), "concat.enc.1.bias": torch.randn(4, generator=gen),
-            "concat.weight": torch.randn(10, 4, generator=gen), "concat.bias": torch.randn(10, generator=gen)}
-           for _ in members]
+    ups = [
+        {
+            "concat.enc.1.weight": torch.randn(4, 64, generator=gen),
+            "concat.enc.1.bias": torch.randn(4, generator=gen),
+            "concat.weight": torch.randn(10, 4, generator=gen),
+            "concat.bias": torch.randn(10, generator=gen),
+        }
+        for _ in members
+    ]
     reports = [ClientReport(k, n, 1) for k, n in zip(members, (10, 30))]
     new, s2 = m.aggregate(s, g, ups, reports)
     mean = {key: 0.25 * ups[0][key] + 0.75 * ups[1][key] for key in ups[0]}
@@ -1234,8 +1261,13 @@ def test_fedconcat_aggregation_by_hand(tmp_path):
         assert torch.equal(s2["concat.bias"][other], g["classifier.bias"])
     assert int(s2["concat.round"]) == 1  # the switch: classifier_init=clusters keeps [W_1 W_2 W_3], sum b_c
     assert "concat.phase2" in m.broadcast(new, s2) and "concat.phase2" not in m.broadcast(g, s)
-    heads = [{"model.classifier.weight": torch.randn(10, 12, generator=gen), "model.classifier.bias": torch.randn(10, generator=gen)}
-             for _ in range(3)]
+    heads = [
+        {
+            "model.classifier.weight": torch.randn(10, 12, generator=gen),
+            "model.classifier.bias": torch.randn(10, generator=gen),
+        }
+        for _ in range(3)
+    ]
     final, _ = m.aggregate(s2, new, heads, [ClientReport(k, n, 3) for k, n in zip(range(3), (5, 50, 500))])
     assert torch.allclose(final["classifier.weight"], sum(h["model.classifier.weight"] for h in heads) / 3, atol=1e-6)
     assert torch.equal(final[f"backbone.branches.{c}.1.weight"], new[f"backbone.branches.{c}.1.weight"])
@@ -1392,7 +1424,11 @@ def official_fedcp_round(exp, k, start, context, lr, lam, batches):
     model = exp.model
     load_state(model, start)
     base, head = copy.deepcopy(model.backbone), copy.deepcopy(model.classifier)
-    cs, head_g, frozen = copy.deepcopy(model.policy.cpn), copy.deepcopy(model.policy.head_g), copy.deepcopy(model.backbone)
+    cs, head_g, frozen = (
+        copy.deepcopy(model.policy.cpn),
+        copy.deepcopy(model.policy.head_g),
+        copy.deepcopy(model.backbone),
+    )
     for p in [*head_g.parameters(), *frozen.parameters()]:
         p.requires_grad = False
     ensemble = torch.nn.ModuleList([base, head, cs, head_g, frozen])
@@ -1422,7 +1458,10 @@ def official_fedcp_round(exp, k, start, context, lr, lam, batches):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    up_g = {n: p.detach() * 0.5 + q.detach() * 0.5 for (n, p), (_, q) in zip(head.named_parameters(), head_g.named_parameters())}
+    up_g = {
+        n: p.detach() * 0.5 + q.detach() * 0.5
+        for (n, p), (_, q) in zip(head.named_parameters(), head_g.named_parameters())
+    }
     return ({f"backbone.{n}": v.detach() for n, v in base.state_dict().items()},
             {f"classifier.{n}": v.detach() for n, v in head.state_dict().items()},
             {f"policy.cpn.{n}": v.detach() for n, v in cs.state_dict().items()},
@@ -1527,7 +1566,7 @@ class OfficialHyper(torch.nn.Module):
         self.shapes = shapes
         with torch.no_grad():
             self.embeddings.weight.copy_(phi["embeddings"])
-            for i, layer in enumerate(l for l in self.mlp if isinstance(l, torch.nn.Linear)):
+            for i, layer in enumerate(m for m in self.mlp if isinstance(m, torch.nn.Linear)):
                 layer.weight.copy_(phi[f"mlp.{i}.weight"])
                 layer.bias.copy_(phi[f"mlp.{i}.bias"])
             for head, n in zip(self.heads, shapes):
@@ -1672,7 +1711,9 @@ def test_fedamp_download_and_aggregate_by_hand(tmp_path):
     assert np.allclose(u, xi @ flat, atol=1e-6)
     assert set(down) == {"amp.u." + k for k in info.param_names} | {"amp.self_weight"}  # no buffers, no others
     # the default alpha = sigma / (N - 1): u_i is a convex combination even for identical models
-    default = Experiment(load_config(None, ["method=fedamp", "partition.num_clients=5", "clients_per_round=5"]), tmp_path / "d").method
+    default = Experiment(
+        load_config(None, ["method=fedamp", "partition.num_clients=5", "clients_per_round=5"]), tmp_path / "d"
+    ).method
     same = default.server_init(init, info)
     same["amp.seen"][:] = True
     assert default.download(same, 0, 0)["amp.self_weight"].item() == pytest.approx(0.0, abs=1e-12)
@@ -2058,8 +2099,12 @@ def test_fedfed_rounds_after_sharing_equal_a_replay_with_torch_sgd(tmp_path):
         opt = torch.optim.SGD(exp.model.parameters(), lr=exp.cfg.lr, momentum=0.5)
         idx = exp.fed.train_idx[k]
         for pos in batches:
-            x = torch.cat([exp.fed.data.x_train[idx[pos]], sent["fedfed.pair.x"][pos, 0], sent["fedfed.pair.x"][pos, 1]])
-            y = torch.cat([exp.fed.data.y_train[idx[pos]], sent["fedfed.pair.y"][pos, 0], sent["fedfed.pair.y"][pos, 1]])
+            x = torch.cat(
+                [exp.fed.data.x_train[idx[pos]], sent["fedfed.pair.x"][pos, 0], sent["fedfed.pair.x"][pos, 1]]
+            )
+            y = torch.cat(
+                [exp.fed.data.y_train[idx[pos]], sent["fedfed.pair.y"][pos, 0], sent["fedfed.pair.y"][pos, 1]]
+            )
             opt.zero_grad()
             F.cross_entropy(exp.model(x), y).backward()
             opt.step()

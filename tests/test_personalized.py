@@ -7,15 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fedskew.algorithms.meta import moreau_solve
+from fedskew.algorithms.personalized import calibrated_loss, nearest_prototype_head, prototype_regularizer
+from fedskew.algorithms.tensors import balanced_softmax_loss
 from fedskew.config import ConfigError, load_config
 from fedskew.engine.local import federated_state, load_state, module_forward
 from fedskew.engine.protocol import stage_schedules
-from fedskew.engine.runner import Experiment
-from fedskew.algorithms.meta import moreau_solve
-from fedskew.algorithms.tensors import balanced_softmax_loss
-from fedskew.algorithms.personalized import (calibrated_loss, nearest_prototype_head,
-                                          prototype_regularizer)
 from fedskew.engine.rundir import read_checkpoint
+from fedskew.engine.runner import Experiment
 
 # One client of 3 classes, one round, E = 2 epochs of batch 16, momentum 0.5.
 ONE = ["partition=pcdd", "partition.classes_per_client=3", "partition.num_clients=5", "clients_per_round=1",
@@ -295,7 +294,7 @@ def test_pfedme_local_step_is_lambda_times_w_minus_theta(tmp_path):
     params = dict(model.named_parameters())
     loss, _ = exp.method.local_loss(fwd, params, x, y, {}, {})
     grads = torch.autograd.grad(loss, list(params.values()))
-    for (n, p), g in zip(params.items(), grads):
+    for (n, _p), g in zip(params.items(), grads):
         assert torch.allclose(g, lam * (w[n] - theta[n]), atol=1e-5), n
 
 
@@ -374,7 +373,7 @@ def test_fedgh_round_trains_own_models_from_the_global_head_and_the_head_on_thei
     monkeypatch.setattr(exp.method, "aggregate", lambda s, g, u, r: seen.append((g, u, r)) or aggregate(s, g, u, r))
     res = exp.run()
     ckpt = read_checkpoint(tmp_path / "r" / "checkpoint.pt")
-    for t, (glob, uploads, reports) in enumerate(seen):
+    for t, (glob, uploads, _reports) in enumerate(seen):
         protos = torch.cat([u["fedgh.mean"][u["fedgh.count"] > 0] for u in uploads])
         labels = torch.cat([torch.nonzero(u["fedgh.count"] > 0).flatten() for u in uploads])
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(torch_seed(0, "fedgh_order", t)))
@@ -419,6 +418,7 @@ def knn_reference(z, keys, labels, valid, k, weight, scale, logits, mix):
 @pytest.mark.parametrize("mix", ["probabilities", "logits"])
 def test_knnper_interpolation_equals_a_brute_force_knn(mix):
     import numpy as np
+
     from fedskew.models.nets import KNNNet, SkewNet
 
     torch.manual_seed(0)
@@ -518,6 +518,7 @@ def fl_bench_project_clients(stats, endpoints):
 
 def test_floco_projection_equals_fl_benchs_and_lands_on_the_simplex():
     import numpy as np
+
     from fedskew.algorithms.personalized import project_clients, simplex_projection
 
     # a point already on the simplex of size 1 is its own projection; (1, 0.4, 0.2) moves down by
@@ -541,4 +542,6 @@ def test_floco_projects_the_clients_after_tau_rounds_and_personalises_at_their_p
     # the global model stays at the simplex's centre; a client's personalised model sits at its own point
     assert torch.allclose(res.global_state["classifier.center"], torch.full((3,), 1 / 3))
     personal = exp.method.personal_state(res.global_state, {"floco.center": centers[2], "floco.on": torch.tensor(1.0)})
-    assert torch.equal(personal["classifier.center"], centers[2]) and float(personal["classifier.radius"]) == pytest.approx(0.1)
+    assert torch.equal(personal["classifier.center"], centers[2]) and float(
+        personal["classifier.radius"]
+    ) == pytest.approx(0.1)

@@ -14,11 +14,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fedskew.algorithms import METHODS, Method
 from fedskew.config import ConfigError, load_config
 from fedskew.data import DatasetError, PartitionError
 from fedskew.engine.resume import resume
 from fedskew.engine.runner import ClientFailure, Experiment, run
-from fedskew.algorithms import METHODS, Method
 from fedskew.models import ModelError
 
 SMALL = ["rounds=8", "partition.num_clients=10", "clients_per_round=5", "local_epochs=2", "batch_size=16",

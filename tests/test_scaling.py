@@ -114,9 +114,13 @@ class Node:
         self.log = open(tmp / f"ray-{index}.log", "w")
         first = 10002 + 3000 * index  # (below Linux's ephemeral ports, where free_port's come from)
         ports = [f"--min-worker-port={first}", f"--max-worker-port={first + 2999}"]
-        self.proc = subprocess.Popen([str(ray), "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
-                                      *ports, *args], env=RAY_ENV, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [str(ray), "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1", *ports, *args],
+            env=RAY_ENV,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def kill(self) -> None:
         import signal
@@ -136,7 +140,9 @@ def wait_for_cpus(address: str, cpus: int, timeout: float = 120) -> None:
     code = (f"import ray, time; ray.init(address='{address}', logging_level='ERROR'); t = time.time()\n"
             f"while sum(n['Resources'].get('CPU', 0) for n in ray.nodes() if n['Alive']) != {cpus}:\n"
             f"    assert time.time() - t < {timeout}; time.sleep(0.5)")
-    done = subprocess.run([sys.executable, "-c", code], env=RAY_ENV, capture_output=True, text=True, timeout=timeout + 60)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=RAY_ENV, capture_output=True, text=True, timeout=timeout + 60
+    )
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -145,8 +151,13 @@ def db_rows(folder: Path) -> tuple[dict, dict]:
     import sqlite3
 
     db = sqlite3.connect(folder / "results.sqlite")
-    drop = lambda d: {k: v for k, v in json.loads(d).items() if not k.startswith("time/")}
-    runs = {r[0]: (r[1], json.loads(r[2]), drop(r[3])) for r in db.execute("SELECT run_id, status, config, summary FROM runs")}
+    def drop(d):
+        return {k: v for k, v in json.loads(d).items() if not k.startswith("time/")}
+
+    runs = {
+        r[0]: (r[1], json.loads(r[2]), drop(r[3]))
+        for r in db.execute("SELECT run_id, status, config, summary FROM runs")
+    }
     rounds = {(r[0], r[1]): drop(r[2]) for r in db.execute("SELECT run_id, round, metrics FROM rounds")}
     db.close()
     return runs, rounds

@@ -210,7 +210,9 @@ def test_a_killed_sweep_resumes_to_the_uninterrupted_result(tmp_path):
     results = {}
     for name in ("killed", "clean"):
         db = sqlite3.connect(tmp_path / name / "results.sqlite")
-        results[name] = {r[0]: json.loads(r[1])["global/test_acc"] for r in db.execute("SELECT run_id, summary FROM runs")}
+        results[name] = {
+            r[0]: json.loads(r[1])["global/test_acc"] for r in db.execute("SELECT run_id, summary FROM runs")
+        }
     assert results["killed"] == results["clean"] and len(results["clean"]) == 4
 
 
@@ -218,7 +220,8 @@ def test_parallel_jobs_give_the_sequential_results(tmp_path):
     spec = load_spec({**TINY, "partitions": {"P6C3": {"name": "pcdd"}}, "seeds": [0]})
     one = run_sweep(spec, tmp_path / "one", jobs=1)
     two = run_sweep(spec, tmp_path / "two", jobs=2)
-    get = lambda db: {r[0]: json.loads(r[1])["global/test_acc"] for r in db.execute("SELECT run_id, summary FROM runs")}
+    def get(db):
+        return {r[0]: json.loads(r[1])["global/test_acc"] for r in db.execute("SELECT run_id, summary FROM runs")}
     assert get(one) == get(two)
 
 
@@ -347,10 +350,9 @@ def test_report_plots_tell_methods_apart_and_count_rounds_in_whole_numbers(swept
     plots.plot_class_accuracy(res, part, swept / "unused.png")
     assert len(figures[-1].axes[0].get_xticks()) == 13  # 0, 5, ..., 60
 
-    from fedskew.data import federated
-
     import torch
 
+    from fedskew.data import federated
     from fedskew.data.datasets import Dataset
 
     y = torch.arange(620) % 62
@@ -373,7 +375,9 @@ def test_reproduce_smoke_runs_every_preset(tmp_path, name, capsys):
     assert {s for s, _ in statuses(tmp_path / name).values()} == {"done"}
     lines = (tmp_path / name / "report" / "report.md").read_text().splitlines()
     header = next(line for line in lines if line.startswith("| partition |"))
-    assert header == "| partition | " + " | ".join(m.column for m in load_spec(reproduction(name, "smoke")).methods) + " |"
+    assert (
+        header == "| partition | " + " | ".join(m.column for m in load_spec(reproduction(name, "smoke")).methods) + " |"
+    )
     # one seed: a smoke test says so, shows no "+- 0.00" and bolds no winner
     out = capsys.readouterr().out
     assert "smoke test" in out and "says nothing about the methods" in out and "nothing is bold" in out

@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 import fedskew
+from fedskew.algorithms import METHODS
 from fedskew.cli import split_multirun
 from fedskew.config import ConfigError, load_config
 from fedskew.experiments.report import build_table
-from fedskew.algorithms import METHODS
 
 TINY = ["partition.num_clients=6", "clients_per_round=3", "local_epochs=1", "model.hidden=[16]",
         "final_personalization=false"]
@@ -139,7 +139,8 @@ def test_ctrl_c_stops_a_run_with_the_resume_hint(tmp_path):
     wait_for(tmp_path / "r" / "metrics.jsonl", 1, proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err[-2000:])  # (exit 1 once, 2026-11-28)
+    # (exit 1 once, 2026-11-28)
+    assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err[-2000:])
     assert "fedskew: interrupted; the run directory keeps the last checkpoint: `fedskew resume r` continues it." in err
     done = cli("resume", "r", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -435,7 +436,8 @@ def test_sweep_progress_counts_rounds_by_hand(monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(sweep_module.time, "perf_counter", lambda: clock[0])
     p = SweepProgress(4, 10)
-    run = lambda rid: {"run_id": rid, "config": {"rounds": 10}}
+    def run(rid):
+        return {"run_id": rid, "config": {"rounds": 10}}
     p.update("skipped", run("s"))                      # finished earlier: its rounds done, not trained
     p.update("started", run("a"))
     clock[0] = 100.0                                   # 100 s of worker start-up: no round time

@@ -38,9 +38,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fedskew.algorithms import METHODS, Method
 from fedskew.config import load_config
 from fedskew.engine.runner import Experiment, run
-from fedskew.algorithms import METHODS, Method
 
 # Dirichlet gives clients of unequal sizes; batch 7 gives short last batches at different steps.
 BASE = ["rounds=2", "partition=dirichlet", "partition.alpha=0.3", "partition.min_size=5",
@@ -454,7 +454,8 @@ def test_padding_makes_one_call_per_step():
         exp = Experiment(load_config(None, BASE + ["executor=vectorized", f"pad_batches={str(pad).lower()}"]))
         ex = exp.executor
         counters, vmapped = {}, ex.losses
-        ex.losses = lambda stage, *flags: counters.setdefault(flags, _Counting(vmapped(stage, *flags)))
+        ex.losses = lambda stage, *flags, counters=counters, vmapped=vmapped: counters.setdefault(
+            flags, _Counting(vmapped(stage, *flags)))
         ex.train_round(0, clients, *_round_inputs(exp, clients), 0.01)
         calls[pad] = sum(c.calls for c in counters.values())
     from fedskew.engine.protocol import batch_schedule
@@ -467,6 +468,14 @@ def test_padding_makes_one_call_per_step():
 
 
 # -- host synchronisation, precision, device memory ----------------------------------------------
+
+
+def _counted(method, calls: list):
+    """``method``, adding one to ``calls[0]`` at each call."""
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return method(self, *a, **k)
+    return counted
 
 
 def test_no_host_round_trip_inside_the_step_loop(monkeypatch):
@@ -482,8 +491,7 @@ def test_no_host_round_trip_inside_the_step_loop(monkeypatch):
         n = [0]
         for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"):
             orig = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, (lambda o: lambda self, *a, **k: (n.__setitem__(0, n[0] + 1),
-                                                                                      o(self, *a, **k))[1])(orig))
+            monkeypatch.setattr(torch.Tensor, name, _counted(orig, n))
         exp.executor.train_round(1, clients, payload, states, 0.01)
         monkeypatch.undo()
         counts[epochs] = n[0]
@@ -513,9 +521,11 @@ def test_mixed_precision_both_executors(tmp_path, precision, model):
         norm_in, conv_in = set(), {}
         for name, m in exp.model.named_modules():
             if isinstance(m, torch.nn.BatchNorm2d):
-                m.register_forward_hook(lambda mod, inp, o: norm_in.add(inp[0].dtype))
+                m.register_forward_hook(lambda mod, inp, o, norm_in=norm_in: norm_in.add(inp[0].dtype))
             if isinstance(m, torch.nn.Conv2d):
-                m.register_forward_pre_hook(lambda mod, inp, n=name: conv_in.setdefault(n, set()).add(inp[0].dtype))
+                m.register_forward_pre_hook(
+                    lambda mod, inp, n=name, conv_in=conv_in: conv_in.setdefault(n, set()).add(inp[0].dtype)
+                )
         out[ex] = exp.run()
         assert low in seen, seen  # (evaluation: fp32)
         if model:
@@ -607,8 +617,7 @@ def test_lazy_client_closures_can_be_called_again():
     """ClientReport's feature and BN-recalibration closures gather the client's rows when called;
     a second call (two components reading the features) must see the same rows."""
     from fedskew.engine.local import federated_state
-    from fedskew.models.functional import bn_recalibration_fn
-    from fedskew.models.functional import feature_fn
+    from fedskew.models.functional import bn_recalibration_fn, feature_fn
 
     exp = Experiment(load_config(None, BASE + ["model=cnnbn", "model.width=4"]))
     x, y, rows = exp.executor.x, exp.executor.y, exp.executor.train_idx[2]

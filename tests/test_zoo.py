@@ -19,9 +19,9 @@ from fedskew.data import DatasetError, PartitionError, load_federation
 from fedskew.data.augment import crop_flip, crop_flip_params
 from fedskew.data.leaf import ALPHABET
 from fedskew.data.partitions import natural, shards
-from fedskew.streams import numpy_rng
 from fedskew.engine.runner import run
 from fedskew.models import ModelError, build_model
+from fedskew.streams import numpy_rng
 
 RNG = np.random.default_rng(0)
 
@@ -42,8 +42,12 @@ def write_cifar(folder, name="cifar10", per_batch=12):
     for n in names:
         labels = list(RNG.integers(0, classes, per_batch))
         key = b"labels" if name == "cifar10" else b"fine_labels"
-        batch = {b"batch_label": n.encode(), key: labels, b"data": RNG.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
-                 b"filenames": [f"{i}.png".encode() for i in range(per_batch)]}
+        batch = {
+            b"batch_label": n.encode(),
+            key: labels,
+            b"data": RNG.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            b"filenames": [f"{i}.png".encode() for i in range(per_batch)],
+        }
         with open(out / n, "wb") as fh:
             pickle.dump(batch, fh, protocol=2)
     return out

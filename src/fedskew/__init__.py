@@ -53,15 +53,16 @@ reports, presets), ``fedskew.flower`` (Flower apps), ``fedskew.streams`` (named 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from fedskew.algorithms.base import Method
     from fedskew.config import RunConfig
     from fedskew.engine.rundir import RunResult
-    from fedskew.algorithms.base import Method
 
 _LAZY = {"Method": "fedskew.algorithms.base", "FederationInfo": "fedskew.algorithms.base",
          "Forward": "fedskew.algorithms.base", "ClientReport": "fedskew.algorithms.base",
@@ -83,8 +84,16 @@ def load_config(config: Mapping | str | Path | RunConfig | None = None, /,
 
     ``overrides`` is a mapping of (dotted) keys to values, or a list of ``key=value`` strings
     parsed as on the command line; keyword ``options`` come first, ``overrides`` after."""
-    from fedskew.config import (RECORD_KEYS, ConfigError, RunConfig, apply_overrides, nested, read_config_file,
-                                set_key, validate_config)
+    from fedskew.config import (
+        RECORD_KEYS,
+        ConfigError,
+        RunConfig,
+        apply_overrides,
+        nested,
+        read_config_file,
+        set_key,
+        validate_config,
+    )
 
     if config is None:
         data: dict = {}
@@ -141,30 +150,33 @@ def sweep(spec: Mapping | str | Path | Any | None = None, /, jobs: int | None = 
     """Run a sweep (methods x option grids x partitions x seeds) into a folder with a SQLite results
     store and one run directory per run; returns the folder (default ``runs/sweep-<name>``).
 
-    ``spec``: a mapping, a YAML file in the format of :mod:`fedskew.experiments.sweep` or a
-    ``SweepSpec``; None is ``fedskew sweep``'s default comparison. ``jobs`` runs at once (default min(2, cores)), one torch
-    thread each. Running it again skips finished runs and resumes interrupted ones. ``on_event`` is
-    called with ``("skipped" | "started" | "round" | "done" | "failed", run)`` (``"round"``: after
-    each round of a run in this process or a worker, with ``run["round"]`` rounds done of
-    ``run["rounds"]``; Ray reports none). ``on_progress`` is called after every event with the
-    sweep's progress: ``runs_done``, ``runs_running``, ``runs_failed``, ``runs_total``,
-    ``rounds_done``, ``rounds_total``, ``elapsed_s`` and ``eta_s`` (from the measured round rate;
-    None until a round is done); ``progress`` prints it as a line to stderr every 30 s and after
-    each run: by default where a person watches (stderr is a terminal, or a Jupyter kernel runs
-    the code), ``False`` never, ``True`` always. ``ray``: run on Ray instead
-    (``"local"`` starts an instance; ``"auto"``, ``"host:port"``, ``"ray://host:10001"`` join a
-    cluster; per-run resources from the spec's ``resources``; docs/scaling.md). ``pack``: runs on the
-    vectorised executor that differ only in seed, partition, lr or float method options train as
-    lanes of one program (``"auto"``: on a CUDA device; ``"off"``; or N runs a pack; docs/design.md,
-    "Runs as lanes"). Failed runs are listed by
+    ``spec``: a mapping, a YAML file in the format of :mod:`fedskew.experiments.sweep` or a ``SweepSpec``; None is
+    ``fedskew sweep``'s default comparison. ``jobs`` runs at once (default min(2, cores)), one torch thread each.
+    Running it again skips finished runs and resumes interrupted ones. ``on_event`` is called with ``("skipped" |
+    "started" | "round" | "done" | "failed", run)`` (``"round"``: after each round of a run in this process or a worker,
+    with ``run["round"]`` rounds done of ``run["rounds"]``; Ray reports none). ``on_progress`` is called after every
+    event with the sweep's progress: ``runs_done``, ``runs_running``, ``runs_failed``, ``runs_total``, ``rounds_done``,
+    ``rounds_total``, ``elapsed_s`` and ``eta_s`` (from the measured round rate; None until a round is done);
+    ``progress`` prints it as a line to stderr every 30 s and after each run: by default where a person watches (stderr
+    is a terminal, or a Jupyter kernel runs the code), ``False`` never, ``True`` always. ``ray``: run on Ray instead
+    (``"local"`` starts an instance; ``"auto"``, ``"host:port"``, ``"ray://host:10001"`` join a cluster; per-run
+    resources from the spec's ``resources``; docs/scaling.md). ``pack``: runs on the vectorised executor that differ
+    only in seed, partition, lr or float method options train as lanes of one program (``"auto"``: on a CUDA device;
+    ``"off"``; or N runs a pack; docs/design.md, "Runs as lanes"). Failed runs are listed by
     :func:`load_results` (``status``, ``error``) and announced with a warning."""
     import sys
     import warnings
 
-    from fedskew.experiments.presets import default_comparison
     from fedskew.experiments.pool import script_methods, unguarded_script_line
-    from fedskew.experiments.spec import (SweepSpec, default_jobs, default_sweep_dir, load_spec, planned_count,
-                                          rounds_per_run)
+    from fedskew.experiments.presets import default_comparison
+    from fedskew.experiments.spec import (
+        SweepSpec,
+        default_jobs,
+        default_sweep_dir,
+        load_spec,
+        planned_count,
+        rounds_per_run,
+    )
     from fedskew.experiments.sweep import SweepProgress, progress_line, run_sweep
 
     parsed = spec if isinstance(spec, SweepSpec) else \
@@ -248,7 +260,9 @@ def bench(suite: str, /, scale: str, *, data: str | Path | None = None, methods:
 
     given = {"data": str(data) if data else None, "methods": methods, "parts": parts, "seeds": seeds,
              "settings": settings, "out": str(out) if out is not None else None}
-    modules = sorted({src["module"] for m in methods or [] if (src := method_source(m)) and src["module"] != "__main__"})
+    modules = sorted(
+        {src["module"] for m in methods or [] if (src := method_source(m)) and src["module"] != "__main__"}
+    )
     command = "".join(f"import {m}; " for m in modules) + f"fedskew.bench({suite!r}, scale={scale!r}" + \
         "".join(f", {k}={v!r}" for k, v in given.items() if v is not None) + ")"
     suites.write_leaderboard(suite, scale, command, folder, methods)

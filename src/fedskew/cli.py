@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -52,8 +52,14 @@ def _fmt(v) -> str:
 def _progress(console: Console, rounds: int):
     """A rich progress bar on a terminal, plain lines otherwise."""
     if console.is_terminal:
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         progress = Progress(TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
                             TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("left"),
@@ -211,7 +217,10 @@ def full_config(cfg) -> dict:
     data = cfg.resolved()
     cls = METHODS[cfg.method.name]
     given = cfg.method.options
-    method = {"name": cfg.method.name, **cls.Options(**{k: v for k, v in given.items() if k not in COMPONENTS}).model_dump()}
+    method = {
+        "name": cfg.method.name,
+        **cls.Options(**{k: v for k, v in given.items() if k not in COMPONENTS}).model_dump(),
+    }
     for name in COMPONENTS:
         if name in given:
             method[name] = COMPONENTS[name].Options(**given[name]).model_dump()
@@ -220,8 +229,8 @@ def full_config(cfg) -> dict:
 
 
 def cmd_resume(args, console: Console) -> int:
-    from fedskew.engine.resume import import_recorded_method, resume
     from fedskew.config import load_config, read_config_file
+    from fedskew.engine.resume import import_recorded_method, resume
 
     changes = list(getattr(args, "changes", None) or [])
     record = Path(args.run_dir) / "config.yaml"
@@ -256,8 +265,8 @@ def _describe(obj) -> str:
 
 
 def cmd_methods(args, console: Console) -> int:
-    from fedskew.config import ConfigError
     from fedskew.algorithms import COMPONENTS, METHODS, allowed_values, did_you_mean, options_reference
+    from fedskew.config import ConfigError
 
     if args.markdown:
         print(options_reference(), end="")
@@ -283,7 +292,9 @@ def cmd_methods(args, console: Console) -> int:
     table = Table("method", "options (defaults)", "what it is", title="fedskew methods (`fedskew methods NAME`: "
                   "option meanings)")
     for name, cls in METHODS.items():
-        opts = ", ".join(f"{k}={f.get_default(call_default_factory=True)!r}" for k, f in cls.Options.model_fields.items())
+        opts = ", ".join(
+            f"{k}={f.get_default(call_default_factory=True)!r}" for k, f in cls.Options.model_fields.items()
+        )
         text = _describe(cls)
         table.add_row(name, opts, text if len(text) <= 160 else text[:157] + "...")
     console.print(table)
@@ -375,7 +386,14 @@ def _sweep_tables(sweep_dir: Path, console: Console) -> None:
     """The report's main tables as terminal tables, titled with the metric and its unit."""
     import yaml
 
-    from fedskew.experiments.report import MIN_BOLD_SEEDS, build_table, cell_text, chance_of, default_metric, metric_title
+    from fedskew.experiments.report import (
+        MIN_BOLD_SEEDS,
+        build_table,
+        cell_text,
+        chance_of,
+        default_metric,
+        metric_title,
+    )
     from fedskew.experiments.selection import selected_runs
     from fedskew.experiments.store import open_sweep
 
@@ -420,8 +438,8 @@ def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, conso
 
     pack = check_pack(getattr(args, "pack", None) or "auto")  # (a bad value: one sentence before anything runs)
     from fedskew.experiments.report import write_report
-    from fedskew.experiments.store import writable
     from fedskew.experiments.spec import default_jobs, default_sweep_dir, planned_count, rounds_per_run
+    from fedskew.experiments.store import writable
     from fedskew.experiments.sweep import clock, run_sweep
 
     sweep_dir = Path(out) if out else default_sweep_dir(spec)
@@ -640,8 +658,11 @@ def cmd_flower(args, console: Console) -> int:
                       f"clear); pass --root-certificates CA.pem for a TLS SuperLink (docs/flower.md, \"Security\"). "
                       f"Recorded in {run_dir / 'flower-connection.json'}.", highlight=False)
     env = fl.flower_env(FLWR_HOME=str(home.resolve()))
-    console.print(f"fedskew {__version__}: {cfg.method.name} on Flower at {args.superlink}, "
-                  f"{cfg.partition.num_clients} SuperNodes expected; run directory {run_dir.resolve()}", highlight=False)
+    console.print(
+        f"fedskew {__version__}: {cfg.method.name} on Flower at {args.superlink}, "
+        f"{cfg.partition.num_clients} SuperNodes expected; run directory {run_dir.resolve()}",
+        highlight=False,
+    )
     done = subprocess.run(["flwr", "run", str(app_dir), "fedskew", "--stream"], env=env)  # flwr found via env PATH
     summary_path = run_dir / "summary.json"
     if done.returncode != 0 or not summary_path.is_file():
@@ -784,7 +805,9 @@ def _one_line_warnings() -> None:
     default, seen = warnings.showwarning, set()
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if (issubclass(category, FutureWarning) and "fedskew" in str(message)) or issubclass(category, InertOptionWarning):
+        if (issubclass(category, FutureWarning) and "fedskew" in str(message)) or issubclass(
+            category, InertOptionWarning
+        ):
             if str(message) not in seen:  # (a config is validated more than once)
                 seen.add(str(message))
                 print(f"fedskew: warning: {message}", file=sys.stderr)
@@ -845,8 +868,10 @@ def check_folder_name(path, flag: str) -> None:
 
     long = [part for part in Path(str(path)).parts if len(part.encode()) > 255]
     if long:
-        raise ConfigError(f"{flag} '{str(path)[:60]}...' has a folder name {len(long[0].encode())} bytes long; a folder "
-                          f"name holds at most 255.")
+        raise ConfigError(
+            f"{flag} '{str(path)[:60]}...' has a folder name {len(long[0].encode())} bytes long; a folder "
+            f"name holds at most 255."
+        )
 
 
 def import_user_modules(names: list[str]) -> None:

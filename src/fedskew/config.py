@@ -85,7 +85,7 @@ class DatasetConfig(_Section):
                                               "pixels / 255 only, torchvision's ToTensor, as NIID-Bench)")
 
     @model_validator(mode="after")
-    def _synthetic_fits(self) -> "DatasetConfig":
+    def _synthetic_fits(self) -> DatasetConfig:
         """Bound the synthetic data set's memory before anything is allocated."""
         size = 4 * self.num_classes * (self.train_per_class + self.test_per_class) * self.dim
         if self.name == "synthetic" and size > SYNTHETIC_MAX_BYTES:
@@ -128,12 +128,15 @@ class PartitionConfig(_Section):
 class ModelConfig(_Section):
     name: Literal[MODEL_NAMES] = "mlp"  # the zoo's names (models.build)
     classifier_bias: bool = True
-    hidden: list[Annotated[int, Field(ge=1, le=1 << 16)]] | None = Field(None, description="hidden widths of mlp (default [200, 200]) and mlpnet "
-                                                       "(default [1024, 1024, 128])")
+    hidden: list[Annotated[int, Field(ge=1, le=1 << 16)]] | None = Field(
+        None, description="hidden widths of mlp (default [200, 200]) and mlpnet (default [1024, 1024, 128])"
+    )
     width: int = Field(32, ge=1, description="cnnbn channel width")
     dropout: float = Field(0.0, ge=0, lt=1, description="mlp: dropout after each hidden layer (drawn from each "
                                                         "client's own stream, the same in both executors)")
-    projection_dim: int | None = Field(None, ge=1, description="add MOON's projection head (d->d->n); features = its output")
+    projection_dim: int | None = Field(
+        None, ge=1, description="add MOON's projection head (d->d->n); features = its output"
+    )
     classifier: Literal["linear", "etf"] = Field("linear", description="etf: fixed simplex-ETF head, never trained")
     etf_scale: float = Field(1.0, gt=0, description="etf: beta, the head is beta * M^T")
     etf_normalize: bool = Field(False, description="etf: L2-normalise the features before the head")
@@ -301,7 +304,7 @@ class RunConfig(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _method_options(self) -> "RunConfig":
+    def _method_options(self) -> RunConfig:
         from fedskew.algorithms import method_inert, method_model_defaults, method_run_defaults, validate_method_config
 
         method = validate_method_config(self.method)
@@ -372,9 +375,11 @@ class RunConfig(_Strict):
             # the first round whose lr falls under 1e-12 of lr: from there on nothing trains
             dead = math.floor(math.log(1e-12) / math.log(self.lr_decay)) + 1  # decays needed
             if dead * self.lr_decay_every < self.rounds:
-                raise ValueError(f"lr_decay = {self.lr_decay} (every {self.lr_decay_every} rounds) takes the lr under "
-                                 f"1e-12 of lr = {self.lr} from round {dead * self.lr_decay_every + 1} of {self.rounds}, "
-                                 f"so nothing would train after it; raise lr_decay or lr_decay_every")
+                raise ValueError(
+                    f"lr_decay = {self.lr_decay} (every {self.lr_decay_every} rounds) takes the lr under "
+                    f"1e-12 of lr = {self.lr} from round {dead * self.lr_decay_every + 1} of {self.rounds}, "
+                    f"so nothing would train after it; raise lr_decay or lr_decay_every"
+                )
 
     def _check_held_out(self) -> None:
         """Held-out clients leave clients to train, at least one is held out, and they are scored."""

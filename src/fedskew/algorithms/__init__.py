@@ -22,8 +22,8 @@ from pydantic import BaseModel, ValidationError
 
 from fedskew.algorithms import base as _base
 from fedskew.algorithms.base import ClientReport, FederationInfo, Forward, Method, State, search_space
-from fedskew.algorithms.compose import Composite
 from fedskew.algorithms.components import COMPONENTS
+from fedskew.algorithms.compose import Composite
 
 # every module of the package: a family module registers its methods where it defines them (@builtin)
 for _module in pkgutil.iter_modules(__path__):
@@ -240,9 +240,25 @@ def build_method(cfg, info: FederationInfo | None = None) -> Method:
     return Composite(method, [COMPONENTS[name](opt) for name, opt in parts.items()])
 
 
-__all__ = ["ClientReport", "FederationInfo", "Forward", "METHODS", "Method", "State", "build_method",
-           "build_method_model", "did_you_mean", "external_methods", "import_methods", "method_model_defaults", "method_run_defaults", "method_validation_fraction", "register_method", "registered",
-           "validate_method_config"]
+__all__ = [
+    "ClientReport",
+    "FederationInfo",
+    "Forward",
+    "METHODS",
+    "Method",
+    "State",
+    "build_method",
+    "build_method_model",
+    "did_you_mean",
+    "external_methods",
+    "import_methods",
+    "method_model_defaults",
+    "method_run_defaults",
+    "method_validation_fraction",
+    "register_method",
+    "registered",
+    "validate_method_config",
+]
 
 
 def allowed_values(field, markdown: bool = True) -> str:
@@ -273,7 +289,9 @@ def plain_text(text: str) -> str:
     backticks as single ones."""
     import re
 
-    text = re.sub(r":(?:class|func|meth|attr|data|mod|obj):`~?([^`]+)`", lambda m: f"`{m.group(1).split('.')[-1]}`", text)
+    text = re.sub(
+        r":(?:class|func|meth|attr|data|mod|obj):`~?([^`]+)`", lambda m: f"`{m.group(1).split('.')[-1]}`", text
+    )
     return text.replace("``", "`")
 
 

@@ -45,13 +45,14 @@ method can misreport it. Methods hold their options and the federation's static 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
 
 State = dict[str, torch.Tensor]
 MODEL = "model."
@@ -164,7 +165,7 @@ class Forward:
         # ``per_sample_loss`` (Method.padding_exact).
         self.weights = weights
 
-    def wrapping(self, fwd: "Forward") -> None:
+    def wrapping(self, fwd: Forward) -> None:
         """Take every function of ``fwd`` (for subclasses that wrap a Forward)."""
         Forward.__init__(self, fwd._train_fn, fwd._frozen_fn, fwd._head_fn, fwd._call_fn, fwd.buffers, fwd._eval_fn,
                          fwd.weights)
@@ -272,8 +273,10 @@ MAX_METHOD_FLOATS = 1 << 30
 def check_size(method: str, what: str, floats: int) -> None:
     """One sentence when ``floats`` (the size of ``what``) exceeds :data:`MAX_METHOD_FLOATS`."""
     if floats > MAX_METHOD_FLOATS:
-        raise ValueError(f"method {method}'s {what} would hold {floats:,} floats ({4 * floats / 2 ** 30:,.1f} GiB), more "
-                         f"than the {MAX_METHOD_FLOATS:,} a method may allocate; choose smaller options")
+        raise ValueError(
+            f"method {method}'s {what} would hold {floats:,} floats ({4 * floats / 2**30:,.1f} GiB), more "
+            f"than the {MAX_METHOD_FLOATS:,} a method may allocate; choose smaller options"
+        )
 
 
 class StrictOptions(BaseModel):

@@ -17,11 +17,22 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import (builtin, copies, HEAD, FedAvgOptions, Method, Source, as_model_part, head_names,
-                                     model_part, reference_tensor, strip_prefix, weighted_mean)
+from fedskew.algorithms.base import (
+    HEAD,
+    FedAvgOptions,
+    Method,
+    Source,
+    as_model_part,
+    builtin,
+    copies,
+    head_names,
+    model_part,
+    reference_tensor,
+    strip_prefix,
+    weighted_mean,
+)
 from fedskew.algorithms.tensors import aggregate_prototypes, class_feature_means
 from fedskew.streams import torch_seed
-
 
 # ---------------------------------------------------------------------------------------------
 # CCVR
@@ -414,7 +425,17 @@ class FedPAC(Method):
         return new, state
 
 
-__all__ = ["CCVR", "FedNH", "FedPAC", "head_combination", "pac_statistics", "class_statistics", "cosine_logits", "pooled_statistics", "sample_virtual"]
+__all__ = [
+    "CCVR",
+    "FedNH",
+    "FedPAC",
+    "head_combination",
+    "pac_statistics",
+    "class_statistics",
+    "cosine_logits",
+    "pooled_statistics",
+    "sample_virtual",
+]
 
 
 # ---------------------------------------------------------------------------------------------

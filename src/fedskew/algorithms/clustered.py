@@ -30,8 +30,18 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import (builtin, copies, FedAvgOptions, Method, Source, StrictOptions, as_model_part,
-                                     model_part, strip_prefix, weighted_mean)
+from fedskew.algorithms.base import (
+    FedAvgOptions,
+    Method,
+    Source,
+    StrictOptions,
+    as_model_part,
+    builtin,
+    copies,
+    model_part,
+    strip_prefix,
+    weighted_mean,
+)
 from fedskew.models.nets import Branches, SkewNet
 from fedskew.streams import numpy_rng, stream_key
 

@@ -31,10 +31,22 @@ from pydantic import Field, model_validator
 
 from fedskew.algorithms.base import ClientReport, Forward, Source, State, StrictOptions, reference_tensor, strip_prefix
 from fedskew.algorithms.compose import Component
-from fedskew.algorithms.tensors import (aggregate_prototypes, class_feature_means, decorrelation_loss,
-                                        disco_weights, hpm_momentum, inter_class_margin, intra_class_loss, kd_loss,
-                                        label_discrepancy, mmd2, rs_scales, sharing_clients, uniformity_loss,
-                                        variance_loss)
+from fedskew.algorithms.tensors import (
+    aggregate_prototypes,
+    class_feature_means,
+    decorrelation_loss,
+    disco_weights,
+    hpm_momentum,
+    inter_class_margin,
+    intra_class_loss,
+    kd_loss,
+    label_discrepancy,
+    mmd2,
+    rs_scales,
+    sharing_clients,
+    uniformity_loss,
+    variance_loss,
+)
 
 # ---------------------------------------------------------------------------------------------
 # FedMR's two pieces

@@ -17,8 +17,20 @@ from contextlib import contextmanager
 import torch
 from pydantic import BaseModel
 
-from fedskew.algorithms.base import (ClientReport, FederationInfo, Forward, Method, State, add_prefix, as_model_part,
-                                     Reports, declares_per_sample, model_part, strip_prefix, weighted_mean)
+from fedskew.algorithms.base import (
+    ClientReport,
+    FederationInfo,
+    Forward,
+    Method,
+    Reports,
+    State,
+    add_prefix,
+    as_model_part,
+    declares_per_sample,
+    model_part,
+    strip_prefix,
+    weighted_mean,
+)
 
 
 class SharedForward(Forward):
@@ -116,15 +128,55 @@ FOLD = {
     "padding_exact": "all",  # exact under padding when the base and every component are
     "sam": "one",  # at most one sharpness-aware part (the base's or a component's)
     # the personalisation stage has one owner: the component that personalises, else the base
-    **dict.fromkeys(("split_steps", "trained_params", "personal_start", "personal_loss", "after_personal",
-                     "personal_state", "personal_first"), "personal"),
+    **dict.fromkeys(
+        (
+            "split_steps",
+            "trained_params",
+            "personal_start",
+            "personal_loss",
+            "after_personal",
+            "personal_state",
+            "personal_first",
+        ),
+        "personal",
+    ),
     # the rest is the base's (forwarded below where Composite does not filter the client state)
-    **dict.fromkeys(("round_start", "download", "local_start", "step_correction", "local_steps", "lr_scale", "paired_samples", "client_weights",
-                     "class_role_threshold", "evaluation_state", "has_global_model", "requires_classifier",
-                     "fedavg_weighted", "per_sample_loss", "vectorizable"), "base"),
+    **dict.fromkeys(
+        (
+            "round_start",
+            "download",
+            "local_start",
+            "step_correction",
+            "local_steps",
+            "lr_scale",
+            "paired_samples",
+            "client_weights",
+            "class_role_threshold",
+            "evaluation_state",
+            "has_global_model",
+            "requires_classifier",
+            "fedavg_weighted",
+            "per_sample_loss",
+            "vectorizable",
+        ),
+        "base",
+    ),
     # read from the registered class by the config layer, never from an instance
-    **dict.fromkeys(("Options", "name", "source", "model_defaults", "model_requires",
-                     "build_model", "run_defaults", "own_optimiser", "validation_fraction", "inert"), "class"),
+    **dict.fromkeys(
+        (
+            "Options",
+            "name",
+            "source",
+            "model_defaults",
+            "model_requires",
+            "build_model",
+            "run_defaults",
+            "own_optimiser",
+            "validation_fraction",
+            "inert",
+        ),
+        "class",
+    ),
 }
 _unruled = sorted(n for n in vars(Method) if not n.startswith("_") and n not in FOLD)
 if _unruled:
@@ -158,9 +210,11 @@ class Composite(Method):
             self._leaf = self._leaf.base
         self._reweighting = [c for c in components if type(c).reweight is not Component.reweight]
         if self._reweighting and not self._leaf.fedavg_weighted:
-            raise ValueError(f"method.{self._reweighting[0].prefix.rstrip('.')} reweights FedAvg's aggregation weights, "
-                             f"but method {base.name} does not aggregate with them (its own weighting); use it "
-                             f"with a method that does, such as fedavg, fedprox or moon")
+            raise ValueError(
+                f"method.{self._reweighting[0].prefix.rstrip('.')} reweights FedAvg's aggregation weights, "
+                f"but method {base.name} does not aggregate with them (its own weighting); use it "
+                f"with a method that does, such as fedavg, fedprox or moon"
+            )
         sam = [c.opt for c in components if c.sharpness_aware] + ([base.sam] if base.sam is not None else [])
         if len(sam) > 1:
             raise ValueError(f"method {self.name} takes sharpness-aware local steps twice (method.sam on a method "

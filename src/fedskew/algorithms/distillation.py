@@ -12,9 +12,8 @@ uploaded classifiers, and the clients use its samples as a regulariser.
 
 from __future__ import annotations
 
-import math
-
 import functools
+import math
 import warnings
 from typing import Literal
 
@@ -23,8 +22,21 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, field_validator
 
-from fedskew.algorithms.base import (builtin, HEAD, FedAvgOptions, Method, Source, State, add_prefix, as_model_part, check_size,
-                                     model_part, reference_tensor, strip_prefix, weighted_mean)
+from fedskew.algorithms.base import (
+    HEAD,
+    FedAvgOptions,
+    Method,
+    Source,
+    State,
+    add_prefix,
+    as_model_part,
+    builtin,
+    check_size,
+    model_part,
+    reference_tensor,
+    strip_prefix,
+    weighted_mean,
+)
 from fedskew.streams import numpy_rng, seeded_torch, torch_seed
 
 
@@ -136,7 +148,8 @@ class FedDF(Method):
 
 
 class FedGenOptions(FedAvgOptions):
-    search = {'generative_alpha': [1.0, 10.0], 'generative_beta': [0.1, 1.0]}  # the bench's search space (fedskew bench)
+    # the bench's search space (fedskew bench)
+    search = {"generative_alpha": [1.0, 10.0], "generative_beta": [0.1, 1.0]}
     generative_alpha: float = Field(10.0, ge=0, description="weight of the clients' generated-sample "
                                                             "cross-entropy (official code, MNIST: 10)")
     generative_beta: float = Field(1.0, ge=0, description="weight of the clients' latent KL term (official "
@@ -263,8 +276,12 @@ class FedGen(Method):
     def broadcast(self, global_state, server_state):
         alpha, beta = self.coefficients(int(server_state["fedgen.round"]))
         ref = reference_tensor(global_state)
-        return {**as_model_part(global_state), **{k: v for k, v in server_state.items() if k.startswith(GEN)},
-                "fedgen.alpha": torch.tensor(alpha, device=ref.device), "fedgen.beta": torch.tensor(beta, device=ref.device)}
+        return {
+            **as_model_part(global_state),
+            **{k: v for k, v in server_state.items() if k.startswith(GEN)},
+            "fedgen.alpha": torch.tensor(alpha, device=ref.device),
+            "fedgen.beta": torch.tensor(beta, device=ref.device),
+        }
 
     @functools.cached_property
     def classes(self) -> torch.Tensor:
@@ -274,7 +291,9 @@ class FedGen(Method):
     def prepare(self, payload, client_state, data):
         gen = strip_prefix(payload, GEN)
         ref = reference_tensor(payload)
-        gen_rng = torch.Generator().manual_seed(torch_seed(self.info.seed, "fedgen_bank", data.round_idx, data.client_id))
+        gen_rng = torch.Generator().manual_seed(
+            torch_seed(self.info.seed, "fedgen_bank", data.round_idx, data.client_id)
+        )
         y = self.classes.repeat_interleave(self.opt.bank_per_class)
         eps = self.noise(len(y), gen_rng).to(ref.device)
         with torch.no_grad():
@@ -284,7 +303,11 @@ class FedGen(Method):
 
     def noise(self, n: int, gen_rng: torch.Generator) -> torch.Tensor:
         shape = (n, self.opt.noise_dim)
-        return torch.rand(shape, generator=gen_rng) if self.opt.noise == "uniform" else torch.randn(shape, generator=gen_rng)
+        return (
+            torch.rand(shape, generator=gen_rng)
+            if self.opt.noise == "uniform"
+            else torch.randn(shape, generator=gen_rng)
+        )
 
     def local_loss(self, fwd, params, x, y, payload, client_state):
         _, logits = fwd(x)
@@ -351,8 +374,12 @@ class FedGen(Method):
 
 class FedFedOptions(FedAvgOptions):
     search = {"distill_rounds": [5, 15]}  # the bench's search space (fedskew bench)
-    distill_rounds: int = Field(15, ge=1, description="feature-distillation rounds, the first of the run, in which the "
-                                                       "selected clients also train the VAE (official VAE_comm_round 15)")
+    distill_rounds: int = Field(
+        15,
+        ge=1,
+        description="feature-distillation rounds, the first of the run, in which the "
+        "selected clients also train the VAE (official VAE_comm_round 15)",
+    )
     vae_epochs: int = Field(1, ge=1, le=1000, description="local VAE epochs per distillation round (VAE_local_epoch 1)")
     vae_width: int = Field(32, ge=2, le=4096, description="channels d of the VAE (VAE_d 32); its latent has d H W / 16 "
                                                           "units (2,048 on 32 x 32 images, VAE_z)")
@@ -482,11 +509,11 @@ class FedFed(Method):
     Federated Learning"; official code visitworld123/FedFed, read with FL-bench's
     ``src/{server,client}/fedfed.py``).
 
-    Feature distillation (Algorithm 1, the first ``distill_rounds`` rounds): besides its ordinary
-    local training, a selected client trains the global VAE G and a classifier f of the model's
-    architecture (in ``after_training``, AdamW; apart from the model) on its data for
-    ``vae_epochs`` epochs of three passes, as the official ``train_vae_model``: (1) f alone on mixup batches; (2) G alone on rec MSE(G(x), x) + kl
-    KL; (3) both on Eq. (8)'s objective in the official form
+    Feature distillation (Algorithm 1, the first ``distill_rounds`` rounds): besides its ordinary local training, a
+    selected client trains the global VAE G and a classifier f of the model's architecture (in ``after_training``,
+    AdamW; apart from the model) on its data for ``vae_epochs`` epochs of three passes, as the official
+    ``train_vae_model``: (1) f alone on mixup batches; (2) G alone on rec MSE(G(x), x) + kl KL; (3) both on Eq. (8)'s
+    objective in the official form
 
         rec MSE(x_r, x) + ce CE(f([x_s + n_1; x_s + n_2]), [y; y]) + kl KL + x_ce CE(f(x), y),
 
@@ -541,7 +568,9 @@ class FedFed(Method):
         with torch.device("meta"):
             vae = FedFedVAE(self.shape, self.opt.vae_width)
         vae.to_empty(device=next(iter(state.values())).device)
-        vae.load_state_dict({**{k: torch.zeros_like(v) for k, v in vae.state_dict().items() if k not in state}, **state})
+        vae.load_state_dict(
+            {**{k: torch.zeros_like(v) for k, v in vae.state_dict().items() if k not in state}, **state}
+        )
         return vae
 
     def server_init(self, global_state, info):
@@ -652,7 +681,9 @@ class FedFed(Method):
         vae.to(x.device).eval()
         gen = torch.Generator(x.device).manual_seed(torch_seed(self.info.seed, "fedfed_share", client_id))
         x_s = torch.cat([x[i:i + 1024] - vae(x[i:i + 1024])[0] for i in range(0, len(x), 1024)])
-        return protect(x_s, self.opt.noise_std1, self.opt.noise, gen), protect(x_s, self.opt.noise_std2, self.opt.noise, gen)
+        return protect(x_s, self.opt.noise_std1, self.opt.noise, gen), protect(
+            x_s, self.opt.noise_std2, self.opt.noise, gen
+        )
 
     def after_training(self, trained, payload, client_state, report):
         """The model; in a distillation round also the client's trained G and f; the first round
@@ -680,8 +711,11 @@ class FedFed(Method):
         if distilled:  # G and f: weighted by n_k (the official _aggregate_sampled_client_vae)
             n = torch.tensor([float(reports[i].num_samples) for i in distilled], dtype=torch.float64)
             for prefix in (VAE, CLS):
-                server.update(add_prefix(weighted_mean([strip_prefix(uploads[i], prefix) for i in distilled], n / n.sum()),
-                                         prefix))
+                server.update(
+                    add_prefix(
+                        weighted_mean([strip_prefix(uploads[i], prefix) for i in distilled], n / n.sum()), prefix
+                    )
+                )
         sharing = [(u, r) for u, r in zip(uploads, reports) if "fedfed.x1" in u]
         if sharing:
             for key in ("x1", "x2", "y"):

@@ -16,8 +16,16 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedskew.algorithms.base import (MODEL, builtin, FedAvgOptions, Method, Source, as_model_part, model_part,
-                                    weighted_mean)
+from fedskew.algorithms.base import (
+    MODEL,
+    FedAvgOptions,
+    Method,
+    Source,
+    as_model_part,
+    builtin,
+    model_part,
+    weighted_mean,
+)
 from fedskew.algorithms.components import SAMOptions, SharpnessAware
 from fedskew.algorithms.compose import Composed, options_of
 
@@ -245,11 +253,16 @@ class GHBM(Method):
     name = "ghbm"
     own_optimiser = True
     Options = GHBMOptions
-    source = Source(authors="Zaccone, Karimireddy, Masone, Ciccone",
-                    title="Communication-Efficient Heterogeneous Federated Learning with Generalized Heavy-Ball Momentum",
-                    venue="TMLR", year=2025, arxiv="2311.18578", implements="Algorithm 1 (GHBM, non-Nesterov)",
-                    code="RickZack/GHBM src/algo/fed_clients/ghbm_client.py, center_server/ghbm_center_server.py, "
-                         "config/algo/ghbm.yaml")
+    source = Source(
+        authors="Zaccone, Karimireddy, Masone, Ciccone",
+        title="Communication-Efficient Heterogeneous Federated Learning with Generalized Heavy-Ball Momentum",
+        venue="TMLR",
+        year=2025,
+        arxiv="2311.18578",
+        implements="Algorithm 1 (GHBM, non-Nesterov)",
+        code="RickZack/GHBM src/algo/fed_clients/ghbm_client.py, center_server/ghbm_center_server.py, "
+        "config/algo/ghbm.yaml",
+    )
     per_sample_loss = True  # Method.padding_exact
     # the official client (config/algo/optim/sgd.yaml): SGD lr 0.1, no momentum, weight decay 1e-4
     run_defaults = {"lr": 0.1, "momentum": 0.0, "weight_decay": 1e-4}
@@ -325,12 +338,16 @@ class LocalGHBM(Method):
     name = "localghbm"
     own_optimiser = True
     Options = LocalGHBMOptions
-    source = Source(authors="Zaccone, Karimireddy, Masone, Ciccone",
-                    title="Communication-Efficient Heterogeneous Federated Learning with Generalized Heavy-Ball Momentum",
-                    venue="TMLR", year=2025, arxiv="2311.18578",
-                    implements="Sec. 4, LocalGHBM (the client's anchor: the model it last received)",
-                    code="RickZack/GHBM src/algo/fed_clients/ghbm_client.py (LocalGHBMClient, variant standard), "
-                         "config/algo/localghbm.yaml")
+    source = Source(
+        authors="Zaccone, Karimireddy, Masone, Ciccone",
+        title="Communication-Efficient Heterogeneous Federated Learning with Generalized Heavy-Ball Momentum",
+        venue="TMLR",
+        year=2025,
+        arxiv="2311.18578",
+        implements="Sec. 4, LocalGHBM (the client's anchor: the model it last received)",
+        code="RickZack/GHBM src/algo/fed_clients/ghbm_client.py (LocalGHBMClient, variant standard), "
+        "config/algo/localghbm.yaml",
+    )
     per_sample_loss = True  # Method.padding_exact
     run_defaults = GHBM.run_defaults
 
@@ -370,12 +387,16 @@ class FedHBM(LocalGHBM):
 
     name = "fedhbm"
     Options = FedHBMOptions
-    source = Source(authors="Zaccone, Karimireddy, Masone, Ciccone",
-                    title="Communication-Efficient Heterogeneous Federated Learning with Generalized Heavy-Ball Momentum",
-                    venue="TMLR", year=2025, arxiv="2311.18578",
-                    implements="Sec. 4, FedHBM (the client's anchor: the model it last trained)",
-                    code="RickZack/GHBM src/algo/fed_clients/ghbm_client.py (FedHBMClient, variant standard), "
-                         "config/algo/fedhbm.yaml")
+    source = Source(
+        authors="Zaccone, Karimireddy, Masone, Ciccone",
+        title="Communication-Efficient Heterogeneous Federated Learning with Generalized Heavy-Ball Momentum",
+        venue="TMLR",
+        year=2025,
+        arxiv="2311.18578",
+        implements="Sec. 4, FedHBM (the client's anchor: the model it last trained)",
+        code="RickZack/GHBM src/algo/fed_clients/ghbm_client.py (FedHBMClient, variant standard), "
+        "config/algo/fedhbm.yaml",
+    )
     per_sample_loss = True  # Method.padding_exact
 
     def local_loss(self, fwd, params, x, y, payload, client_state):

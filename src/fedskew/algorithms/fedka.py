@@ -16,10 +16,9 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import builtin, ClientData, FedAvgOptions, Method, Source, model_part, reference_tensor
+from fedskew.algorithms.base import ClientData, FedAvgOptions, Method, Source, builtin, model_part, reference_tensor
 from fedskew.metrics import class_roles
 from fedskew.streams import numpy_rng
-
 
 # ---------------------------------------------------------------------------------------------
 # FedNTD
@@ -205,7 +204,10 @@ class FedVLS(Method):
         ce = prior_ce(logits, y, prior, fwd.cross_entropy)
         sup = logit_suppression(logits, y, prior, self.opt.suppression_scale)
         vls = vacant_distillation(logits, teacher, client_state["vls.vacant"], fwd.mean)
-        return ce + sup + self.opt.vls_lambda * vls, {"fedvls/suppression": sup.detach(), "fedvls/vacant_kd": vls.detach()}
+        return ce + sup + self.opt.vls_lambda * vls, {
+            "fedvls/suppression": sup.detach(),
+            "fedvls/vacant_kd": vls.detach(),
+        }
 
 
 # ---------------------------------------------------------------------------------------------

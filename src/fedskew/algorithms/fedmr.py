@@ -16,9 +16,8 @@ Local objective L = CE + mu1 * L_intra + mu2 * L_inter (Eq. 6), as two component
 
 from __future__ import annotations
 
-from fedskew.algorithms.base import builtin, FedAvgOptions, Source
-from fedskew.algorithms.components import (DecorrelationOptions, IntraDecorrelation, PrototypeMargin,
-                                           PrototypeOptions)
+from fedskew.algorithms.base import FedAvgOptions, Source, builtin
+from fedskew.algorithms.components import DecorrelationOptions, IntraDecorrelation, PrototypeMargin, PrototypeOptions
 from fedskew.algorithms.compose import Composed, options_of
 
 

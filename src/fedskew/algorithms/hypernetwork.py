@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from fedskew.algorithms.base import builtin, Method, Source, StrictOptions, check_size
+from fedskew.algorithms.base import Method, Source, StrictOptions, builtin, check_size
 from fedskew.streams import seeded_torch
 
 PHI, MOMENTUM, SHAPE, SENT, DELTA = "hn.phi.", "hn.mom.", "hn.shape.", "hn.w.", "hn.delta."

@@ -23,9 +23,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from fedskew.algorithms.base import builtin, FedAvgOptions, Source
-from fedskew.algorithms.components import (BIAS_FREE, HPMOptions, InheritedPrivateModel, RestrictedSoftmax,
-                                           RSOptions)
+from fedskew.algorithms.base import FedAvgOptions, Source, builtin
+from fedskew.algorithms.components import BIAS_FREE, HPMOptions, InheritedPrivateModel, RestrictedSoftmax, RSOptions
 from fedskew.algorithms.compose import Composed, options_of
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.func import grad_and_value
 
-from fedskew.algorithms.base import builtin, FedAvgOptions, Method, Source, State, add_prefix, model_part, strip_prefix
+from fedskew.algorithms.base import FedAvgOptions, Method, Source, State, add_prefix, builtin, model_part, strip_prefix
 
 
 def ce_grad(fwd, params: State, x: torch.Tensor, y: torch.Tensor) -> tuple[State, torch.Tensor]:
@@ -113,8 +113,12 @@ class PFedMe(Method):
 
 class PerFedAvgOptions(FedAvgOptions):
     search = {'alpha': [0.001, 0.005, 0.02]}  # the bench's search space (fedskew bench)
-    alpha: float = Field(0.005, gt=0, description="inner (adaptation) learning rate, the reference's 0.005 (0.01 collapses "
-                                                "the global model on Fashion-MNIST P10C2); the outer one is lr")
+    alpha: float = Field(
+        0.005,
+        gt=0,
+        description="inner (adaptation) learning rate, the reference's 0.005 (0.01 collapses "
+        "the global model on Fashion-MNIST P10C2); the outer one is lr",
+    )
     personal_steps: int = Field(1, ge=1, description="adaptation steps of the personalised model (paper: 1)")
 
 

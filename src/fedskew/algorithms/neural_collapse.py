@@ -14,8 +14,18 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedskew.algorithms.base import (builtin, ClientReport, FedAvgOptions, Method, Source, add_prefix, fraction_steps,
-                                     head_names, reference_tensor, strip_prefix)
+from fedskew.algorithms.base import (
+    ClientReport,
+    FedAvgOptions,
+    Method,
+    Source,
+    add_prefix,
+    builtin,
+    fraction_steps,
+    head_names,
+    reference_tensor,
+    strip_prefix,
+)
 from fedskew.algorithms.tensors import aggregate_prototypes, balanced_softmax_loss, class_feature_means
 
 

@@ -35,9 +35,25 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from fedskew.algorithms.base import (builtin, HEAD, MODEL, ClientReport, FedAvgOptions, Method, Source, add_prefix,
-                                     as_model_part, body_names, fraction_steps, head_names, model_part,
-                                     reference_tensor, State, strip_prefix, weighted_mean)
+from fedskew.algorithms.base import (
+    HEAD,
+    MODEL,
+    ClientReport,
+    FedAvgOptions,
+    Method,
+    Source,
+    State,
+    add_prefix,
+    as_model_part,
+    body_names,
+    builtin,
+    fraction_steps,
+    head_names,
+    model_part,
+    reference_tensor,
+    strip_prefix,
+    weighted_mean,
+)
 from fedskew.algorithms.components import BIAS_FREE, RestrictedSoftmax, RSOptions
 from fedskew.algorithms.compose import Composed, PartialSharing, options_of
 from fedskew.algorithms.tensors import aggregate_prototypes, balanced_softmax_loss, class_feature_means
@@ -725,7 +741,9 @@ class FedCP(PartialSharing):
         upload, kept = super().after_training(trained, payload, client_state, report)
         for name in ("weight", "bias"):
             if HEAD + name in trained:
-                upload[MODEL + "policy.head_g." + name] = 0.5 * trained[HEAD + name] + 0.5 * trained["policy.head_g." + name]
+                upload[MODEL + "policy.head_g." + name] = (
+                    0.5 * trained[HEAD + name] + 0.5 * trained["policy.head_g." + name]
+                )
         return upload, {**kept, self.keep + "policy.context": trained[HEAD + "weight"].sum(0)}
 
     def personal_state(self, trained, client_state):
@@ -739,8 +757,22 @@ class FedCP(PartialSharing):
         return fwd.cross_entropy(logits, y) + self.opt.lam * mmd, {"fedcp/mmd": mmd.detach()}
 
 
-__all__ = ["FedCP", "GPFL", "Ditto", "DittoRS", "FedBABU", "FedLC", "FedProto", "FedROD", "FedRep", "balanced_softmax_loss",
-           "calibrated_loss", "mmd_rbf", "nearest_prototype_head", "prototype_regularizer"]
+__all__ = [
+    "FedCP",
+    "GPFL",
+    "Ditto",
+    "DittoRS",
+    "FedBABU",
+    "FedLC",
+    "FedProto",
+    "FedROD",
+    "FedRep",
+    "balanced_softmax_loss",
+    "calibrated_loss",
+    "mmd_rbf",
+    "nearest_prototype_head",
+    "prototype_regularizer",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1008,7 +1040,10 @@ class Floco(Method):
                 "floco.round": torch.zeros((), dtype=torch.long)}
 
     def download(self, server_state, client_id, round_idx):
-        return {"floco.center": server_state["floco.center"][client_id], "floco.on": server_state["floco.on"][client_id]}
+        return {
+            "floco.center": server_state["floco.center"][client_id],
+            "floco.on": server_state["floco.on"][client_id],
+        }
 
     def _subregion(self, state, client_state):
         on = client_state["floco.on"]

@@ -12,9 +12,15 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import builtin, FedAvgOptions, Method, Source, model_part
-from fedskew.algorithms.components import (Decorrelation, FedDecorrOptions, PrototypeMargin, PrototypeOptions,
-                                         UniformityVariance, UVOptions)
+from fedskew.algorithms.base import FedAvgOptions, Method, Source, builtin, model_part
+from fedskew.algorithms.components import (
+    Decorrelation,
+    FedDecorrOptions,
+    PrototypeMargin,
+    PrototypeOptions,
+    UniformityVariance,
+    UVOptions,
+)
 from fedskew.algorithms.compose import Composed, options_of
 from fedskew.algorithms.tensors import mmd2
 

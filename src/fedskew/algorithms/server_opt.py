@@ -8,12 +8,12 @@ Pseudo-gradient Delta = sum_k p_k theta_k - x (FedAvg weights p_k). Then
 - FedYogi: as FedAdam but v <- v - (1 - b2) Delta^2 sign(v - Delta^2).
 - FedAdagrad: as FedAdam but v <- v + Delta^2; b1 = 0 by default (no server momentum, as Flower's
   FedAdagrad; b1 > 0 is Algorithm 2's momentum).
-No bias correction (Reddi et al.); v starts at tau^2 (their v_{-1} >= tau^2), m at 0. This is not
-torch.optim.Adam. With tau = 1e-3 the first adaptive step is about eta_g * sign(Delta) per
-coordinate (|step| <= eta_g (1 - b1) / sqrt(1 - b2) = eta_g), so eta_g = 1 moves every weight by
-about 1 and diverges at once; Reddi et al. tune eta_g in 1e-3..1e-1. Default 0.01: on
-Fashion-MNIST P10C2 (docs/benchmarks.md) 0.1 stays at chance and 0.01 trains above FedAvg. Only trainable parameters are optimised; BatchNorm statistics take the weighted
-mean. Communication as FedAvg; the server keeps m (and v).
+No bias correction (Reddi et al.); v starts at tau^2 (their v_{-1} >= tau^2), m at 0. This is not torch.optim.Adam. With
+tau = 1e-3 the first adaptive step is about eta_g * sign(Delta) per coordinate (|step| <= eta_g (1 - b1) / sqrt(1 - b2)
+= eta_g), so eta_g = 1 moves every weight by about 1 and diverges at once; Reddi et al. tune eta_g in 1e-3..1e-1.
+Default 0.01: on Fashion-MNIST P10C2 (docs/benchmarks.md) 0.1 stays at chance and 0.01 trains above FedAvg. Only
+trainable parameters are optimised; BatchNorm statistics take the weighted mean. Communication as FedAvg; the server
+keeps m (and v).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedskew.algorithms.base import builtin, FedAvgOptions, Method, Source, model_part, weighted_mean
+from fedskew.algorithms.base import FedAvgOptions, Method, Source, builtin, model_part, weighted_mean
 from fedskew.algorithms.components import DiscoOptions, Discrepancy
 from fedskew.algorithms.compose import Composed, options_of
 
@@ -135,8 +135,12 @@ class FedYogi(ServerOpt):
 class FedExPOptions(FedAvgOptions):
     """FedExP's step size reads epsilon; the official code scales it by the clients of the round."""
     search = {"epsilon": [1e-3, 1e-2, 1e-1]}  # the bench's search space (fedskew bench)
-    epsilon: float = Field(1e-3, gt=0, allow_inf_nan=False, description="eps of eta_g's denominator (official code: CIFAR-10/100 and "
-                                                    "CINIC-10 0.001, EMNIST 0.1)")
+    epsilon: float = Field(
+        1e-3,
+        gt=0,
+        allow_inf_nan=False,
+        description="eps of eta_g's denominator (official code: CIFAR-10/100 and CINIC-10 0.001, EMNIST 0.1)",
+    )
     epsilon_scale: Literal["clients", "paper"] = Field(
         "clients", description="clients: the official code's ||Delta||^2 + |S| eps; paper: + eps")
     eval_average: bool = Field(True, description="score the mean of the last two global models (the official "

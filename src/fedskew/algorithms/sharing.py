@@ -37,8 +37,24 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
-from fedskew.algorithms.base import (builtin, copies, HEAD, ClientData, FedAvgOptions, Method, Source, State, add_prefix, as_model_part,
-                                     body_names, head_names, model_part, reference_tensor, strip_prefix, weighted_mean)
+from fedskew.algorithms.base import (
+    HEAD,
+    ClientData,
+    FedAvgOptions,
+    Method,
+    Source,
+    State,
+    add_prefix,
+    as_model_part,
+    body_names,
+    builtin,
+    copies,
+    head_names,
+    model_part,
+    reference_tensor,
+    strip_prefix,
+    weighted_mean,
+)
 from fedskew.algorithms.compose import PartialSharing
 from fedskew.algorithms.tensors import class_feature_means
 from fedskew.models.nets import PrivateExpertNet
@@ -555,14 +571,13 @@ class FedAMP(Method):
     the attention is negligible and FedAMP is local training with a proximal pull to the round's
     start; below 0, u_i extrapolates away from the peers.
 
-    Defaults: alpha = sigma / (N - 1) keeps u_i a convex combination (A' <= 1 / sigma), and
-    lambda = alpha a proximal weight of 1/2 at any N. PFLlib's alphaK = lamda = sigma = 1 gave
-    xi_ii near -3 on digits (docs/methods.md has the runs). Where the references differ: PFLlib's
-    client adds lambda / (2 alpha) ||w - u|| (a norm, not its square) on detached tensors, so its
-    proximal term has no gradient, and its server mixes the previous round's uploads only; fluke's mixes the round's uploads after
-    training and takes alpha = the learning rate in the client's term. Both are read, neither
-    copied; the paper's equations are followed. The paper's heuristic variant for deep models
-    (HeurFedAMP, cosine similarity) is not built.
+    Defaults: alpha = sigma / (N - 1) keeps u_i a convex combination (A' <= 1 / sigma), and lambda = alpha a proximal
+    weight of 1/2 at any N. PFLlib's alphaK = lamda = sigma = 1 gave xi_ii near -3 on digits (docs/methods.md has the
+    runs). Where the references differ: PFLlib's client adds lambda / (2 alpha) ||w - u|| (a norm, not its square) on
+    detached tensors, so its proximal term has no gradient, and its server mixes the previous round's uploads only;
+    fluke's mixes the round's uploads after training and takes alpha = the learning rate in the client's term. Both are
+    read, neither copied; the paper's equations are followed. The paper's heuristic variant for deep models (HeurFedAMP,
+    cosine similarity) is not built.
 
     Down: u_i (the trainable parameters) and xi_ii. Up: the model. Keeps: its own model (client);
     every client's latest parameters (server: N models). On Flower u_i travels in the client's
@@ -732,24 +747,25 @@ class FedDBE(PartialSharing):
 
 class FLDAOptions(FedAvgOptions):
     loss: Literal["code", "single", "both"] = Field(
-        "code", description="code: CE of the mixture counted twice, as the MAP authors' FLDANet returns it as both "
-                            "of its outputs (their MAP Table II runs); single: CE of the mixture once; both: CE of the "
-                            "mixture + CE of the global model's own logits (the two-output form of that code's template)")
+        "code",
+        description="code: CE of the mixture counted twice, as the MAP authors' FLDANet returns it as both "
+        "of its outputs (their MAP Table II runs); single: CE of the mixture once; both: CE of the "
+        "mixture + CE of the global model's own logits (the two-output form of that code's template)",
+    )
 
 
 @builtin
 class FLDA(PartialSharing):
     """FLDA, federated learning with domain adaptation (Peterson, Kanani and Marathe, 2019), in the
-    form of the MAP authors' code (the implementation behind MAP Table II): each client mixes the
-    global model's logits with those of a private model of the same architecture through a gate on
-    the global model's features, logits = alpha(z) g(x) + (1 - alpha(z)) p_k(x) with
-    alpha(z) = sigmoid(w_k^T z + b_k) (``FLDA.build_model``, :class:`PrivateExpertNet`), and
-    trains the three jointly on the mixture's cross-entropy (``loss=code``: counted twice, see the
-    option; ``loss=both`` adds the global model's own cross-entropy, so that g also learns as a
-    classifier by itself rather than only through alpha). Only the global model is sent and
-    averaged (FedAvg weights); the private model and the gate stay on the client (the private model
-    starts from its own initialisation, the same for every client). Personalised model: the mixture; global model: the averaged g alone. The MAP code
-    tests the personalised model on 0.5 (softmax + softmax) of the mixture, the same argmax.
+    form of the MAP authors' code (the implementation behind MAP Table II): each client mixes the global model's logits
+    with those of a private model of the same architecture through a gate on the global model's features, logits =
+    alpha(z) g(x) + (1 - alpha(z)) p_k(x) with alpha(z) = sigmoid(w_k^T z + b_k) (``FLDA.build_model``,
+    :class:`PrivateExpertNet`), and trains the three jointly on the mixture's cross-entropy (``loss=code``: counted
+    twice, see the option; ``loss=both`` adds the global model's own cross-entropy, so that g also learns as a
+    classifier by itself rather than only through alpha). Only the global model is sent and averaged (FedAvg weights);
+    the private model and the gate stay on the client (the private model starts from its own initialisation, the same
+    for every client). Personalised model: the mixture; global model: the averaged g alone. The MAP code tests the
+    personalised model on 0.5 (softmax + softmax) of the mixture, the same argmax.
 
     Sends what FedAvg does; keeps a second model and d + 1 gate weights per client."""
 
@@ -1017,7 +1033,9 @@ class FedCAC(Method):
         n, names = len(uploads), self.info.param_names
         together = torch.ones(n, n, dtype=torch.bool)
         if n > 1:
-            masks = torch.stack([torch.cat([u["cac.critical." + k].reshape(-1).double() for k in names]) for u in uploads])
+            masks = torch.stack(
+                [torch.cat([u["cac.critical." + k].reshape(-1).double() for k in names]) for u in uploads]
+            )
             overlap = overlap_matrix(masks)
             off = ~torch.eye(n, dtype=torch.bool)
             mean, top = overlap[off].mean(), overlap[off].max()
@@ -1054,11 +1072,16 @@ class FedAH(Method):
 
     name = "fedah"
     Options = FedAHOptions
-    source = Source(authors="Zhou, He, Zhai, Gao, Chen, Qin, Zhang, Guo",
-                    title="FedAH: Aggregated Head for Personalized Federated Learning",
-                    venue="arXiv preprint", year=2024, arxiv="2412.01295",
-                    implements="head aggregation by learned element-wise weights, then head and body training",
-                    code="KarhouTam/FL-bench src/client/fedah.py, src/server/fedah.py (eta 1.0, plocal_epochs 1); the authors' code is heyuepeng/FedAH")
+    source = Source(
+        authors="Zhou, He, Zhai, Gao, Chen, Qin, Zhang, Guo",
+        title="FedAH: Aggregated Head for Personalized Federated Learning",
+        venue="arXiv preprint",
+        year=2024,
+        arxiv="2412.01295",
+        implements="head aggregation by learned element-wise weights, then head and body training",
+        code="KarhouTam/FL-bench src/client/fedah.py, src/server/fedah.py (eta 1.0, plocal_epochs 1); "
+        "the authors' code is heyuepeng/FedAH",
+    )
     requires_classifier = "linear"
     personal_first = True
     per_sample_loss = True  # Method.padding_exact (FedAvg's loss, both stages)

@@ -11,7 +11,6 @@ names what is wrong and how to fix it.
 
 from __future__ import annotations
 
-
 import gzip
 import math
 import os

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 
 from fedskew.data.datasets import Dataset
-from fedskew.data.sources import load_dataset
 from fedskew.data.partitions import local_test_split, partition_labels
+from fedskew.data.sources import load_dataset
 from fedskew.streams import numpy_rng
 
 
@@ -24,7 +24,7 @@ class Federation:
     # a method's local validation split, held out of training (FedFOMO's D_val); None: none
     val_idx: list[torch.Tensor] | None = None
 
-    def with_validation(self, fraction: float, seed: int) -> "Federation":
+    def with_validation(self, fraction: float, seed: int) -> Federation:
         """The same federation with ``fraction`` of every client's training indices (drawn from the
         seed, stream ``validation_split``; at least one sample when the client has two or more)
         moved to a local validation split that training never sees."""

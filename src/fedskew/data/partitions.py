@@ -9,7 +9,6 @@ allowed.
 from __future__ import annotations
 
 import inspect
-
 import math
 
 import numpy as np

@@ -13,8 +13,16 @@ import os
 
 import torch
 
-from fedskew.data.datasets import (_IDX_NORMALISATION, Dataset, DatasetError, hold_out_validation, load_digits,
-                                   load_idx_dataset, make_synthetic, subsample)
+from fedskew.data.datasets import (
+    _IDX_NORMALISATION,
+    Dataset,
+    DatasetError,
+    hold_out_validation,
+    load_digits,
+    load_idx_dataset,
+    make_synthetic,
+    subsample,
+)
 from fedskew.data.leaf import load_leaf
 from fedskew.data.vision import _STATS, load_cifar, load_cinic10, load_svhn, load_tinyimagenet
 

@@ -161,8 +161,9 @@ class DistributedExecutor(Executor):
 
     def train_round(self, round_idx, clients, payload, client_states, lr):
         g = self.group
-        shard = lambda r: (round_idx, clients[r::g.world], payload, {k: client_states[k] for k in clients[r::g.world]},
-                           lr)
+        def shard(r):
+            return (round_idx, clients[r::g.world], payload, {k: client_states[k] for k in clients[r::g.world]},
+                                   lr)
         for r in range(1, g.world):  # the others start on their shards while rank 0 trains its own
             send(shard(r), r, g.objects)
         shards = [_train_shard(self.inner, shard(0))] + [recv(r, g.objects, self.device) for r in range(1, g.world)]

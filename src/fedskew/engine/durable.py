@@ -64,7 +64,7 @@ class FolderLock:
         self.what = what
         self.fd: int | None = None
 
-    def acquire(self) -> "FolderLock":
+    def acquire(self) -> FolderLock:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -85,7 +85,7 @@ class FolderLock:
             os.close(self.fd)  # closing the descriptor releases the flock
             self.fd = None
 
-    def __enter__(self) -> "FolderLock":
+    def __enter__(self) -> FolderLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

@@ -51,7 +51,8 @@ def shapes(state: State) -> tuple:
 def signature(r: StageRequest) -> tuple:
     """What requests trained in one call must share: the stage, the shapes of every stacked state
     (but the lane count) and of the payload, the trained parameters, and the step's kind."""
-    per_lane = lambda st: tuple((k, s[1:], d) for k, s, d in shapes(st))
+    def per_lane(st):
+        return tuple((k, s[1:], d) for k, s, d in shapes(st))
     return (r.stage, per_lane(r.start), per_lane(r.cstates), shapes(r.payload), r.trainable,
             None if r.correction is None else per_lane(r.correction), r.padded, repr(r.sam),
             None if r.pairs is None else tuple(r.pairs[0][1].shape[1:]), r.augs is not None,
@@ -110,8 +111,10 @@ def merge_requests(template: VectorizedExecutor, requests: list[StageRequest], c
     """One call's inputs from ``requests`` of one :func:`signature`, lanes in request order; with
     ``check``, a :class:`LaneCheck` of every request's lanes on the first step."""
     sizes = [len(r.rows) for r in requests]
-    cat = (lambda states: {k: torch.cat([st[k] for st in states]) for k in states[0]})
-    per_lane = (lambda value, n: value.unsqueeze(0).expand(n, *value.shape))
+    def cat(states):
+        return {k: torch.cat([st[k] for st in states]) for k in states[0]}
+    def per_lane(value, n):
+        return value.unsqueeze(0).expand(n, *value.shape)
     x, y, offsets = data_tables(template, [r.executor for r in requests])
     device = template.device
     rows = [idx + off for r, off in zip(requests, offsets) for idx in r.rows]
@@ -172,7 +175,8 @@ class LaneCheck:
             self.pending.discard(r)
             req, m = self.requests[r], sizes[j]
             m = None if m is None else int(m)  # (a padded step: the lane's own rows only)
-            one = (lambda d: {k: v[j:j + 1] for k, v in d.items()})
+            def one(d, j=j):
+                return {k: v[j:j + 1] for k, v in d.items()}
             own = req.executor.losses(req.stage, masks=masks is not None)
             if masks is not None:
                 req.executor._mask_blocks = self.requests[0].executor._mask_blocks  # (the template drew them)
@@ -202,7 +206,7 @@ class LaneExecutor(VectorizedExecutor):
     """A run's vectorised executor inside a :class:`Pack`: its stages wait for the pack, which
     trains them with the other runs' as lanes of one call."""
 
-    def __init__(self, *args, pack: "Pack", **kwargs):
+    def __init__(self, *args, pack: Pack, **kwargs):
         self.pack = pack
         super().__init__(*args, **kwargs)
 
@@ -339,7 +343,9 @@ class Pack:
                 continue
             stage, out_of_memory = signature(chunk[0].request), False
             try:
-                outs = chunk[0].experiment.executor.train_requests([s.request for s in chunk], stage not in self.checked)
+                outs = chunk[0].experiment.executor.train_requests(
+                    [s.request for s in chunk], stage not in self.checked
+                )
             except torch.OutOfMemoryError:
                 out_of_memory = True  # retried below: here the error's traceback still holds the failed call's tensors
             except (RuntimeError, ValueError, NotImplementedError) as exc:

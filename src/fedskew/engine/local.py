@@ -13,8 +13,15 @@ from fedskew.algorithms.tensors import sam_perturbation
 from fedskew.data.augment import crop_flip
 from fedskew.data.federated import Federation
 from fedskew.engine.batched_sgd import FP16_GROWTH_INTERVAL, FP16_INIT_SCALE
-from fedskew.engine.protocol import (ClientResult, Executor, LocalSettings, StagePlan, client_round, local_budget,
-                                     make_forward)
+from fedskew.engine.protocol import (
+    ClientResult,
+    Executor,
+    LocalSettings,
+    StagePlan,
+    client_round,
+    local_budget,
+    make_forward,
+)
 from fedskew.models.functional import bn_recalibration_fn, feature_fn, frozen_fn, low_precision, predict
 from fedskew.models.nets import DROPOUT_MASKS, GeneratorMasks
 from fedskew.streams import dropout_generator, torch_seed
@@ -72,7 +79,7 @@ class SequentialExecutor(Executor):
     score_validation = False  # client_round also scores the personal models on the hold-out
 
     @property
-    def sequential(self) -> "SequentialExecutor":  # its own retry path
+    def sequential(self) -> SequentialExecutor:  # its own retry path
         return self
 
     def __init__(self, model: nn.Module, fed: Federation, method: Method, settings: LocalSettings,
@@ -201,8 +208,12 @@ class SequentialExecutor(Executor):
         opt = s.torch_optimizer(updated, lr)
         fwd = module_forward(model, s.precision)
         # fp16: dynamic loss scaling, a step with non-finite gradients skipped; else a pass-through
-        scaler = torch.amp.GradScaler(self.device.type, init_scale=FP16_INIT_SCALE, growth_interval=FP16_GROWTH_INTERVAL,
-                                      enabled=s.precision == "fp16")
+        scaler = torch.amp.GradScaler(
+            self.device.type,
+            init_scale=FP16_INIT_SCALE,
+            growth_interval=FP16_GROWTH_INTERVAL,
+            enabled=s.precision == "fp16",
+        )
         sums: dict = {}
         for p in frozen:
             p.requires_grad_(False)

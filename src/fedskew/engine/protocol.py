@@ -1,24 +1,23 @@
 """One client round, the same for every executor (design.md, "Executors").
 
-:func:`client_round` is the only place that says in which order a selected client's round calls
-the method: ``prepare`` (then ``paired_samples``) -> ``local_start`` -> (``personal_first``: the
-personalisation stage) -> the uploaded model's training with ``step_correction`` ->
-``after_training`` -> the personalisation stage -> ``personal_state``, with the local accuracy before and after. Executors
-differ only in how a stage trains (:class:`StageRunner`): the sequential executor (and so
-Flower's ClientApp) one client after another with torch.optim.SGD, the vectorised one all clients
-stacked in one ``torch.func`` program. What a stage trains (loss, trainable parameters, schedules,
-learning rates, the step correction, SAM, paired samples, crop/flip draws, whether it may be padded)
-is one :class:`StagePlan` made here and read by both: a new stage knob is a field and its two
-readers. :func:`dispatch` is what the server sends a round's clients (``broadcast`` +
-``download``), for the rounds and the final personalisation alike.
-:func:`make_forward` builds the :class:`Forward` a method's loss receives, for both executors.
+:func:`client_round` is the only place that says in which order a selected client's round calls the method: ``prepare``
+(then ``paired_samples``) -> ``local_start`` -> (``personal_first``: the personalisation stage) -> the uploaded model's
+training with ``step_correction`` -> ``after_training`` -> the personalisation stage -> ``personal_state``, with the
+local accuracy before and after. Executors differ only in how a stage trains (:class:`StageRunner`): the sequential
+executor (and so Flower's ClientApp) one client after another with torch.optim.SGD, the vectorised one all clients
+stacked in one ``torch.func`` program. What a stage trains (loss, trainable parameters, schedules, learning rates, the
+step correction, SAM, paired samples, crop/flip draws, whether it may be padded) is one :class:`StagePlan` made here and
+read by both: a new stage knob is a field and its two readers. :func:`dispatch` is what the server sends a round's
+clients (``broadcast`` + ``download``), for the rounds and the final personalisation alike. :func:`make_forward` builds
+the :class:`Forward` a method's loss receives, for both executors.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 import torch

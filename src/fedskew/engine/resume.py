@@ -38,7 +38,7 @@ def resume(run_dir: str | Path, on_round=None, changes: dict | list[str] | None 
     if isinstance(changes, list):
         changes = {".".join(k): v for k, v in map(parse_override, changes)}
     changes = dict(changes or {})
-    for key, value in changes.items():
+    for key in changes:
         if key not in RESUMABLE:
             raise ConfigError(f"'{key}' cannot change when a run resumes (the rounds before and after would be "
                               f"different experiments){did_you_mean(key, RESUMABLE)}; these can: "

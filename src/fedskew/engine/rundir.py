@@ -33,8 +33,7 @@ import yaml
 
 from fedskew import __version__
 from fedskew.config import ADDED_RUN_KEYS, ConfigError, RunConfig, former_architecture_keys, without_added
-from fedskew.engine.durable import (atomic_save, atomic_write, atomic_write_text, fsync_folder, read_records,
-                                   save_png)
+from fedskew.engine.durable import atomic_save, atomic_write, atomic_write_text, fsync_folder, read_records, save_png
 
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
 

@@ -21,26 +21,56 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from fedskew.algorithms import (FederationInfo, build_method, build_method_model, method_source,
-                                method_validation_fraction)
+from fedskew.algorithms import (
+    FederationInfo,
+    build_method,
+    build_method_model,
+    method_source,
+    method_validation_fraction,
+)
 from fedskew.algorithms.base import model_part
 from fedskew.config import ConfigError, RunConfig
 from fedskew.data.federated import load_federation, public_pool, public_samples
-from fedskew.engine.durable import LOCK_NAME, STOP, FolderLock, RunInterrupted, append_line, atomic_write_text, blocking_file
+from fedskew.engine.durable import (
+    LOCK_NAME,
+    STOP,
+    FolderLock,
+    RunInterrupted,
+    append_line,
+    atomic_write_text,
+    blocking_file,
+)
 from fedskew.engine.lanes import LaneExecutor
 from fedskew.engine.local import SequentialExecutor, federated_state, load_state
 from fedskew.engine.protocol import LocalSettings, dispatch, local_budget, to_device
-from fedskew.engine.rundir import (STORAGE_ERRNOS, ClientStates, RunDir, RunResult, StorageError, compact,
-                                   default_run_dir, environment, run_identity)
+from fedskew.engine.rundir import (
+    STORAGE_ERRNOS,
+    ClientStates,
+    RunDir,
+    RunResult,
+    StorageError,
+    compact,
+    default_run_dir,
+    environment,
+    run_identity,
+)
 from fedskew.engine.tracking import Trackers, check_available
 from fedskew.engine.vectorized import VectorizedExecutor
-from fedskew.metrics import (client_means, communication, feature_stats, forgetting_record, global_metrics, mean_std,
-                             proxy_record, run_summary)
+from fedskew.metrics import (
+    client_means,
+    communication,
+    feature_stats,
+    forgetting_record,
+    global_metrics,
+    mean_std,
+    proxy_record,
+    run_summary,
+)
 from fedskew.models import build_model
 from fedskew.models.functional import model_caller, norm_names, predict
 from fedskew.streams import dropped_clients, held_out_clients, sample_clients, seeded_torch
@@ -201,7 +231,9 @@ class Experiment:
         cfg, method = self.cfg, self.method
         self.files.write_identity(self.identity, method_source(cfg.method.name))
         self.files.write_record(cfg, self.environment, self.resume)
-        self.files.write_partition(self.fed, f"{cfg.dataset.name} / {cfg.partition.name}: {self.fed.num_clients} clients")
+        self.files.write_partition(
+            self.fed, f"{cfg.dataset.name} / {cfg.partition.name}: {self.fed.num_clients} clients"
+        )
         ckpt = self._load_checkpoint() if self.resume else None
         if ckpt is not None:
             start, global_state = ckpt["next_round"], ckpt["global_state"]
@@ -316,12 +348,21 @@ class Experiment:
             raise FloatingPointError(f"round {t + 1}: the aggregated model holds NaN or inf (training diverged); "
                                      f"{self.files.divergence_advice()}")
         # fixed architecture tensors (the ETF head): counted once, in round 0, as if sent at setup
-        fixed = sum(v.numel() for k, v in self.model.state_dict().items() if k in self.model.fixed_keys) if t == 0 else 0
+        fixed = (
+            sum(v.numel() for k, v in self.model.state_dict().items() if k in self.model.fixed_keys) if t == 0 else 0
+        )
         samples_seen = sum(r.report.num_samples * cfg.local_epochs for r in results)
-        record = {"round": t, "clients": selected, "clients_failed": failed, "lr": lr, **self._system(t, training, dropped),
-                  **client_means(results),
-                  **communication(payload, downloads, uploads, len(selected), fixed, totals),
-                  "time/client_train_s": train_s, "time/samples_per_s": samples_seen / max(train_s, 1e-9)}
+        record = {
+            "round": t,
+            "clients": selected,
+            "clients_failed": failed,
+            "lr": lr,
+            **self._system(t, training, dropped),
+            **client_means(results),
+            **communication(payload, downloads, uploads, len(selected), fixed, totals),
+            "time/client_train_s": train_s,
+            "time/samples_per_s": samples_seen / max(train_s, 1e-9),
+        }
         evaluate = (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1
         if evaluate and not method.has_global_model:
             record["global/test_acc"] = None  # no model serves the global test set (FedProto, FedRep)
@@ -475,8 +516,8 @@ def compile_step(cfg) -> bool:
 
 
 def make_executor(cfg, model, fed, method, device, pack=None):
-    """The run's executor (``cfg`` a RunConfig); with ``pack`` (a :class:`~fedskew.engine.lanes.Pack`) the vectorised one
-    whose stages train as lanes of the pack's stacked program."""
+    """The run's executor (``cfg`` a RunConfig); with ``pack`` (a :class:`~fedskew.engine.lanes.Pack`) the
+    vectorised one whose stages train as lanes of the pack's stacked program."""
     settings = local_settings(cfg)
     if pack is not None:
         return LaneExecutor(model, fed, method, settings, device, cfg.max_parallel_clients, cfg.pad_batches, pack=pack)

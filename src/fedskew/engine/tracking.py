@@ -12,9 +12,9 @@ parameters, the summary at the end. Runs of a sweep are grouped by the sweep's n
 - ``mlflow``: ``$MLFLOW_TRACKING_URI``, else a SQLite store ``mlflow.db`` beside the run directory
   (``mlflow ui --backend-store-uri sqlite:///runs/mlflow.db``); experiment = the group or ``fedskew``.
 
-A round goes to the trackers before its checkpoint, and a resumed run continues the same tracked
-run (TensorBoard drops the steps after the checkpoint, W&B resumes its run id and, online, ignores the
-steps it holds, MLflow resumes its run and skips them), so a crash at any point leaves no round missing and no duplicate point.
+A round goes to the trackers before its checkpoint, and a resumed run continues the same tracked run (TensorBoard drops
+the steps after the checkpoint, W&B resumes its run id and, online, ignores the steps it holds, MLflow resumes its run
+and skips them), so a crash at any point leaves no round missing and no duplicate point.
 """
 
 from __future__ import annotations

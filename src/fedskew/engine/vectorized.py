@@ -1,13 +1,12 @@
 """The vectorised executor: all selected clients of a round train as one ``torch.func`` program.
 
-Parameters, buffers (BatchNorm statistics included), momentum buffers and per-client method state
-of the selected clients are stacked on a leading client dimension. Each local step is the vmapped
-loss of the clients and one ``torch.autograd.grad`` of its sum (client k's loss depends only on row
-k), followed by torch.optim.SGD's fused kernel on the stacked tensors, with its exact semantics
-(weight decay added to the gradient, then ``buf = m * buf + g``, ``p -= lr * buf``; clipping of
-each client's global grad norm as ``clip_grad_norm_`` does it), or torch.optim.Adam / AdamW's
-arithmetic with each client's own step count (``optimizer=adam|adamw``; batched_sgd.py). Stacked linear weights live in the
-memory layout of their vmapped gradients, where the fused kernel runs on contiguous memory.
+Parameters, buffers (BatchNorm statistics included), momentum buffers and per-client method state of the selected
+clients are stacked on a leading client dimension. Each local step is the vmapped loss of the clients and one
+``torch.autograd.grad`` of its sum (client k's loss depends only on row k), followed by torch.optim.SGD's fused kernel
+on the stacked tensors, with its exact semantics (weight decay added to the gradient, then ``buf = m * buf + g``, ``p -=
+lr * buf``; clipping of each client's global grad norm as ``clip_grad_norm_`` does it), or torch.optim.Adam / AdamW's
+arithmetic with each client's own step count (``optimizer=adam|adamw``; batched_sgd.py). Stacked linear weights live in
+the memory layout of their vmapped gradients, where the fused kernel runs on contiguous memory.
 
 Unequal clients. Every client keeps exactly the batch schedule of the sequential executor (one
 permutation per epoch, last batch of an epoch smaller); clients that have finished take no part in
@@ -59,8 +58,16 @@ from fedskew.data.federated import Federation
 from fedskew.engine.batched_sgd import FP16_INIT_SCALE, optimizer_state, optimizer_step_, unscale
 from fedskew.engine.local import SequentialExecutor, join_pairs
 from fedskew.engine.memory import GATHER_BYTES, DeviceMemory, chunk_size
-from fedskew.engine.protocol import (ClientResult, Executor, LocalSettings, Stage, StagePlan, client_round,
-                                     make_forward, stage_loss)
+from fedskew.engine.protocol import (
+    ClientResult,
+    Executor,
+    LocalSettings,
+    Stage,
+    StagePlan,
+    client_round,
+    make_forward,
+    stage_loss,
+)
 from fedskew.models.functional import call, in_eval_mode, low_precision
 from fedskew.models.nets import DROPOUT_MASKS, BufferMasks, StreamDropout, dropout_mask
 from fedskew.streams import dropout_generator
@@ -201,7 +208,8 @@ class VectorizedExecutor(Executor):
                        for stage in ("upload", "personal")}
         self._verified: set = set()  # stages whose padding has been checked against no padding
         # dropout layers, trained on masks drawn ahead from each client's stream (StreamDropout)
-        self._dropouts = [m for m in model.modules() if isinstance(m, StreamDropout) and m.p != 0]  # (StreamUniform too)
+        # (StreamUniform too)
+        self._dropouts = [m for m in model.modules() if isinstance(m, StreamDropout) and m.p != 0]
         self._dropout_shapes: list | None = None
         self._mask_blocks: list[int] = []
 
@@ -414,7 +422,7 @@ class VectorizedExecutor(Executor):
         request = self.stage_request(plan, starts, states, clients, payload, round_idx)
         return self.finish_request(request, *self.train_requests([request])[0])
 
-    def stage_request(self, plan: StagePlan, starts, states, clients, payload, round_idx) -> "StageRequest":
+    def stage_request(self, plan: StagePlan, starts, states, clients, payload, round_idx) -> StageRequest:
         """Everything one stage of this run's clients needs, stacked (its lanes)."""
         if len(set(plan.lrs)) > 1:
             raise ValueError(f"clients of one round differ in their {plan.stage} learning rate")
@@ -426,7 +434,7 @@ class VectorizedExecutor(Executor):
                             stack_states(plan.corrections) if plan.corrections else None,
                             self.padded[plan.stage] and plan.paddable, plan.sam, plan.pairs, gens)
 
-    def finish_request(self, request: "StageRequest", trained_all: State, sums: dict, steps: np.ndarray):
+    def finish_request(self, request: StageRequest, trained_all: State, sums: dict, steps: np.ndarray):
         """The stage's result as ``StageRunner.run_stage`` gives it: each client's trained state (views
         of the stack) and mean tracked values."""
         trained = [unstack(trained_all, i) for i in range(len(request.rows))]  # views; methods never write in place
@@ -434,7 +442,7 @@ class VectorizedExecutor(Executor):
         table = means_per_client(sums, steps)
         return trained, [{k: v[i] for k, v in table.items()} for i in range(len(request.rows))]
 
-    def train_requests(self, requests: list["StageRequest"], check: bool = False) -> list[tuple[State, dict, np.ndarray]]:
+    def train_requests(self, requests: list[StageRequest], check: bool = False) -> list[tuple[State, dict, np.ndarray]]:
         """Train stage requests as one stacked program: (stacked trained state, tracked sums, steps)
         per request. This executor trains its own run's request; a run of a pack
         (:class:`~fedskew.engine.lanes.LaneExecutor`) trains several runs' side by side."""
@@ -494,11 +502,14 @@ class VectorizedExecutor(Executor):
                 a, b = int(members[0]), int(members[-1]) + 1
                 if b - a == len(members):  # contiguous: views, updated in place
                     gi = None
-                    take = (lambda v: v[a:b])
+                    def take(v, a=a, b=b):
+                        return v[a:b]
                 else:  # scattered: gathered copies, written back after the step
                     gi = self._to_device(members)
-                    take = (lambda v: v.index_select(0, gi))
-                pick = (lambda d: {k: take(v) for k, v in d.items()})
+                    def take(v, gi=gi):
+                        return v.index_select(0, gi)
+                def pick(d):
+                    return {k: take(v) for k, v in d.items()}
                 n, longest = take(sizes_d[:, step]), int(col[members].max())
                 # row j of a lane's batch: its sample j, or (padding) its last sample again
                 at = take(first_d[:, step])[:, None] + torch.minimum(positions[:longest], n[:, None] - 1)
@@ -513,21 +524,21 @@ class VectorizedExecutor(Executor):
                 ragged = int(col[members].min()) < longest
                 if ragged:  # padded rows weigh 0
                     weights = (positions[:longest] < n[:, None]) / n[:, None].to(self._dtype)
-                    losses_at = (lambda w, mk=masks[0], b=buf, x=x, y=y, c=c, pay=pay, opts=opts, weights=weights:
-                                 padded_losses(w, b, x, y, pay, c, weights, opts, mk))
+                    def losses_at(w, mk=masks[0], b=buf, x=x, y=y, c=c, pay=pay, opts=opts, weights=weights):
+                        return padded_losses(w, b, x, y, pay, c, weights, opts, mk)
                     losses, aux = losses_at(leaves)
                     if stage not in self._verified:
                         self._verify_padding(stage, plain_losses, leaves, buf, x, y, pay, lane_payload, c, opts,
                                              masks[0], n, losses, aux)
                 else:
-                    losses_at = (lambda w, mk=masks[0], b=buf, x=x, y=y, c=c, pay=pay, opts=opts:
-                                 plain_losses(w, b, x, y, pay, c, None, opts, mk))
+                    def losses_at(w, mk=masks[0], b=buf, x=x, y=y, c=c, pay=pay, opts=opts):
+                        return plain_losses(w, b, x, y, pay, c, None, opts, mk)
                     losses, aux = losses_at(leaves)
                 if check is not None and not check.done:  # a pack's first steps: each run's lanes as alone
                     check(members, col[members] if ragged else [None] * len(members), {"loss": losses, **aux},
                           leaves, buf, x, y, c, masks[0])
                 tracked = {"loss": losses, **aux}
-                for key, v in tracked.items():
+                for key, _v in tracked.items():
                     sums.setdefault(key, torch.zeros(G, device=self.device))
                 sc = pick(scaler) if s.precision == "fp16" else None
                 grads = torch.autograd.grad((losses if sc is None else losses * sc["scale"]).sum(),
@@ -617,7 +628,8 @@ class VectorizedExecutor(Executor):
         ``per_sample_loss`` but averages with ``.mean()`` (padding rows counted) fails here."""
         i = int(n.argmin())
         m = int(n[i])
-        one = (lambda d: None if d is None else {k: one(v) if isinstance(v, dict) else v[i:i + 1] for k, v in d.items()})
+        def one(d):
+            return None if d is None else {k: one(v) if isinstance(v, dict) else v[i:i + 1] for k, v in d.items()}
         with torch.no_grad():
             ref_loss, ref_aux = plain_losses(one(leaves), {k: v.clone() for k, v in one(buf).items()},
                                              x[i:i + 1, :m], y[i:i + 1, :m], one(payload) if lane_payload else payload,

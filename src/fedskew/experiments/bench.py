@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections import Counter
 import math
 import random
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -325,9 +325,7 @@ def claim_folder(folder: Path, name: str, scale: str, write: bool = True) -> Non
     unmarked folder as this suite's (when its runs start)."""
     import yaml
 
-    from fedskew.engine.durable import atomic_write_text
-
-    from fedskew.engine.durable import blocking_file
+    from fedskew.engine.durable import atomic_write_text, blocking_file
 
     blocked = blocking_file(Path(folder))
     if blocked is not None:
@@ -361,11 +359,10 @@ def claim_folder(folder: Path, name: str, scale: str, write: bool = True) -> Non
 def listing(data_root: str | None = None) -> list[dict]:
     """Every suite with its size per scale: parts, runs, the published entries its runs sit beside
     (:func:`linked_entries`) of the suite's papers' entries, and the time it takes (:func:`estimate`)."""
-    from fedskew.experiments.spec import load_spec, planned_count
-
     import warnings
 
     from fedskew.config import InertOptionWarning
+    from fedskew.experiments.spec import load_spec, planned_count
 
     entries = load()
     rows = []
@@ -516,9 +513,16 @@ def leaderboard(name: str, scale: str, out: str | Path | None = None) -> list[Ce
         for e in entries:
             if e.file not in PAPERS[paper]["files"] or e.options or _dataset(e) != dataset:
                 continue
-            ours = [r[e.metric.key] for r in rows if r.get("label") == e.run_label and r.get("partition") == e.setting.label
-                    and r.get("status") == "done" and r.get("selected", True) and r.get(e.metric.key) is not None
-                    and not (isinstance(r.get(e.metric.key), float) and math.isnan(r[e.metric.key]))]
+            ours = [
+                r[e.metric.key]
+                for r in rows
+                if r.get("label") == e.run_label
+                and r.get("partition") == e.setting.label
+                and r.get("status") == "done"
+                and r.get("selected", True)
+                and r.get(e.metric.key) is not None
+                and not (isinstance(r.get(e.metric.key), float) and math.isnan(r[e.metric.key]))
+            ]
             cells.append(Cell(paper, e, ours))
     return cells
 
@@ -612,8 +616,8 @@ def boards(name: str, scale: str, out: str | Path | None = None, methods: list[s
     import yaml
 
     from fedskew.experiments.selection import selected_runs
-    from fedskew.experiments.store import open_sweep
     from fedskew.experiments.spec import load_spec, planned_points
+    from fedskew.experiments.store import open_sweep
 
     check_suite(name, scale)
     out_boards = []
@@ -719,7 +723,8 @@ def board_summary(board: Board, baseline: str | None, record: dict[str, list[int
     failed = sorted((m, s) for (m, s), n in board.failed.items() if n and s in shown and board.mean(m, s) is None)
     partial = sorted((m, s) for (m, s), v in board.values.items()
                      if v and s in shown and board.seeds and len(v) < board.seeds)
-    listing = (lambda pairs: ", ".join(f"{m} ({n})" for m, n in pairs) or "none")
+    def listing(pairs):
+        return (", ".join(f"{m} ({n})" for m, n in pairs) or "none")
     text = (f"Summary (generated): {len(board.labels)} methods, {len(board.settings)} "
             f"setting{'s' if len(board.settings) != 1 else ''}. ")
     if len(firsts) == len(ranked):  # every ranked method ties: one sentence, not a first and a last
@@ -790,7 +795,7 @@ def published_sections(cells: list[Cell]) -> list:
     for c in cells:
         groups.setdefault((c.paper, c.entry.file, c.entry.setting_id), []).append(c)
     out = []
-    for (paper, file, setting), group in groups.items():
+    for (paper, _file, setting), group in groups.items():
         e0 = group[0].entry
         text = f"{e0.source.paper}, {e0.source.venue}. Metric: {e0.metric.meaning}." + \
             (f" Published spread: {e0.spread_meaning}." if e0.spread_meaning else "")
@@ -902,9 +907,9 @@ def write_leaderboard(name: str, scale: str, command: str, out: str | Path | Non
                     f"Scale: {SCALE_NOTE[scale] if cells else label_skew_note(scale)}. Rebuild: `{command}` "
                     + ("(add `--report` to rebuild the tables only)" if command.startswith("fedskew bench") else
                        f"(`fedskew bench {name} --scale {scale} --out {folder} --report` rebuilds the tables only)")
-                    + f". Ours: mean +- std over the seeds that finished "
-                    f"(percent) of the configuration chosen on a validation hold-out (never on test data) where a "
-                    f"method had more than one."
+                    + ". Ours: mean +- std over the seeds that finished "
+                    "(percent) of the configuration chosen on a validation hold-out (never on test data) where a "
+                    "method had more than one."
                     + (" Published: the paper's value (its spread, see each table); delta = ours - published; "
                        "'within' = |delta| <= the published spread." if cells else ""))
     where = measured_where(name, scale, folder, methods)
@@ -937,5 +942,22 @@ def write_leaderboard(name: str, scale: str, command: str, out: str | Path | Non
     return md, page, cells
 
 
-__all__ = ["Board", "Cell", "claim_folder", "PAPERS", "SCALES", "SUITES", "average_ranks", "boards", "estimate", "leaderboard", "listing",
-           "paired_test", "suite_dir", "suite_method", "sweeps", "trials", "write_leaderboard"]
+__all__ = [
+    "Board",
+    "Cell",
+    "claim_folder",
+    "PAPERS",
+    "SCALES",
+    "SUITES",
+    "average_ranks",
+    "boards",
+    "estimate",
+    "leaderboard",
+    "listing",
+    "paired_test",
+    "suite_dir",
+    "suite_method",
+    "sweeps",
+    "trials",
+    "write_leaderboard",
+]

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from fedskew.config import ConfigError
 
@@ -37,9 +37,9 @@ def _task(config: dict, run_dir: str, cwd: str, external: dict, threads: int):
     methods registered from outside the package; then the same entry point as a ``--jobs`` worker."""
     import torch
 
+    from fedskew.algorithms import import_methods
     from fedskew.engine.durable import FolderLock
     from fedskew.experiments.pool import execute_run
-    from fedskew.algorithms import import_methods
 
     torch.set_num_threads(threads)
     import_methods(external)
@@ -78,8 +78,8 @@ def run_on_ray(todo: list[dict], run_dir: dict[str, str], address: str, resource
     """Run ``todo`` on Ray at ``address`` ("local": a new local instance), reporting each run to
     ``started`` and ``finished`` (the sweep's database writers) in the driver."""
     ray = _ray()
-    from fedskew.experiments.pool import interactive_methods
     from fedskew.algorithms import external_methods
+    from fedskew.experiments.pool import interactive_methods
 
     external = external_methods()
     if interactive_methods(external):

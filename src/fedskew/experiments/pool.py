@@ -16,11 +16,12 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from fedskew.config import RECORD_KEYS, ConfigError, validate_config
 from fedskew.engine.durable import RunInterrupted
@@ -70,7 +71,8 @@ def execute_run(config: dict, run_dir: str, report: Callable[[tuple], None] | No
 
 # Run config keys in which the runs of one pack may differ (fedskew.engine.lanes), besides the
 # method's float options: everything else shapes the stacked step and must be equal.
-LANE_FREE = frozenset({"seed", "lr", "lr_decay", "lr_decay_every", "lr_schedule", "lr_min", "partition", "rounds", "clients_per_round", "eval_every",
+LANE_FREE = frozenset({"seed", "lr", "lr_decay", "lr_decay_every", "lr_schedule", "lr_min", "partition", "rounds",
+                       "clients_per_round", "eval_every",
                        "checkpoint_every", "run_name", "out_dir", "logger", "logger_group", "fail_fast",
                        "feature_stats", "classifier_stats", "forgetting_stats", "forgetting_test_samples",
                        "final_personalization", *RECORD_KEYS})
@@ -268,7 +270,8 @@ def unguarded_script_line(frame) -> int | None:
 
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"):
+    while frame is not None and not (frame.f_code.co_name == "<module>"
+                                     and frame.f_globals.get("__name__") == "__main__"):
         frame = frame.f_back
     if frame is None or not path or not str(path).endswith(".py") or frame.f_code.co_filename != path:
         return None
@@ -279,8 +282,9 @@ def unguarded_script_line(frame) -> int | None:
     line = frame.f_lineno
     for node in tree.body:
         if node.lineno <= line <= (node.end_lineno or node.lineno):
-            tests = node.test.values if isinstance(getattr(node, "test", None), ast.BoolOp) and \
-                isinstance(node.test.op, ast.And) else [getattr(node, "test", None)]  # `if __name__ == "__main__" and x:`
+            test = getattr(node, "test", None)
+            # `if __name__ == "__main__" and x:`
+            tests = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
             guarded = isinstance(node, ast.If) and any(isinstance(t, ast.Compare) and {
                 getattr(n, "id", None) or getattr(n, "value", None) for n in (t.left, *t.comparators)
             } == {"__name__", "__main__"} for t in tests)
@@ -412,7 +416,8 @@ class WorkerPool:
 
     def _fill(self, queue: list, run_dir: dict, suspects: set) -> None:
         """Submit units while a worker is free; a suspect runs with nothing beside it."""
-        ids = lambda units: {r["run_id"] for unit in units for r in unit}
+        def ids(units):
+            return {r["run_id"] for unit in units for r in unit}
         while queue and len(self.running) < self.jobs and not (suspects & ids(self.running.values())):
             if suspects & ids(queue[:1]) and self.running:
                 break

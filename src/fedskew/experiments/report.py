@@ -25,7 +25,6 @@ from fedskew.experiments.plots import plot_class_accuracy, plot_curves, plot_fai
 from fedskew.experiments.selection import Results, selected_runs
 from fedskew.experiments.store import open_sweep
 
-
 # ---------------------------------------------------------------------------------------------
 # Numbers
 
@@ -206,12 +205,14 @@ def metric_sections(res: Results, metric: str, baseline: str | None) -> list[Sec
     n_seeds = max((len(v) for v in res.runs.values()), default=0)
     failed = {(p, c): n for (c, p), n in res.failed.items()}
     spread = f"mean +- std over {n_seeds} seeds" if n_seeds > 1 else "one seed (no spread, nothing bold)"
-    main = Section(f"{title}{unit}: `{metric}`, {spread}",
-                   f"Rows: partitions; columns: methods. {BOLD_RULE} "
-                   "`none`: the method has no model for this metric (e.g. no global model); `failed (n)`: every run "
-                   "of the cell failed (n runs; the errors are in the results database).",
-                   ["partition", *res.labels],
-                   [[p, *(cell_text(table[p][c], scale, failed.get((p, c), 0)) for c in res.labels)] for p in res.partitions])
+    main = Section(
+        f"{title}{unit}: `{metric}`, {spread}",
+        f"Rows: partitions; columns: methods. {BOLD_RULE} "
+        "`none`: the method has no model for this metric (e.g. no global model); `failed (n)`: every run "
+        "of the cell failed (n runs; the errors are in the results database).",
+        ["partition", *res.labels],
+        [[p, *(cell_text(table[p][c], scale, failed.get((p, c), 0)) for c in res.labels)] for p in res.partitions],
+    )
     gains = Section(f"{title}: gain over {baseline or '-'} / over the best other method"
                     f"{' (points)' if unit else ''}",
                     "Each cell: the method's mean minus the baseline's, then minus the best other method's mean "
@@ -279,9 +280,14 @@ def time_section(res: Results, metric: str) -> Section:
             runs = res.runs.get((c, p), [])
             if runs:
                 # the median round of each run: round 0 pays the warm-up (first calls, padding checks)
-                t, _, _ = mean_std([statistics.median(h["time/round_s"] for h in r.history if "time/round_s" in h)
-                                    if any("time/round_s" in h for h in r.history) else r.summary.get("time/round_s_mean")
-                                    for r in runs])
+                t, _, _ = mean_std(
+                    [
+                        statistics.median(h["time/round_s"] for h in r.history if "time/round_s" in h)
+                        if any("time/round_s" in h for h in r.history)
+                        else r.summary.get("time/round_s_mean")
+                        for r in runs
+                    ]
+                )
                 acc, sd, n = mean_std([r.summary.get(metric) for r in runs])
                 shown = "none" if acc is None else f"{scale * acc:.2f}" + (f" +- {scale * sd:.2f}" if n > 1 else "")
                 rows.append([p, c, "-" if t is None else f"{t:.3f}", shown])
@@ -451,4 +457,15 @@ def write_report(sweep_dir: str | Path, out: str | Path | None = None, metric: s
     return out / "report.md", out / "report.html"
 
 
-__all__ = ["BOLD_RULE", "MIN_BOLD_SEEDS", "bold_labels", "build_table", "default_metric", "paired_test", "mean_curve", "mean_std", "rounds_to_target", "write_report"]
+__all__ = [
+    "BOLD_RULE",
+    "MIN_BOLD_SEEDS",
+    "bold_labels",
+    "build_table",
+    "default_metric",
+    "paired_test",
+    "mean_curve",
+    "mean_std",
+    "rounds_to_target",
+    "write_report",
+]

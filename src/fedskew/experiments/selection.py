@@ -16,7 +16,6 @@ import yaml
 from fedskew.experiments.spec import SweepSpec, grid_points, load_spec, planned_points, tune_seeds
 from fedskew.experiments.store import open_sweep, run_dir_of, writing
 
-
 # what a validation selection reads for a method without a global model (FedRep, FedCP, pFedHN):
 # its clients' personal models on the hold-out, each weighted to its client's classes
 PERSONAL_VALIDATION = "personal/final_val_acc_after"

@@ -15,8 +15,17 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from fedskew.algorithms.base import StrictOptions
-from fedskew.config import (ADDED_RUN_KEYS, ConfigError, did_you_mean, former_architecture_keys, load_yaml, nested,
-                            set_key, validate_config, without_added)
+from fedskew.config import (
+    ADDED_RUN_KEYS,
+    ConfigError,
+    did_you_mean,
+    former_architecture_keys,
+    load_yaml,
+    nested,
+    set_key,
+    validate_config,
+    without_added,
+)
 
 _Strict = StrictOptions  # unknown keys are errors (one strict base for every schema)
 

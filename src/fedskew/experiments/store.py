@@ -16,7 +16,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
   run_id TEXT PRIMARY KEY, label TEXT NOT NULL, method TEXT NOT NULL, params TEXT NOT NULL,
@@ -92,7 +91,9 @@ def open_sweep(sweep_dir: str | Path) -> sqlite3.Connection:
     if not path.is_file():
         from fedskew.config import ConfigError
 
-        parts = sorted(q.parent.name for q in Path(sweep_dir).glob("*/results.sqlite")) if Path(sweep_dir).is_dir() else []
+        parts = (
+            sorted(q.parent.name for q in Path(sweep_dir).glob("*/results.sqlite")) if Path(sweep_dir).is_dir() else []
+        )
         if parts:  # a bench folder: its parts are the sweeps (issue 54)
             raise ConfigError(f"'{sweep_dir}' is a bench folder, whose parts are sweeps: report one of them "
                               f"({', '.join(str(Path(sweep_dir) / q) for q in parts)}), or rebuild its leaderboard "

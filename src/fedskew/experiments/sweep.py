@@ -39,21 +39,41 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
 from fedskew.config import ConfigError
 from fedskew.engine.durable import FolderLock, atomic_write_text, blocking_file
-from fedskew.experiments.pool import (STOP_GRACE_S, WorkerPool, check_data, check_pack, pack_key, packs,
-                                     run_in_process)
+from fedskew.experiments.pool import STOP_GRACE_S, WorkerPool, check_data, check_pack, pack_key, packs, run_in_process
 from fedskew.experiments.selection import PERSONAL_VALIDATION, TIE_TOLERANCE, select
-from fedskew.experiments.spec import (ADDED_KEYS, MethodSpec, ResourcesSpec, SelectionSpec, SweepSpec, default_jobs,
-                                     default_sweep_dir, grid_points, load_spec, plan, planned_count, planned_points,
-                                     rounds_per_run, run_identity, tune_seeds)
-from fedskew.experiments.store import (add_planned, connect, mark_interrupted, mark_running, record_done, record_failed,
-                                      writable)
+from fedskew.experiments.spec import (
+    ADDED_KEYS,
+    MethodSpec,
+    ResourcesSpec,
+    SelectionSpec,
+    SweepSpec,
+    default_jobs,
+    default_sweep_dir,
+    grid_points,
+    load_spec,
+    plan,
+    planned_count,
+    planned_points,
+    rounds_per_run,
+    run_identity,
+    tune_seeds,
+)
+from fedskew.experiments.store import (
+    add_planned,
+    connect,
+    mark_interrupted,
+    mark_running,
+    record_done,
+    record_failed,
+    writable,
+)
 
 
 class SweepProgress:
@@ -229,7 +249,8 @@ def _write_spec(spec: SweepSpec, sweep_dir: Path) -> None:
     spec_data = spec.model_dump(mode="json")
     if spec_file.is_file():
         previous = yaml.safe_load(spec_file.read_text())
-        what = lambda d: {k: v for k, v in (d or {}).items() if k != "resources"}  # (where runs run, not what)
+        def what(d):
+            return {k: v for k, v in (d or {}).items() if k != "resources"}  # (where runs run, not what)
         if what(previous) != what(spec_data):
             print(f"fedskew: the sweep in {sweep_dir} changes; finished runs whose configuration is unchanged "
                   f"are kept, the others are added.", flush=True)

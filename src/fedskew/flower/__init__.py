@@ -12,9 +12,19 @@ This package module imports nothing, so that the deployment ClientApp stays torc
 below are looked up on first use.
 """
 
-_LAZY = {"simulate": "app", "check_supported": "app", "server_app": "app", "client_app": "app", "make_server_app": "app",
-         "make_client_app": "app", "FlowerExecutor": "app", "LocalFederation": "federation",
-         "write_app": "federation", "write_connection": "federation", "flower_env": "federation"}
+_LAZY = {
+    "simulate": "app",
+    "check_supported": "app",
+    "server_app": "app",
+    "client_app": "app",
+    "make_server_app": "app",
+    "make_client_app": "app",
+    "FlowerExecutor": "app",
+    "LocalFederation": "federation",
+    "write_app": "federation",
+    "write_connection": "federation",
+    "flower_env": "federation",
+}
 
 
 def __getattr__(name: str):

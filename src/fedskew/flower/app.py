@@ -24,10 +24,10 @@ Flower's per-node ``context.state``. Which partition a SuperNode serves comes fr
 (``partition-id``; the simulation runtime sets it per node). Built-in Flower strategies are not
 used: they accept one ArrayRecord per reply and know nothing of server state.
 
-Failures. A client whose node does not answer within ``timeout`` seconds (a node's first training
-message waits at least ``COLD_START_S``: its ClientApp may still be importing torch on a loaded
-machine), or whose ClientApp raises, is reported in the round's ``clients_failed`` and left out of the aggregation, as in
-``fedskew run``; a round where every client fails stops the run.
+Failures. A client whose node does not answer within ``timeout`` seconds (a node's first training message waits at least
+``COLD_START_S``: its ClientApp may still be importing torch on a loaded machine), or whose ClientApp raises, is
+reported in the round's ``clients_failed`` and left out of the aggregation, as in ``fedskew run``; a round where every
+client fails stops the run.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
+from fedskew.algorithms.base import ClientReport
 from fedskew.config import ConfigError, RunConfig, validate_config
 from fedskew.engine.protocol import ClientResult, Executor
-from fedskew.algorithms.base import ClientReport
 
 try:
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -49,7 +49,6 @@ except ImportError as exc:  # pragma: no cover - exercised where flwr is absent
     raise ImportError("fedskew's Flower runtime needs flwr; install it with `pip install fedskew[flower]`.") from exc
 
 from fedskew.flower.client import CONFIG_KEY, OUT_KEY, STATE_KEY, TIMEOUT_KEY, client_query  # noqa: E402
-
 
 
 def check_supported(cfg: RunConfig) -> None:
@@ -229,7 +228,9 @@ class FlowerExecutor(Executor):
             if reply is None:
                 self.failed.append({"client": k, "error": f"no reply within {wait:.0f} s"})
             elif reply.has_error():
-                self.failed.append({"client": k, "error": f"Flower error {reply.error.code}: {reply.error.reason[:200]}"})
+                self.failed.append(
+                    {"client": k, "error": f"Flower error {reply.error.code}: {reply.error.reason[:200]}"}
+                )
             else:
                 replies[k] = reply
                 self.answered.add(node)
@@ -308,5 +309,14 @@ def simulate(cfg: RunConfig, out_dir: str | Path, verbose: bool = False) -> dict
     return done[0]
 
 
-__all__ = ["FlowerExecutor", "check_supported", "client_app", "from_record", "make_client_app", "make_server_app", "server_app",
-           "simulate", "to_record"]
+__all__ = [
+    "FlowerExecutor",
+    "check_supported",
+    "client_app",
+    "from_record",
+    "make_client_app",
+    "make_server_app",
+    "server_app",
+    "simulate",
+    "to_record",
+]

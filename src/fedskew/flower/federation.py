@@ -134,7 +134,7 @@ class LocalFederation:
                                             start_new_session=True)
         self.reaper.watch(self.procs[name].pid, group=True)
 
-    def start(self) -> "LocalFederation":
+    def start(self) -> LocalFederation:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.reaper = Reaper(pid_dirs=(self.workdir / "workers",))
         write_connection(self.workdir / "flwr-home", f"127.0.0.1:{self.port}")
@@ -157,7 +157,9 @@ class LocalFederation:
             if self.procs["superlink"].poll() is not None:
                 break
             time.sleep(0.1)
-        raise RuntimeError(f"the SuperLink did not start listening on 127.0.0.1:{port}; see {self.workdir}/superlink.log")
+        raise RuntimeError(
+            f"the SuperLink did not start listening on 127.0.0.1:{port}; see {self.workdir}/superlink.log"
+        )
 
     def run(self, cfg: RunConfig, out_dir: str | Path, timeout: float = 600.0, wait: bool = True,
             client: str = "worker"):
@@ -235,7 +237,7 @@ class LocalFederation:
             self.reaper.close()
             self.reaper = None
 
-    def __enter__(self) -> "LocalFederation":
+    def __enter__(self) -> LocalFederation:
         return self.start()
 
     def __exit__(self, *exc) -> None:

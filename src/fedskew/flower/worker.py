@@ -49,8 +49,9 @@ def main(sock: str, keyfile: str, cfgfile: str) -> None:
         last[0] = time.time()
         try:
             _, k, round_idx, lr, payload, state, download = conn.recv()
-            tensors = (lambda arrays: None if arrays is None else {key: torch.from_numpy(v.copy())
-                                                                  for key, v in arrays.items()})
+            def tensors(arrays):
+                return (None if arrays is None else {key: torch.from_numpy(v.copy())
+                                                                              for key, v in arrays.items()})
             result = rt.train(k, round_idx, lr, tensors(payload), tensors(state), tensors(download))
             conn.send(("ok", {key: v.detach().cpu().numpy() for key, v in result.upload.items()},
                        {key: v.detach().cpu().numpy() for key, v in result.client_state.items()}, report_of(result)))

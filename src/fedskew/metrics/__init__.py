@@ -225,14 +225,16 @@ def run_summary(history: list[dict], totals: dict) -> dict:
                                  "global/test_acc_best_round", "global/test_acc_mean_last10",
                                  "global/test_acc_mean_last50")}
     model_total = totals["up_model"] + totals["down_model"]
-    return {**out,
-            "personal/acc_before": history[-1]["personal/acc_before"],
-            "personal/acc_after": history[-1]["personal/acc_after"],
-            "personal/acc_before_last_round": history[-1]["personal/acc_before"],
-            "personal/acc_after_last_round": history[-1]["personal/acc_after"],
-            "comm/down_floats_total": history[-1]["comm/down_floats_total"],
-            "comm/up_floats_total": history[-1]["comm/up_floats_total"],
-            # (None when no model is exchanged at all: FedProto)
-            "comm/extra_pct": 100.0 * (totals["up"] + totals["down"] - model_total) / model_total if model_total else None,
-            "time/round_s_mean": sum(h["time/round_s"] for h in history) / len(history),
-            "train/loss": history[-1]["train/loss"]}
+    return {
+        **out,
+        "personal/acc_before": history[-1]["personal/acc_before"],
+        "personal/acc_after": history[-1]["personal/acc_after"],
+        "personal/acc_before_last_round": history[-1]["personal/acc_before"],
+        "personal/acc_after_last_round": history[-1]["personal/acc_after"],
+        "comm/down_floats_total": history[-1]["comm/down_floats_total"],
+        "comm/up_floats_total": history[-1]["comm/up_floats_total"],
+        # (None when no model is exchanged at all: FedProto)
+        "comm/extra_pct": 100.0 * (totals["up"] + totals["down"] - model_total) / model_total if model_total else None,
+        "time/round_s_mean": sum(h["time/round_s"] for h in history) / len(history),
+        "train/loss": history[-1]["train/loss"],
+    }

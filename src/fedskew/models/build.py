@@ -12,10 +12,20 @@ import inspect
 import torch
 
 from fedskew.models.deep import DEEP_MODELS
-from fedskew.models.nets import (ETFClassifier, ModelError, SkewNet, cnnbn, lenet, mlp, simplecnn, tcnn,
-                                 with_projection_head)
+from fedskew.models.nets import (
+    ETFClassifier,
+    ModelError,
+    SkewNet,
+    cnnbn,
+    lenet,
+    mlp,
+    simplecnn,
+    tcnn,
+    with_projection_head,
+)
 from fedskew.models.text import lstm
 from fedskew.streams import torch_seed
+
 
 def _all_models() -> dict:
     return {"mlp": mlp, "lenet": lenet, "simplecnn": simplecnn, "tcnn": tcnn, "cnnbn": cnnbn, **DEEP_MODELS,

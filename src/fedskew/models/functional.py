@@ -7,8 +7,8 @@ taken from the module itself. The executors, the metrics and the methods' outsid
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -227,5 +227,20 @@ def training_calls(model: nn.Module, params: State, buffers: State, cast_dtype=N
     return TrainingCalls(train, frozen_fn(model), head, lambda s, x: call(model, {**buffers, **s}, x), evaluate)
 
 
-__all__ = ["PRECISIONS", "TrainingCalls", "bn_recalibration_fn", "call", "eval_call", "feature_fn", "fp32_norms", "frozen_fn",
-           "head_call", "in_eval_mode", "low_precision", "model_caller", "norm_names", "predict", "training_calls"]
+__all__ = [
+    "PRECISIONS",
+    "TrainingCalls",
+    "bn_recalibration_fn",
+    "call",
+    "eval_call",
+    "feature_fn",
+    "fp32_norms",
+    "frozen_fn",
+    "head_call",
+    "in_eval_mode",
+    "low_precision",
+    "model_caller",
+    "norm_names",
+    "predict",
+    "training_calls",
+]

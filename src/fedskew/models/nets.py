@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-
 class ModelError(ValueError):
     """A model that cannot be built for the given input shape."""
 

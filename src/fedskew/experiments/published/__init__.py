@@ -126,13 +126,12 @@ class _UniqueKeys(yaml.SafeLoader):
 
 def load(folder: Path = HERE) -> list[Entry]:
     """Every entry of every registry file, validated (a bad file is one sentence naming it)."""
-    from fedskew.config import ConfigError
-
     import math
 
     from pydantic import ValidationError
 
     from fedskew.algorithms import did_you_mean, registered
+    from fedskew.config import ConfigError
 
     out, seen = [], {}
     for path in sorted(folder.glob("*.yaml")):
@@ -144,8 +143,9 @@ def load(folder: Path = HERE) -> list[Entry]:
             raise ConfigError(f"published-results file '{path.name}': key '{where}' is not valid ({err['msg']}).") \
                 from None
         except Exception as exc:
-            raise ConfigError(f"published-results file '{path.name}' is not valid ({str(exc).splitlines()[0][:200]}).") \
-                from None
+            raise ConfigError(
+                f"published-results file '{path.name}' is not valid ({str(exc).splitlines()[0][:200]})."
+            ) from None
         for i, e in enumerate(spec.entries):
             where = f"published-results file '{path.name}': entries.{i} ({e.row} / {e.column})"
             if e.setting not in spec.settings:
