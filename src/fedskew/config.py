@@ -67,7 +67,8 @@ SYNTHETIC_MAX_BYTES = 8 * 2**30
 
 
 class DatasetConfig(_Section):
-    name: Literal[DATASETS] = "digits"  # the loaders' names (data.sources.LOADERS)
+    # the loaders' names (data.sources.LOADERS)
+    name: Literal[DATASETS] = Field("digits", description="the data set (digits ships with scikit-learn)")
     root: str | None = Field(None, description="folder holding the files (every dataset but digits and synthetic)")
     download: bool = Field(True, description="try the usual mirrors when no local files are found")
     test_fraction: float = Field(0.2, gt=0, lt=1, description="digits: stratified global test share")
@@ -100,8 +101,9 @@ class DatasetConfig(_Section):
 
 
 class PartitionConfig(_Section):
-    name: Literal[PARTITIONS] = "pcdd"  # the builders' names (data.partitions.PARTITIONERS)
-    num_clients: int = Field(20, ge=1)
+    # the builders' names (data.partitions.PARTITIONERS)
+    name: Literal[PARTITIONS] = Field("pcdd", description="the partition (how-to: partitions)")
+    num_clients: int = Field(20, ge=1, description="number of clients K")
     classes_per_client: int = Field(3, ge=1, description="pcdd: y of PxCy; label_k: k of #C=k; label_count: k; "
                                                                "exdir: the classes each client draws")
     samples_per_class: int = Field(100, ge=1, description="label_count: n samples of each held class per client")
@@ -126,8 +128,9 @@ class PartitionConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: Literal[MODEL_NAMES] = "mlp"  # the zoo's names (models.build)
-    classifier_bias: bool = True
+    # the zoo's names (models.build)
+    name: Literal[MODEL_NAMES] = Field("mlp", description="the model")
+    classifier_bias: bool = Field(True, description="a bias in the linear classifier")
     hidden: list[Annotated[int, Field(ge=1, le=1 << 16)]] | None = Field(
         None, description="hidden widths of mlp (default [200, 200]) and mlpnet (default [1024, 1024, 128])"
     )
@@ -207,17 +210,21 @@ class MethodConfig(BaseModel):
 
 
 class RunConfig(_Strict):
-    method: MethodConfig = Field(default_factory=MethodConfig)
-    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
-    partition: PartitionConfig = Field(default_factory=PartitionConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    rounds: int = Field(50, ge=1, le=10_000_000)
-    clients_per_round: int = Field(10, ge=1)
-    local_epochs: int = Field(5, ge=1, le=10_000)
-    batch_size: int = Field(16, ge=1, le=1 << 20)
-    lr: float = Field(0.01, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(1e-5, ge=0)
+    method: MethodConfig = Field(default_factory=MethodConfig, description="the method: a name (`fedskew methods` "
+                                 "lists them) or a mapping with name and the method's options")
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig, description="the data set: a name or a mapping")
+    partition: PartitionConfig = Field(default_factory=PartitionConfig, description="how the training set is "
+                                       "split over clients: a name or a mapping")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the model: a name or a mapping")
+    rounds: int = Field(50, ge=1, le=10_000_000, description="communication rounds")
+    clients_per_round: int = Field(10, ge=1, description="clients sampled each round (`all`: every client); the "
+                                                         "same schedule for every method under one seed")
+    local_epochs: int = Field(5, ge=1, le=10_000, description="local epochs E of each selected client")
+    batch_size: int = Field(16, ge=1, le=1 << 20, description="local mini-batch size B (an epoch's last batch may "
+                                                              "be smaller)")
+    lr: float = Field(0.01, gt=0, description="local learning rate")
+    momentum: float = Field(0.9, ge=0, lt=1, description="local SGD momentum (torch.optim.SGD's)")
+    weight_decay: float = Field(1e-5, ge=0, description="local weight decay")
     grad_clip: float | None = Field(None, gt=0, description="max global grad norm per client step")
     lr_decay: float = Field(1.0, gt=0, le=1, description="lr_schedule=step: lr at round t = lr * lr_decay**(t // "
                                                          "lr_decay_every)")
@@ -238,15 +245,18 @@ class RunConfig(_Strict):
     client_dropout: float = Field(0.0, ge=0, lt=1, description="the fraction of selected clients that drop out after "
                                                                "receiving the model (never answer; seeded per round "
                                                                "and client; one always stays)")
-    seed: int = Field(0, ge=0)
-    device: str = "cpu"
-    out_dir: str = "runs"
-    run_name: str | None = None
-    eval_every: int = Field(1, ge=1)
+    seed: int = Field(0, ge=0, description="every random draw derives from it through named streams")
+    device: str = Field("cpu", description="cpu, cuda or cuda:N")
+    out_dir: str = Field("runs", description="the folder that holds the run folder")
+    run_name: str | None = Field(None, description="the run folder's name (default "
+                                                   "<method>-<dataset>-<partition>-s<seed>-<time>)")
+    eval_every: int = Field(1, ge=1, description="evaluate the global model every n rounds (and at the last)")
     checkpoint_every: int = Field(1, ge=1, description="write checkpoint.pt every n rounds (and after the last)")
     fail_fast: bool = Field(False, description="stop the run when a client's training raises (default: "
                                                "report it and aggregate the others)")
-    executor: Literal["sequential", "vectorized"] = "sequential"
+    executor: Literal["sequential", "vectorized"] = Field(
+        "sequential", description="sequential: one client after another; vectorized: a round's clients as one "
+                                  "torch.func program (the same results to float round-off)")
     distributed: bool = Field(False, description="spread each round's clients over the ranks of a torchrun "
                                                  "launch (rank 0 writes the run; docs/scaling.md)")
     max_parallel_clients: int | None = Field(None, ge=1, description="vectorized: clients per chunk")
