@@ -49,7 +49,7 @@ def main() -> None:
     args = p.parse_args()
     if not args.report:
         fedskew.sweep(spec(args.data), args.jobs, Path(args.out) / "label-skew-fmnist", pack="off", progress=True)
-    md, _, _ = write_leaderboard("label-skew", "lite", "OMP_NUM_THREADS=1 python benchmarks/momentum_control.py "
+    md, *_ = write_leaderboard("label-skew", "lite", "OMP_NUM_THREADS=1 python benchmarks/momentum_control.py "
                                  "--data DATA_DIR --out DIR --jobs 2", args.out,
                                  title="FedAvg under the client optimiser of FedCM and the GHBM family, in the "
                                        "label-skew suite's lite setting")

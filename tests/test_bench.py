@@ -354,11 +354,11 @@ def test_label_skew_smoke_end_to_end(tmp_path):
 
     from fedskew.experiments.bench import estimate, write_leaderboard
 
-    db = sqlite3.connect(folder / "label-skew-fmnist" / "results.sqlite")
+    db = sqlite3.connect(folder / "label-skew-digits" / "results.sqlite")
     done = dict(db.execute("SELECT method, count(*) FROM runs WHERE status='done' GROUP BY method").fetchall())
     db.close()
     assert f"{sum(done.values())} finished runs" in board
-    md, _, _ = write_leaderboard("label-skew", "smoke", "cmd", folder, ["fedrep", "fedavg"])
+    md, *_ = write_leaderboard("label-skew", "smoke", "cmd", folder, ["fedrep", "fedavg"])
     part = md.read_text()
     glob = part[part.index("global accuracy (test set"):part.index("## label-skew on digits: budget")]
     assert {line.split("|")[1].strip() for line in glob.splitlines() if line.startswith("| fed")} == {

@@ -533,3 +533,74 @@ def test_the_whole_file_check_catches_a_claim_outside_the_markers():
     text = "## A\n\nFedX reaches 70.0 under S1.\n\n## B\n\n| FedAvg | 33.50 |\n\nFedAvg gives 33.5 here; FedX 71.2.\n"
     problems = claims_outside_the_boards(text, boards)
     assert len(problems) == 1 and "71.2 for fedx" in problems[0]
+
+
+def _generator():
+    """docs/_ext/fedskew_docs.py, the generator of the site's reference pages."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fedskew_docs", ROOT / "docs/_ext/fedskew_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_public_name_method_and_config_key_has_its_reference_entry():
+    """The reference is generated from the code: every name of ``fedskew.__all__`` has its autodoc
+    entry, every registered method its page (options, defaults, paper, the code it was checked
+    against), every config key its row."""
+    import fedskew
+    from fedskew.config import RunConfig
+
+    gen = _generator()
+    api = gen.api_page()
+    missing = [n for n in fedskew.__all__ if not n.startswith("_") and f"fedskew.{n}\n" not in api]
+    pages = gen.method_pages()
+    for name, cls in METHODS.items():
+        page = pages.get(name, "")
+        missing += [f"method {name}"] if not page else []
+        missing += [f"method {name}: option {opt}" for opt in cls.Options.model_fields if f"`method.{opt}`" not in page]
+        if cls.source is not None and cls.source.code not in page:
+            missing.append(f"method {name}: its official code")
+    config = gen.config_page()
+    for key, field in RunConfig.model_fields.items():
+        missing += [] if f"| `{key}` |" in config else [f"config key {key}"]
+        sub = field.annotation
+        for inner in getattr(sub, "model_fields", {}):
+            missing += [] if f"| `{key}.{inner}` |" in config else [f"config key {key}.{inner}"]
+    assert not missing, missing
+    assert set(pages) == set(METHODS) | {"index"}
+
+
+ISSUE_NUMBER = re.compile(r"\bissues?[ -]?#?\d+", re.IGNORECASE)
+
+
+def user_texts() -> dict[str, str]:
+    """Everything a user reads: README and the other front files, every page of docs/ (the GPU
+    windows' raw logs under docs/gpu-runs are records of what ran, kept as they were), the package's
+    source (docstrings, error messages, comments alike), and the command line's help."""
+    from fedskew.cli import build_parser
+
+    texts = {p.name: (ROOT / p).read_text() for p in (Path("README.md"), Path("CONTRIBUTING.md"),
+                                                        Path("CHANGELOG.md"))}
+    texts |= {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "docs").rglob("*.md")
+              if "gpu-runs" not in p.parts and "_build" not in p.parts and "generated" not in p.parts}
+    texts |= {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "src").rglob("*.py")}
+    parser = build_parser()
+    texts["fedskew --help"] = parser.format_help()
+    for name, sub in parser._subparsers._group_actions[0].choices.items():
+        texts[f"fedskew {name} --help"] = sub.format_help()
+    return texts
+
+
+def test_no_user_text_cites_the_issue_tracker():
+    """A user never meets an issue number: the evidence itself (a measurement, a commit, a command)
+    stands where a pointer into the tracker stood."""
+    found = [f"{where}: {m.group(0)!r}" for where, text in user_texts().items() for m in ISSUE_NUMBER.finditer(text)]
+    assert not found, found
+
+
+def test_the_issue_check_catches_a_citation():
+    assert [m.group(0) for m in ISSUE_NUMBER.finditer("as issue 54 found; see issue #7, the issue-48 board")] == \
+        ["issue 54", "issue #7", "issue-48"]
+    assert not ISSUE_NUMBER.search("FedAvg's issues with label skew, 3 issues")

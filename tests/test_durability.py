@@ -984,7 +984,7 @@ def test_an_interrupted_bench_resumes_to_the_same_board_but_its_time_line(tmp_pa
     assert whole.returncode == 0, whole.stderr[-2000:]
     cut = subprocess.Popen([*args, "--out", "cut"], cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
-    db = tmp_path / "cut" / "label-skew-fmnist" / "results.sqlite"
+    db = tmp_path / "cut" / "label-skew-digits" / "results.sqlite"
 
     def some_done():
         import sqlite3

@@ -126,7 +126,7 @@ def test_your_own_method_in_the_bench_from_python_and_the_cli(tmp_path, monkeypa
         f"Rebuild: `import my_methods; fedskew.bench('label-skew', scale='smoke', methods=['fedavg', 'doubled'], "
         f"settings=['#C=2'], out={str(tmp_path / 'api')!r})` (`fedskew bench label-skew --scale smoke --out "
     ) in board
-    rows = fedskew.load_results(folder / "label-skew-fmnist", frame=False)
+    rows = fedskew.load_results(folder / "label-skew-digits", frame=False)
     assert {r["partition"] for r in rows} == {"#C=2"} and {r["label"] for r in rows} == {"fedavg", "doubled"}
     assert sum(r["label"] == "doubled" for r in rows) == 2  # the smoke budget: two trials, like every method
     done = cli("bench", "label-skew", "--scale", "smoke", "--import", "my_methods.py", "--methods", "fedavg,doubled",
@@ -136,7 +136,7 @@ def test_your_own_method_in_the_bench_from_python_and_the_cli(tmp_path, monkeypa
     # issue 54, item 17: the user's method changed, so its runs train again; FedAvg's are kept, and
     # the old runs are superseded (never averaged with the new ones)
     def cli_rows():
-        return fedskew.load_results(tmp_path / "cli" / "label-skew-fmnist", frame=False)
+        return fedskew.load_results(tmp_path / "cli" / "label-skew-digits", frame=False)
     before = {r["run_id"] for r in cli_rows()}
     source = (tmp_path / "my_methods.py").read_text()
     (tmp_path / "my_methods.py").write_text(source.replace("scale: float = 2.0", "scale: float = 2.0  # changed"))
@@ -150,7 +150,7 @@ def test_your_own_method_in_the_bench_from_python_and_the_cli(tmp_path, monkeypa
     # a board from runs of more than one commit, or of a tree with uncommitted changes, says so; --strict refuses it
     import sqlite3
 
-    db = sqlite3.connect(tmp_path / "cli" / "label-skew-fmnist" / "results.sqlite")
+    db = sqlite3.connect(tmp_path / "cli" / "label-skew-digits" / "results.sqlite")
     run_id, env = db.execute("SELECT run_id, environment FROM runs WHERE status='done' LIMIT 1").fetchone()
     db.execute("UPDATE runs SET environment=? WHERE run_id=?",
                (json.dumps({**json.loads(env), "git_commit": "0123456789ab+dirty"}), run_id))

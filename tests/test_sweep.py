@@ -386,16 +386,18 @@ def test_reproduce_smoke_runs_every_preset(tmp_path, name, capsys):
 
 
 @pytest.mark.parametrize("name", sorted(PAPERS))
-def test_paper_and_small_presets_are_valid_specs(name):
-    for scale in ("small", "paper"):
+def test_paper_and_lite_presets_are_valid_specs(name):
+    for scale in ("lite", "paper"):
         spec = load_spec(reproduction(name, scale, "/data"))
         runs = plan(spec)  # every run config validates (method options, models, partitions)
         assert runs and all(r["config"]["dataset"]["root"] == "/data" for r in runs)
     with pytest.raises(ConfigError, match="allowed"):
         reproduction(name, "huge")
+    with pytest.warns(FutureWarning, match="--scale small is now called lite"):  # the name before 0.2
+        assert reproduction(name, "small", "/data") == reproduction(name, "lite", "/data")
 
 
-@pytest.mark.parametrize("scale,per_class", [("small", 1200), ("paper", 5000)])  # 20% of FMNIST; CIFAR-10
+@pytest.mark.parametrize("scale,per_class", [("lite", 1200), ("paper", 5000)])  # 20% of FMNIST; CIFAR-10
 def test_label_count_presets_fit_their_data(scale, per_class):
     import numpy as np
 

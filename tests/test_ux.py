@@ -306,12 +306,20 @@ def test_print_config_shows_every_default_and_runs_back(tmp_path):
     assert again.method.options == {k: v for k, v in printed["method"].items() if k != "name"}
 
 
-def test_methods_command_lists_every_method_and_its_options(tmp_path):
+def test_methods_command_lists_every_method_by_family_one_line_each(tmp_path):
+    from fedskew.cli import FAMILIES
+
     done = cli("methods", cwd=tmp_path, env={**ENV, "COLUMNS": "250"})
     assert done.returncode == 0
-    for name in METHODS:
-        assert re.search(rf"│ {re.escape(name)} +│", done.stdout), name
-    assert "mu1=0.01" in done.stdout
+    lines = done.stdout.splitlines()
+    for name, cls in METHODS.items():  # one line a method, under its family's heading
+        mine = [i for i, line in enumerate(lines) if re.match(rf"  {re.escape(name)} +\S", line)]
+        assert len(mine) == 1, name
+        heading = next(line for line in reversed(lines[:mine[0]]) if not line.startswith(" "))
+        assert heading == FAMILIES[cls.__module__.rsplit(".", 1)[-1]], (name, heading)
+    assert len(lines) == len(METHODS) + len(FAMILIES) + 1 and lines[-1].startswith(f"{len(METHODS)} methods.")
+    # (not cut at 'Sec.')
+    assert re.search(r"  localghbm +LocalGHBM \(Zaccone et al\., TMLR 2025, Sec\. 4, ", done.stdout)
     one = cli("methods", "fedmr", cwd=tmp_path, env={**ENV, "COLUMNS": "250"})
     assert one.returncode == 0 and re.search(r"method\.mu1 +│ 0\.01 +│ float >= 0 +│ weight of L_intra", one.stdout)
     assert re.search(r"method\.inter_classes +│ 'all' +│ all \| local +│ classes j that L_inter", one.stdout)
@@ -320,6 +328,8 @@ def test_methods_command_lists_every_method_and_its_options(tmp_path):
         assert re.search(rf"method\.{option} +│ '\w+' +│ {re.escape(allowed)} +│ \w", map_), option
     bad = cli("methods", "fedmrr", cwd=tmp_path)
     assert bad.returncode == 2 and "(did you mean 'fedmr'?)" in bad.stderr
+    assert "the nearest names: fedmr, fedcm, fedrs (`fedskew methods` lists all" in bad.stderr
+    assert "fedavg" not in bad.stderr and bad.stderr.count("\n") == 1  # three names, not the registry
 
 
 def test_partition_writes_into_the_out_dir(tmp_path):

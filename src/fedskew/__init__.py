@@ -253,8 +253,8 @@ def bench(suite: str, /, scale: str, *, data: str | Path | None = None, methods:
                             {"device": device, "executor": executor}, settings)
     suites.claim_folder(folder, suite, scale)
     for part, spec in specs.items():
-        sweep(spec, jobs, folder / part, pack=pack, progress=progress)
-    # the call that rebuilds it, with what made this one (issue 54: the settings, out and the user's
+        sweep(spec, jobs, folder / suites.part_folder(part, scale), pack=pack, progress=progress)
+    # the call that rebuilds it, with what made this one (the settings, out and the user's
     # module were dropped): `import MODULE; fedskew.bench(...)`
     from fedskew.algorithms import method_source
 

@@ -140,10 +140,18 @@ def cmd_run(args, console: Console) -> int:
         if args.print_config:
             raise ConfigError(f"--print-config shows one config; {', '.join(multi)} list several values.")
         spec = multirun_spec(config, single, multi)
-        out = Path(spec["base"].get("out_dir", "runs")) / f"multirun-{time.strftime('%Y%m%d-%H%M%S')}"
+        out = Path(args.out) if args.out else \
+            Path(spec["base"].get("out_dir", "runs")) / f"multirun-{time.strftime('%Y%m%d-%H%M%S')}"
         from fedskew.experiments.spec import load_spec
 
         return _run_and_report(load_spec(spec), str(out), args.jobs, True, console, args)
+    if args.out:  # the run's folder itself, as --out names a folder in every other command
+        out = Path(args.out)
+        check_folder_name(out, "run --out")
+        if out.name in ("", ".", ".."):
+            raise ConfigError(f"run --out '{args.out}' must name the run's own folder (its last part is the run's "
+                              f"name).")
+        overrides = [*overrides, f"out_dir={out.parent}", f"run_name={out.name}"]
     cfg = load_config(config, overrides)
     if args.print_config:
         import yaml
@@ -265,7 +273,7 @@ def _describe(obj) -> str:
 
 
 def cmd_methods(args, console: Console) -> int:
-    from fedskew.algorithms import COMPONENTS, METHODS, allowed_values, did_you_mean, options_reference
+    from fedskew.algorithms import COMPONENTS, METHODS, allowed_values, options_reference, unknown_method
     from fedskew.config import ConfigError
 
     if args.markdown:
@@ -273,8 +281,7 @@ def cmd_methods(args, console: Console) -> int:
         return 0
     if args.name:
         if args.name not in METHODS and args.name not in COMPONENTS:
-            raise ConfigError(f"method '{args.name}' is not known{did_you_mean(args.name, METHODS)}; "
-                              f"`fedskew methods` lists them.")
+            raise ConfigError(unknown_method(args.name) + ".")
         cls = METHODS.get(args.name) or COMPONENTS[args.name]
         console.print(f"[bold]{args.name}[/bold]: {_describe(cls)}", highlight=False)
         console.print(f"Paper: {cls.source.text()}" if cls.source else "Paper: none recorded.", highlight=False,
@@ -289,16 +296,39 @@ def cmd_methods(args, console: Console) -> int:
             console.print(f"any method also takes the components {', '.join(sorted(COMPONENTS))} "
                           f"(`fedskew methods <component>`)", highlight=False)
         return 0
-    table = Table("method", "options (defaults)", "what it is", title="fedskew methods (`fedskew methods NAME`: "
-                  "option meanings)")
+    families: dict[str, list[str]] = {}
     for name, cls in METHODS.items():
-        opts = ", ".join(
-            f"{k}={f.get_default(call_default_factory=True)!r}" for k, f in cls.Options.model_fields.items()
-        )
-        text = _describe(cls)
-        table.add_row(name, opts, text if len(text) <= 160 else text[:157] + "...")
-    console.print(table)
+        families.setdefault(FAMILIES.get(cls.__module__.rsplit(".", 1)[-1], "Your methods"), []).append(name)
+    width = max(len(n) for n in METHODS) + 2
+    room = max(40, console.width - width - 4)
+    for family in [*FAMILIES.values(), "Your methods"]:
+        if family not in families:
+            continue
+        console.print(f"[bold]{family}[/bold]", highlight=False)
+        for name in families[family]:
+            text = _first_sentence(_describe(METHODS[name]))
+            console.print(f"  {name:<{width}}{text if len(text) <= room else text[:room - 3] + '...'}",
+                          highlight=False, markup=False)
+    console.print(f"{len(METHODS)} methods. `fedskew methods NAME`: its paper, options and defaults.", highlight=False)
     return 0
+
+
+# The method families (one module of fedskew.algorithms each), in the order `fedskew methods` lists them
+FAMILIES = {"base": "FedAvg", "fedmr": "FedMR", "map": "MAP (FedRS + FedPHP)",
+            "neural_collapse": "Neural collapse (fixed ETF heads)", "fedka": "Forgetting (FedKA, FedNTD)",
+            "drift": "Client drift and momentum", "server_opt": "Server optimisers and aggregation",
+            "representation": "Representation regularisers", "personalized": "Personalised heads and models",
+            "meta": "Meta-learning", "sharing": "Partial sharing and mixing",
+            "classifier": "Classifier calibration", "distillation": "Distillation and shared data",
+            "clustered": "Clustered FL", "hypernetwork": "Hypernetworks"}
+
+
+def _first_sentence(text: str) -> str:
+    """Up to the first full stop that ends a sentence (not one inside 'et al.' or an abbreviation)."""
+    import re
+
+    m = re.search(r"(?<!et al)(?<!\be\.g)(?<!\bi\.e)(?<!\bEq)(?<!\bvs)(?<!\bSec)(?<!\bFig)\.(\s|$)", text)
+    return text[:m.start() + 1] if m else text
 
 
 def cmd_partition(args, console: Console) -> int:
@@ -503,10 +533,11 @@ def cmd_reproduce(args, console: Console) -> int:
     from fedskew.experiments.spec import load_spec
 
     spec = load_spec(reproduction(args.name, args.scale, args.data))
-    out = args.out or str(Path("runs") / f"reproduce-{args.name}-{args.scale}")
+    scale = "lite" if args.scale == "small" else args.scale
+    out = args.out or str(Path("runs") / f"reproduce-{args.name}-{scale}")
     if args.scale == "smoke":
         console.print("smoke test: the paper's pipeline on the bundled digits for a few rounds and one seed; it checks "
-                      "that everything runs and says nothing about the methods (--scale small or paper measures "
+                      "that everything runs and says nothing about the methods (--scale lite or paper measures "
                       "them).", highlight=False)
     return _run_and_report(spec, out, args.jobs, True, console, args)
 
@@ -578,7 +609,8 @@ def cmd_bench(args, console: Console) -> int:
                                 "checkpoint_every": args.checkpoint_every}, _csv(args.settings))
         bench.claim_folder(folder, args.suite, args.scale)
         for paper, spec in parts.items():
-            failed |= _run_and_report(load_spec(spec), str(folder / paper), args.jobs, False, console, args, args.ray)
+            failed |= _run_and_report(load_spec(spec), str(folder / bench.part_folder(paper, args.scale)), args.jobs,
+                                      False, console, args, args.ray)
     elif args.settings or args.parts or args.seeds:  # their names are checked as a run checks them
         bench.restrict(bench.sweeps(args.suite, args.scale, args.data, methods), args.suite, _csv(args.parts),
                        _csv(args.seeds), {}, _csv(args.settings))
@@ -587,7 +619,8 @@ def cmd_bench(args, console: Console) -> int:
         (f" --methods {','.join(methods)}" if methods else "") + \
         "".join(f" --{k} {shlex.quote(v)}" for k, v in (("parts", args.parts), ("seeds", args.seeds),
                                                         ("settings", args.settings)) if v)
-    md, page, cells = bench.write_leaderboard(args.suite, args.scale, command, folder, methods, strict=args.strict)
+    md, page, cells, said = bench.write_leaderboard(args.suite, args.scale, command, folder, methods,
+                                                    strict=args.strict, beside_board=args.beside)
     if cells:
         table = Table("paper", "table", "setting", "method", "ours", "published", "delta", "within",
                       title=f"fedskew bench {args.suite} ({args.scale}): ours beside the published numbers")
@@ -598,6 +631,8 @@ def cmd_bench(args, console: Console) -> int:
                           "-" if c.within is None else ("yes" if c.within else "no"))
         console.print(table)
     note = bench.SCALE_NOTE[args.scale] if cells else bench.label_skew_note(args.scale)
+    for line in said:  # (--beside: does this board's baseline reproduce the committed one's?)
+        console.print(line, highlight=False)
     console.print(f"{note}.\nleaderboard: {md} and {page}", highlight=False)
     return 1 if failed else 0
 
@@ -689,6 +724,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_run = sub.add_parser("run", help="run one experiment", epilog=EPILOG)
     p_run.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value]")
     p_run.add_argument("--resume", metavar="RUN_DIR", help="continue the interrupted run in RUN_DIR")
+    p_run.add_argument("--out", metavar="DIR", help="the run's folder (the same as out_dir=PARENT run_name=NAME; "
+                                                   "default out_dir/<method>-<dataset>-<partition>-s<seed>-<time>); "
+                                                   "with several values (key=a,b), the sweep's folder")
     p_run.add_argument("--print-config", action="store_true",
                        help="print the resolved config (every default, the method's options included) and exit")
     p_run.add_argument("--jobs", type=int, help="multirun (key=a,b): runs at once (default: min(2, cores))")
@@ -726,13 +764,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_rep.add_argument("--metric", help="main metric (default global/test_acc_mean_last10, or the personalised "
                                         "accuracy where no run has a global model)")
     p_rep.add_argument("--baseline", help="the method gains are measured against (default fedavg)")
-    p_pro = sub.add_parser("reproduce", help="a seed paper's main table at smoke, small or paper scale")
+    p_pro = sub.add_parser("reproduce", help="a seed paper's main table at smoke, lite or paper scale")
     p_pro.add_argument("name", help="fedmr, map, etf or fedka")
-    p_pro.add_argument("--scale", default="smoke", help="smoke (digits, CI), small (Fashion-MNIST, < 1 h on a CPU) "
+    p_pro.add_argument("--scale", default="smoke", help="smoke (digits, CI), lite (Fashion-MNIST, < 1 h on a CPU) "
                                                        "or paper")
-    p_pro.add_argument("--data", help="folder holding the data set (small and paper scales)")
+    p_pro.add_argument("--data", help="folder holding the data set (lite and paper scales)")
     p_pro.add_argument("--out", help="sweep folder (default runs/reproduce-<name>-<scale>)")
-    p_pro.add_argument("--jobs", type=int)
+    p_pro.add_argument("--jobs", type=int, help="runs at once, one torch thread each (default: min(2, cores))")
     p_pro.add_argument("--pack", metavar="auto|off|N", help=PACK_HELP)
     p_be = sub.add_parser("bench", help="a benchmark suite of the papers' settings, with the published numbers "
                                          "beside ours (`fedskew bench --list`)")
@@ -742,7 +780,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "required to run a suite")
     p_be.add_argument("--data", help="folder holding the data sets (lite and paper scales)")
     p_be.add_argument("--out", help="suite folder (default runs/bench-<suite>-<scale>); running again resumes it")
-    p_be.add_argument("--jobs", type=int)
+    p_be.add_argument("--jobs", type=int, help="runs at once, one torch thread each (default: min(2, cores))")
     p_be.add_argument("--pack", metavar="auto|off|N", help=PACK_HELP)
     p_be.add_argument("--import", dest="imports", action="append", metavar="MODULE", help=IMPORT_HELP)
     p_be.add_argument("--ray", help="run on Ray (local, auto, host:port)")
@@ -750,6 +788,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_be.add_argument("--strict", action="store_true", help="refuse a leaderboard whose runs come from more than one "
                                                             "commit or from a tree with uncommitted changes")
     p_be.add_argument("--methods", help="only these methods (comma-separated names)")
+    p_be.add_argument("--beside", metavar="BOARD.md",
+                      help="put a committed board's rows beside this board's, ranked again with them "
+                           "(docs/leaderboards/label-skew-lite.md: your method among the 74 without running them)")
     p_be.add_argument("--parts", help="only these parts of the suite (comma-separated; `fedskew bench --list` names "
                                       "them), e.g. map")
     p_be.add_argument("--seeds", help="only these of the suite's seeds (comma-separated), e.g. 0")
@@ -816,9 +857,34 @@ def _one_line_warnings() -> None:
     warnings.showwarning = show
 
 
+def _config_flag(argv: list[str], unknown: list[str]) -> str | None:
+    """One sentence for a run setting written as a flag (``--rounds 5``): settings are config keys."""
+    from fedskew.config import RunConfig
+
+    for flag in unknown:
+        if not flag.startswith("--"):
+            continue
+        key, _, value = flag[2:].partition("=")
+        key = key.replace("-", "_")
+        if key.split(".")[0] not in RunConfig.model_fields:
+            continue
+        if not value and flag in argv and argv.index(flag) + 1 < len(argv):
+            nxt = argv[argv.index(flag) + 1]
+            value = nxt if not nxt.startswith("-") and "=" not in nxt else ""
+        return (f"'{flag}' is not a flag: a run's settings are config keys, written {key}={value or 'VALUE'} "
+                f"(`fedskew run --print-config` lists them).")
+    return None
+
+
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        said = _config_flag(list(sys.argv[1:] if argv is None else argv), unknown)
+        if said:
+            print(f"fedskew: error: {said}", file=sys.stderr)
+            return 2
+        parser.parse_args(argv)  # argparse's own message and exit status for anything else
     import os
 
     _one_line_warnings()

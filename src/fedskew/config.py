@@ -319,7 +319,7 @@ class RunConfig(_Strict):
 
         method = validate_method_config(self.method)
         inert = method_inert(self.method, self.rounds, self.partition.num_clients, self.clients_per_round)
-        if inert:  # an option that switches a part of the method off for the whole run (issue 54)
+        if inert:  # an option that switches a part of the method off for the whole run
             warnings.warn(f"method {self.method.name}: {inert}.", InertOptionWarning, stacklevel=2)
         # the model options the method's papers use, where the config leaves them unset: before the
         # sections are checked, so that a key the method's architecture reads (model.etf_scale with
@@ -490,7 +490,8 @@ def _format_error(err: dict) -> str:
     if kind == "extra_forbidden":
         section = SECTIONS.get(str(err["loc"][0]), RunConfig) if len(err["loc"]) > 1 else RunConfig
         hint = did_you_mean(str(err["loc"][-1]), section.model_fields)
-        return f"config key '{key}' is not known{hint}; check its spelling against README's config keys."
+        return (f"config key '{key}' is not known{hint}; `fedskew run --print-config` prints every key with its "
+                f"value.")
     msg = err["msg"]
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]

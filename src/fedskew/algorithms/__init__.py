@@ -111,7 +111,7 @@ def import_module_of(where: str):
 def method_code(name: str) -> str | None:
     """A digest of the source of the module that defines the user's method ``name`` (None for a
     built-in method, whose code is fedskew's commit, recorded per run): part of a sweep run's
-    identity, so that a bench re-run after the user's method changed trains it again (issue 54)."""
+    identity, so that a bench re-run after the user's method changed trains it again."""
     import hashlib
     import inspect
 
@@ -154,6 +154,21 @@ def did_you_mean(value: str, options) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+def nearest_names(value: str, options, n: int = 3) -> str:
+    """The ``n`` names of ``options`` nearest to ``value`` (difflib's ratio), for a misspelt name:
+    a short list a reader can scan, not the whole registry."""
+    import difflib
+
+    names = [str(o) for o in options]
+    return ", ".join(sorted(names, key=lambda o: -difflib.SequenceMatcher(None, str(value), o).ratio())[:n])
+
+
+def unknown_method(value: str) -> str:
+    """The sentence for a method name the registry does not hold."""
+    return (f"method '{value}' is not known{did_you_mean(value, METHODS)}; the nearest names: "
+            f"{nearest_names(value, METHODS)} (`fedskew methods` lists all {len(METHODS)})")
+
+
 def _validate(schema: type[BaseModel], data: dict, where: str, what: str) -> BaseModel:
     try:
         return schema.model_validate(data)
@@ -172,8 +187,7 @@ def _validate(schema: type[BaseModel], data: dict, where: str, what: str) -> Bas
 def _parse(cfg):
     cls = METHODS.get(cfg.name)
     if cls is None:
-        raise ValueError(f"method.name '{cfg.name}' is not known{did_you_mean(cfg.name, METHODS)}; "
-                         f"allowed: {sorted(METHODS)}")
+        raise ValueError(unknown_method(cfg.name).replace("method '", "method.name '", 1))
     options = dict(cfg.options)
     parts = {}
     for name, comp in COMPONENTS.items():

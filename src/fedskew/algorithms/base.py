@@ -284,7 +284,9 @@ class StrictOptions(BaseModel):
     maps an option's former name to its name now; the former name still works for one release, with
     a FutureWarning that names both."""
 
-    model_config = ConfigDict(extra="forbid")
+    # defer_build: an Options class builds its validator when it first validates, so importing the
+    # registry (every method's class) stays cheap for a command that validates one of them
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     renamed: ClassVar[dict[str, str]] = {}
     # a few values of each option worth tuning (the default among them): what ``fedskew bench``
     # searches, the same number of trials for every method (:func:`search_space` merges a composed
@@ -438,7 +440,7 @@ class Method:
     def inert(cls, options: BaseModel, rounds: int, num_clients: int, clients_per_round: int) -> str | None:
         """What an option switches off for a whole run of ``rounds`` rounds (GHBM's ``tau`` past the
         run: no momentum ever), as a sentence naming it, which the config layer prints as a warning
-        when the run starts (issue 54); None: every part of the method acts. FedAvg: None."""
+        when the run starts; None: every part of the method acts. FedAvg: None."""
         return None
 
     @classmethod

@@ -453,7 +453,8 @@ class PFedFDAOptions(FedAvgOptions):
     class_means: Literal["present", "min_samples"] = Field(
         "present", description="local class means: present: every class the client holds keeps its own mean (the "
                                "camera-ready code's test reads the client's total count); min_samples: a class with at "
-                               "most cv_folds samples takes the global mean (FL-bench's port, the official evaluation)")
+                               "most cv_folds samples takes the global mean (FL-bench's port; the official "
+                               "evaluation's rule for the means, not for its covariance)")
 
 
 def lda_head(means: torch.Tensor, cov: torch.Tensor, priors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -464,7 +465,7 @@ def lda_head(means: torch.Tensor, cov: torch.Tensor, priors: torch.Tensor) -> tu
     (``lstsq``); Sigma' is positive definite here (a scatter plus eps + I, or a mean of such), so
     the exact solve (LU) gives the same W to round-off, and, unlike torch's CPU ``lstsq``, whose
     result moved by 1e-14 from one call to the next on the same inputs, the same bits every time
-    (issue 54: two identical pFedFDA runs had betas 1e-13 apart)."""
+    (two identical pFedFDA runs had betas 1e-13 apart)."""
     d = cov.shape[0]
     cov = (1 - FDA_EPS) * cov + FDA_EPS * torch.trace(cov) / d * torch.eye(d, dtype=cov.dtype, device=cov.device)
     w = torch.linalg.solve(cov, means.T).T
@@ -479,7 +480,9 @@ def gaussian_mle(z: torch.Tensor, y: torch.Tensor, global_means: torch.Tensor, m
     ``cov_nearest(..., 'clipped')`` leaves it unchanged). A class keeps the global mean when the
     test ``> min_samples`` fails: the camera-ready code tests ``len(labels == y)``, the client's
     total count (every present class keeps its own mean); ``per_class`` tests the class's own
-    count (FL-bench's port, the official ``evaluate_personalized``)."""
+    count (FL-bench's port; the official ``evaluate_personalized`` chooses its means so). The scatter
+    is taken around the means chosen here, so a class that takes the global mean is centred on it;
+    the official evaluation centres every class on its own mean, so its covariance differs there."""
     means = global_means.clone()
     centered = []
     for c in torch.unique(y).tolist():

@@ -1,6 +1,6 @@
 """Personalised-FL baselines of the MAP paper's Table II (docs/methods.md, "Personalised heads, stages and
 meta-learning"): Ditto, FedRep, FedBABU, FedROD, FedProto, and FedLC's calibrated loss; GPFL and FedCP
-(issue 34); FedGH, FedEM, kNN-Per and Floco (issue 48).
+; FedGH, FedEM, kNN-Per and Floco.
 
 Each method states its personalised model (scored as ``personal/acc_after``) and whether a global
 model exists (``has_global_model``; FedRep and FedProto have none, so ``global/*`` is none):

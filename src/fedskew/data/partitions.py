@@ -135,7 +135,7 @@ def dirichlet(labels: np.ndarray, num_clients: int, alpha: float, num_classes: i
 
 def exdir(labels: np.ndarray, num_clients: int, classes_per_client: int, alpha: float, num_classes: int,
           rng: np.random.Generator, min_size: int = 10, *, max_tries: int = 1000) -> list[np.ndarray]:
-    """Extended Dirichlet (Li et al., arXiv 2311.03154; PFLlib's ``exdir``, its issue #139): each
+    """Extended Dirichlet (Li et al., arXiv 2311.03154; PFLlib's ``exdir``): each
     client draws ``classes_per_client`` = C distinct classes uniformly, again until every class has
     at least max(C K / num_classes // 2, 1) holders; then each class is split among its holders
     alone by Dir(alpha) proportions, as :func:`dirichlet` (a client over N/K samples gets no more;

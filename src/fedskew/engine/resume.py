@@ -31,7 +31,7 @@ def resume(run_dir: str | Path, on_round=None, changes: dict | list[str] | None 
     import_recorded_method(run_dir, data)
     if not RunDir(run_dir).proves(run_identity(validate_config(data))):
         # a config.yaml copied from a real run does not make a folder a run: training here would
-        # replace what the folder holds (issue 54)
+        # replace what the folder holds
         raise ConfigError(f"'{run_dir}' holds a config.yaml but nothing shows that a fedskew run wrote this folder "
                           f"(no run.json and no checkpoint of that config), so it is not resumed and nothing in it "
                           f"is touched; `fedskew run {run_dir / 'config.yaml'} out_dir=DIR` starts the run elsewhere.")
@@ -74,7 +74,7 @@ def resume(run_dir: str | Path, on_round=None, changes: dict | list[str] | None 
 
 def import_recorded_method(run_dir: Path, data: dict) -> None:
     """A run of the user's method: import its module as run.json records it, when this process has
-    not registered the method (``fedskew resume DIR`` after Ctrl-C, without ``--import``: issue 54).
+    not registered the method (``fedskew resume DIR`` after Ctrl-C, without ``--import``).
     A module that is gone or fails is one sentence naming it."""
     import json
 

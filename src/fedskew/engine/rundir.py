@@ -73,7 +73,7 @@ def environment(device: torch.device) -> dict:
     if device.type == "cuda":
         env["device_name"] = torch.cuda.get_device_name(device)
     env["cpu"] = cpu_model()
-    # a copy of the checkout without its .git names its commit so (a GPU window, issue 53)
+    # a copy of the checkout without its .git names its commit so (a GPU window)
     commit = os.environ.get("FEDSKEW_GIT_COMMIT") or git_commit()
     if commit:
         env["git_commit"] = commit
@@ -236,9 +236,9 @@ def _save_client(state: dict, path: Path) -> str:
 def _read_clients(ckpt: dict, folder: Path, device) -> None:
     """``ckpt["client_states"]`` with the states of the client files ``ckpt["client_files"]`` names
     (a checkpoint written before client files holds every state inline). Each file's bytes must have
-    the SHA-256 the checkpoint recorded for it (``client_digests``, issue 54): another run's file,
+    the SHA-256 the checkpoint recorded for it (``client_digests``): another run's file,
     another client's, another round's or a damaged one is "cannot be read", so the caller falls
-    back to the checkpoint before. (Checkpoints written before issue 54 record no digests.)"""
+    back to the checkpoint before. (Checkpoints of fedskew before 2026-11-27 record no digests.)"""
     import io
 
     if "client_files" not in ckpt:
@@ -305,7 +305,7 @@ class RunDir:
     def write_identity(self, identity: str, method_source: dict | None = None) -> None:
         """``run.json``: the run's identity (:func:`run_identity`), written when the run starts in
         this folder (or first resumes here), so that ``fedskew resume`` acts only on a folder a run of
-        fedskew wrote; a copied config.yaml alone does not make a folder a run (issue 54). For a
+        fedskew wrote; a copied config.yaml alone does not make a folder a run. For a
         method of the user's, where its module is (``method_source``: module, file), so that a
         resume imports it as the run did (``fedskew resume DIR`` needs no ``--import``)."""
         path = self.path / "run.json"

@@ -172,7 +172,7 @@ class Experiment:
                               f"`fedskew resume {self.run_dir}` or choose another run_name.")
 
     # the resumable settings that change results, recorded in every checkpoint: a resume whose
-    # config.yaml was edited by hand records the edit as a change (issue 54), as `resume DIR key=value` does
+    # config.yaml was edited by hand records the edit as a change, as `resume DIR key=value` does
     RESULT_SETTINGS = ("lr", "lr_decay", "lr_decay_every", "lr_schedule", "lr_min", "grad_clip", "precision",
                        "final_personalization")
 
@@ -339,7 +339,7 @@ class Experiment:
                                          f"(training diverged); {self.files.divergence_advice()}")
             # each tensor in storage of its own (compact: a vectorised client's state is a slice of the
             # stacked one), as a resume reads it back: CPU kernels round by the data's alignment, so a
-            # slice and its copy gave FedAH results 1e-8 apart after a resume (issue 54)
+            # slice and its copy gave FedAH results 1e-8 apart after a resume
             client_states[r.client_id] = compact(to_device(r.client_state, torch.device("cpu")))
         uploads = [r.upload for r in results]
         reports = [r.report for r in results]
@@ -511,7 +511,7 @@ def compile_step(cfg) -> bool:
     """Whether the vectorised step runs through torch.compile: ``compile = on``; ``auto`` is off
     everywhere until a measurement shows that it pays (on this project's CPU a warm compiled lite
     run took 1.16 x the eager one's time, after a compile of about 90 s: docs/benchmarks.md; on
-    CUDA it awaits a GPU window, issue 53)."""
+    CUDA it awaits a GPU window)."""
     return cfg.compile == "on"
 
 

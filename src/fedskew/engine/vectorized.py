@@ -132,7 +132,7 @@ def compiled(losses, device: torch.device):
     """``losses`` (a vmapped loss) through ``torch.compile``: its forward and, by AOTAutograd, its
     backward as compiled graphs (the step's ``torch.autograd.grad`` runs the compiled backward), on
     CUDA replayed as CUDA graphs (``mode="reduce-overhead"``) to cut the host-bound step's kernel
-    launches (issue 53, item 2). The optimiser's update stays eager (``optimizer_step_``).
+    launches. The optimiser's update stays eager (``optimizer_step_``).
 
     Every step shape compiles once: vmap reads its number of lanes in Python, so the lanes a step
     takes (clients run out of batches at different steps) and a padded batch's rows specialise the

@@ -29,6 +29,7 @@ import itertools
 import json
 import math
 import random
+import re
 import statistics
 from collections import Counter
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from fedskew.experiments.published import Entry, load
 from fedskew.experiments.report import BOLD_RULE, SIGNIFICANCE, bold_labels, chance_of, paired_test
 from fedskew.experiments.selection import PERSONAL_VALIDATION
 
-SCALES = {"smoke": "smoke", "lite": "small", "paper": "paper"}  # bench scale -> preset scale
+SCALES = {"smoke": "smoke", "lite": "lite", "paper": "paper"}  # bench scale -> preset scale
 # the registry files of each part of a suite, and the data set whose published numbers a scale is
 # placed beside
 PAPERS = {
@@ -145,7 +146,7 @@ def suite_method(method: str, budget: int, base: dict) -> dict:
 LABEL_SKEW_LR = {"smoke": 0.05, "lite": 0.01, "paper": 0.01}  # the suite's base local lr
 
 
-UNSEEN = "Dir0.5-U20"  # the setting with clients never trained on (issue 48)
+UNSEEN = "Dir0.5-U20"  # the setting with clients never trained on
 
 
 def label_skew_partitions(num_clients: int, samples_per_class: int) -> dict[str, dict]:
@@ -310,6 +311,13 @@ def restrict(parts: dict[str, dict], name: str, keep: list[str] | None = None, s
                 spec["selection"] = {**spec["selection"], "tune_seeds": [x for x in tune if x in wanted] or None}
         out[paper] = spec
     return out
+
+
+def part_folder(paper: str, scale: str) -> str:
+    """The folder of a suite's part inside the suite folder: the part's name, except at smoke scale,
+    where a part named by its data set (``label-skew-fmnist``, ``niid-fmnist``) trains on the bundled
+    digits and its folder says so (``label-skew-digits``)."""
+    return paper.removesuffix("-fmnist") + "-digits" if scale == "smoke" and paper.endswith("-fmnist") else paper
 
 
 def suite_dir(name: str, scale: str, out: str | Path | None = None) -> Path:
@@ -505,7 +513,7 @@ def leaderboard(name: str, scale: str, out: str | Path | None = None) -> list[Ce
     folder = suite_dir(name, scale, out)
     cells = []
     for paper in sweeps(name, scale, "DATA"):
-        sweep_dir = folder / paper
+        sweep_dir = folder / part_folder(paper, scale)
         rows = results_table(sweep_dir) if (sweep_dir / "results.sqlite").exists() else []
         dataset = PAPERS[paper]["reference"].get(scale)
         if dataset is None:  # a part no published table is linked to
@@ -623,7 +631,7 @@ def boards(name: str, scale: str, out: str | Path | None = None, methods: list[s
     out_boards = []
     suite = sweeps(name, scale, "DATA", methods)
     for paper in suite:
-        folder = suite_dir(name, scale, out) / paper
+        folder = suite_dir(name, scale, out) / part_folder(paper, scale)
         if not (folder / "results.sqlite").is_file():
             continue
         spec = yaml.safe_load((folder / "sweep.yaml").read_text()) if (folder / "sweep.yaml").is_file() else {}
@@ -647,8 +655,7 @@ def boards(name: str, scale: str, out: str | Path | None = None, methods: list[s
         base = (spec.get("base") or {}).get("dataset")
         dataset = base.get("name") if isinstance(base, dict) else base
         wall = sum((d.get("time/round_s_mean") or 0.0) * (d.get("rounds") or 0) for d in done)
-        # a label-skew part is titled by the data it ran on (at smoke scale its folder
-        # label-skew-fmnist holds runs on the bundled digits: issue 54)
+        # a label-skew part is titled by the data it ran on
         title = f"label-skew on {dataset}" if paper.startswith("label-skew-") and dataset else paper
         for metric in BOARD_METRICS:
             values = {k: {r.seed: float(r.summary[metric]) for r in runs if _number(r.summary.get(metric))}
@@ -743,7 +750,7 @@ def board_summary(board: Board, baseline: str | None, record: dict[str, list[int
     if board.runs:
         took = f"{board.wall_s / 3600:.1f} h" if board.wall_s >= 3600 else f"{board.wall_s / 60:.1f} min"
         # on a line of its own, marked: the one line of a board that differs between an interrupted
-        # and resumed bench and an uninterrupted one (issue 54), so a comparison can skip it
+        # and resumed bench and an uninterrupted one, so a comparison can skip it
         text += f"\n\n{TIME_LINE} {board.runs:,} finished runs trained for {took} in all."
     return text
 
@@ -827,10 +834,17 @@ def done_rows(name: str, folder: Path, methods: list[str] | None = None):
     """The suite's finished runs in ``folder`` (of ``methods`` only, when given), as results rows."""
     from fedskew.experiments.selection import results_table
 
+    for _, part in part_dirs(name, folder):
+        yield from (r for r in results_table(part)
+                    if r.get("status") == "done" and (not methods or r.get("method") in methods))
+
+
+def part_dirs(name: str, folder: Path):
+    """(part, its folder) of each part of suite ``name`` that has a results database in ``folder``."""
     for paper in SUITES[name]["papers"]:
-        if (folder / paper / "results.sqlite").is_file():
-            yield from (r for r in results_table(folder / paper)
-                        if r.get("status") == "done" and (not methods or r.get("method") in methods))
+        for sub in dict.fromkeys((paper, part_folder(paper, "smoke"))):
+            if (folder / sub / "results.sqlite").is_file():
+                yield paper, folder / sub
 
 
 def code_of_runs(name: str, folder: Path, methods: list[str] | None = None) -> Counter:
@@ -844,7 +858,7 @@ def code_of_runs(name: str, folder: Path, methods: list[str] | None = None) -> C
 def inert_options(name: str, folder: Path, methods: list[str] | None = None) -> dict[str, str]:
     """Method label -> what its options switch off (``Method.inert``) in every finished run of the
     suite in ``folder``, for the labels where each run says so (CFL's ``start_round`` at lite scale:
-    its every run is FedAvg's); a board says it beside the cells (issue 55)."""
+    its every run is FedAvg's); a board says it beside the cells."""
     import sqlite3
     import warnings
 
@@ -852,10 +866,8 @@ def inert_options(name: str, folder: Path, methods: list[str] | None = None) -> 
     from fedskew.config import InertOptionWarning, MethodConfig
 
     said: dict[str, set] = {}
-    for paper in SUITES[name]["papers"]:
-        if not (folder / paper / "results.sqlite").is_file():
-            continue
-        db = sqlite3.connect(folder / paper / "results.sqlite")
+    for _, part in part_dirs(name, folder):
+        db = sqlite3.connect(part / "results.sqlite")
         try:
             rows = db.execute("SELECT label, method, config FROM runs WHERE status='done'").fetchall()
         finally:
@@ -877,7 +889,7 @@ def inert_options(name: str, folder: Path, methods: list[str] | None = None) -> 
 
 
 def mixed_code(code: Counter) -> str | None:
-    """One sentence when the runs do not come from one clean commit (issue 55), else None."""
+    """One sentence when the runs do not come from one clean commit, else None."""
     dirty = sum(n for c, n in code.items() if c.endswith("+dirty"))
     if len(code) <= 1 and not dirty:
         return None
@@ -886,14 +898,89 @@ def mixed_code(code: Counter) -> str | None:
             + (f", {dirty:,} of them from a working tree with uncommitted changes" if dirty else ""))
 
 
+def board_tables(text: str) -> dict[str, tuple[list[str], list[list[str]]]]:
+    """The ranked tables of a written board (``leaderboard.md``): section title -> (header, rows)."""
+    out = {}
+    for section in re.split(r"\n(?=## )", text):
+        title = section.splitlines()[0].removeprefix("## ").strip()
+        lines = [ln for ln in section.splitlines() if ln.startswith("| ")]
+        if len(lines) < 3:
+            continue
+        cells = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines if not ln.startswith("|---")]
+        if "avg rank" in cells[0]:
+            out[title] = (cells[0], cells[1:])
+    return out
+
+
+def _cell_mean(cell: str) -> float | None:
+    m = re.match(r"\**(-?\d+\.\d+)", cell)
+    return float(m.group(1)) if m else None
+
+
+def beside(sections: list, board_text: str, where: str) -> list[str]:
+    """Put the rows of a committed board (``board_text``, a ``leaderboard.md``) beside a board's own
+    rows: in each ranked table whose title the committed board shares, its methods that this board
+    did not run join as ``NAME (board)`` rows with their cells in the settings this board shows, and
+    every row is ranked again by mean (the average rank over those settings). Bold and the paired
+    tests stay this board's own runs': the committed rows come without them. Returns one sentence a
+    table: whether this board's baseline equals the committed board's in every shared cell."""
+    committed = board_tables(board_text)
+    said = []
+    for sec in sections:
+        if not sec.header or "avg rank" not in sec.header or sec.title not in committed:
+            continue
+        theirs_header, theirs = committed[sec.title]
+        settings = sec.header[1:sec.header.index("avg rank")]
+        col = {s: theirs_header.index(s) for s in settings if s in theirs_header}
+        if not col:
+            continue
+        ours = {row[0]: row for row in sec.rows}
+        baseline = sec.header[-1].removeprefix("W/T/L vs ").strip()
+        for row in theirs:
+            if row[0] in ours:
+                continue
+            sec.rows.append([f"{row[0]} (board)", *(re.sub(r"\*\*", "", row[col[s]]) if s in col else "not run"
+                                                    for s in settings), "-", "-"])
+        for j in range(1, len(settings) + 1):  # ranks again, over every row
+            means = {i: _cell_mean(r[j]) for i, r in enumerate(sec.rows) if not r[j].startswith("none")}
+            ranks = average_ranks({i: (-math.inf if v is None else v) for i, v in means.items()})
+            for i, r in enumerate(sec.rows):
+                bare = re.sub(r" \(#[\d.]+\)", "", r[j])
+                if i in ranks:
+                    bare = bare[:-2] + f" (#{ranks[i]:g})**" if bare.endswith("**") else bare + f" (#{ranks[i]:g})"
+                r[j] = bare
+        for r in sec.rows:
+            got = [float(m.group(1)) for c in r[1:1 + len(settings)] if (m := re.search(r"\(#([\d.]+)\)", c))]
+            r[len(settings) + 1] = f"{statistics.fmean(got):.2f}" if got else "-"
+        sec.rows.sort(key=lambda r: (r[len(settings) + 1] == "-", float(r[len(settings) + 1])
+                                     if r[len(settings) + 1] != "-" else 0.0, r[0]))
+        mine = ours.get(baseline)
+        theirs_base = next((row for row in theirs if row[0] == baseline), None)
+        if mine and theirs_base:
+            pairs = [(_cell_mean(mine[1 + settings.index(s)]), _cell_mean(theirs_base[c])) for s, c in col.items()]
+            diffs = [abs(a - b) for a, b in pairs if a is not None and b is not None]
+            text = (f"{baseline} equals {where}'s to the last digit in all {len(diffs)} shared cells" if diffs and
+                    max(diffs) == 0 else f"{baseline} differs from {where}'s by up to {max(diffs):.2f} points in "
+                                          f"{len(diffs)} shared cells (another torch, CPU or thread count moves the "
+                                          f"last digits)" if diffs else f"{baseline} shares no cell with {where}")
+            said.append(f"{sec.title}: {text}.")
+        sec.text += (f"\n\nBeside it: the rows marked (board) are {where}'s, in the settings this board ran, "
+                     f"ranked again with this board's rows by mean; their cells are not bold and their paired "
+                     f"tests are not shown (the committed board keeps no seeds' values).")
+    return said
+
+
 def write_leaderboard(name: str, scale: str, command: str, out: str | Path | None = None,
                       methods: list[str] | None = None, title: str | None = None,
-                      strict: bool = False) -> tuple[Path, Path, list[Cell]]:
+                      strict: bool = False, beside_board: Path | None = None
+                      ) -> tuple[Path, Path, list[Cell], list[str]]:
     """``leaderboard.md`` and ``leaderboard.html`` in the suite folder from the runs it has (of
     ``methods`` only, when given; ``title`` for a study in the suite's setting that is not the suite,
     benchmarks/momentum_control.py); returns both paths and the published cells (for the console).
     A board whose runs come from more than one commit, or from a tree with uncommitted changes,
-    says so first; ``strict`` refuses to write it (one sentence)."""
+    says so first; ``strict`` refuses to write it (one sentence). ``beside_board``: a committed
+    board's ``leaderboard.md`` whose rows join this board's (:func:`beside`); the last value returned
+    says whether the baseline reproduces that board's."""
     from fedskew.experiments.report import Section, to_html, to_markdown
 
     folder = suite_dir(name, scale, out)
@@ -925,6 +1012,18 @@ def write_leaderboard(name: str, scale: str, command: str, out: str | Path | Non
                 if mixed else []) + [intro]
     for board in boards(name, scale, folder, methods):
         sections += board_sections(board)
+    said = []
+    if beside_board is not None:
+        try:
+            board_text = Path(beside_board).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = getattr(exc, "strerror", None) or exc
+            raise ConfigError(f"bench --beside '{beside_board}' cannot be read ({why}); give a board's leaderboard.md, "
+                              f"such as docs/leaderboards/label-skew-lite.md.") from None
+        if not board_tables(board_text):
+            raise ConfigError(f"bench --beside '{beside_board}' holds no ranked table of a board; give a board's "
+                              f"leaderboard.md, such as docs/leaderboards/label-skew-lite.md.")
+        said = beside(sections, board_text, str(beside_board))
     sections += published_sections(cells)
     title = title or f"fedskew bench {name} ({scale})"
     md, page = folder / "leaderboard.md", folder / "leaderboard.html"
@@ -939,7 +1038,7 @@ def write_leaderboard(name: str, scale: str, command: str, out: str | Path | Non
             raise
         raise StorageError(f"the leaderboard cannot be written in '{folder}' ({exc.strerror or exc}); free space or "
                            f"give a writable --out, then `--report` rebuilds it from the runs.") from None
-    return md, page, cells
+    return md, page, cells, said
 
 
 __all__ = [

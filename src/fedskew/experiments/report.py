@@ -69,7 +69,7 @@ def paired_test(ours: dict[int, float], base: dict[int, float], level: float = S
 def bold_labels(values: dict[str, dict[int, float]], chance: float | None = None, scale: float = 1.0) -> set[str]:
     """The one bold rule of every table fedskew prints (:data:`BOLD_RULE`): among the entries with
     :data:`MIN_BOLD_SEEDS` or more seeds (``values``: entry -> {seed: value}), the best mean, then
-    each next lower mean until the first that the paired test finds worse than the best (issue 55:
+    each next lower mean until the first that the paired test finds worse than the best (
     bolding every entry the test does not separate from the best left a higher, low-variance mean
     unbolded above a lower, high-variance bold one in 12 of 35 columns); none when the best is within
     :data:`CHANCE_MARGIN` (times ``scale``: 100 for percent) of ``chance``, and no entry that is."""

@@ -216,7 +216,7 @@ def plan(spec: SweepSpec, chosen: dict[tuple[str, str], dict] | None = None) -> 
                     seeds += [s for s in spec.seeds if s not in seeds]
                 for seed in seeds:
                     cfg = run_config(spec, method, params, partition, seed)
-                    code = method_code(method.name)  # a user's method: its module's source (issue 54)
+                    code = method_code(method.name)  # a user's method: its module's source
                     key = json.dumps([method.column, params, partition, seed, run_identity(cfg)] +
                                      ([code] if code else []), sort_keys=True)
                     runs.append({"run_id": hashlib.sha1(key.encode()).hexdigest()[:12], "label": method.column,
@@ -235,7 +235,10 @@ def planned_count(spec: SweepSpec) -> int:
     """How many runs the sweep makes: :func:`plan`'s, plus (with ``selection.tune_seeds``) the
     selected point of every group on the other seeds."""
     extra = len([s for s in spec.seeds if s not in tune_seeds(spec)]) * len(spec.methods) * len(spec.partitions)
-    return len(plan(spec)) + (extra if spec.selection.tune_seeds is not None else 0)
+    # the length of plan(spec), counted without building and validating each run's config
+    points = sum(len(grid_points(m.options, m.trials)) for m in spec.methods)
+    return points * len(spec.partitions) * len(tune_seeds(spec)) + (extra if spec.selection.tune_seeds is not None
+                                                                     else 0)
 
 
 def rounds_per_run(spec: SweepSpec) -> float:

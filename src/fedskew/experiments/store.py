@@ -94,7 +94,7 @@ def open_sweep(sweep_dir: str | Path) -> sqlite3.Connection:
         parts = (
             sorted(q.parent.name for q in Path(sweep_dir).glob("*/results.sqlite")) if Path(sweep_dir).is_dir() else []
         )
-        if parts:  # a bench folder: its parts are the sweeps (issue 54)
+        if parts:  # a bench folder: its parts are the sweeps
             raise ConfigError(f"'{sweep_dir}' is a bench folder, whose parts are sweeps: report one of them "
                               f"({', '.join(str(Path(sweep_dir) / q) for q in parts)}), or rebuild its leaderboard "
                               f"with `fedskew bench SUITE --scale SCALE --out {sweep_dir} --report`.")
@@ -128,7 +128,7 @@ def add_planned(db: sqlite3.Connection, runs: list[dict], sweep_dir: Path) -> di
     """Insert the planned runs not yet in the database as ``pending``; every run's status. A row
     of the same method label, grid point, partition and seed under another run id (its config or,
     for a method of the user's, its module's source changed since: ``spec.plan``) becomes
-    ``superseded``: kept, never selected or reported (before issue 54 both were averaged)."""
+    ``superseded``: kept, never selected or reported (fedskew before 2026-11-27 averaged both)."""
     with writing(db):
         for r in runs:
             params = json.dumps(r["params"], sort_keys=True)

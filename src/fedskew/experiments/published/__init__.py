@@ -107,9 +107,9 @@ class Entry:
         return {**data, "method": {"name": self.method, **self.options}}
 
 
-class _UniqueKeys(yaml.SafeLoader):
+class _UniqueKeys(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # (libyaml's parser where installed)
     """YAML's safe loader that refuses a key given twice in one mapping (plain YAML keeps the last
-    and drops the first without a word: issue 54 found a registry note lost that way)."""
+    and drops the first without a word: a registry note was once lost that way)."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}

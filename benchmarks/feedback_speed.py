@@ -1,0 +1,44 @@
+"""How fast the command line answers a newcomer, against importing torch alone.
+
+A misspelt method and ``fedskew bench --list`` should answer within 1.2 x the time of
+``python -c "import torch"`` on the same machine: fedskew's own work beyond importing torch is what
+this measures. The commands run interleaved, ``--repeats`` times each, and the medians are compared,
+so a noisy machine moves all three alike.
+
+    python benchmarks/feedback_speed.py --repeats 7
+"""
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+COMMANDS = {
+    "import torch": [sys.executable, "-c", "import torch"],
+    "fedskew run method=fedmrr (a typo)": [sys.executable, "-m", "fedskew.cli", "run", "method=fedmrr"],
+    "fedskew bench --list": [sys.executable, "-m", "fedskew.cli", "bench", "--list"],
+    "fedskew methods": [sys.executable, "-m", "fedskew.cli", "methods"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    times = {name: [] for name in COMMANDS}
+    with tempfile.TemporaryDirectory() as cwd:
+        for _ in range(args.repeats):
+            for name, cmd in COMMANDS.items():
+                t0 = time.perf_counter()
+                subprocess.run(cmd, cwd=cwd, capture_output=True, check=False)
+                times[name].append(time.perf_counter() - t0)
+    base = statistics.median(times["import torch"])
+    print("| command | median (s) | / import torch |\n|---|---|---|")
+    for name, ts in times.items():
+        print(f"| `{name}` | {statistics.median(ts):.2f} | {statistics.median(ts) / base:.2f} x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""The documentation site: it builds with warnings as errors, every internal link and anchor of the
+built pages resolves, and in headless Chromium every page loads with no console error and no missing
+image, the search finds a method's page, a leaderboard column sorts, the navigation reaches every
+page; screenshots of the home page and a leaderboard at desktop and phone widths are saved."""
+
+import functools
+import http.server
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site built from docs/ with ``-W --keep-going`` (a warning fails the build)."""
+    out = tmp_path_factory.mktemp("site")
+    done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+                           "-d", str(out / ".doctrees"), str(ROOT / "docs"), str(out / "html")],
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
+    return out / "html"
+
+
+class _Links(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.hrefs, self.ids = [], set()
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if a.get("id"):
+            self.ids.add(a["id"])
+        for key in ("href", "src"):
+            if a.get(key) and tag in ("a", "img", "link", "script"):
+                self.hrefs.append(a[key])
+
+
+def _parse(path: Path) -> _Links:
+    p = _Links()
+    p.feed(path.read_text(errors="replace"))
+    return p
+
+
+def pages(site: Path) -> list[Path]:
+    return sorted(p for p in site.rglob("*.html") if not p.relative_to(site).parts[0].startswith("_"))
+
+
+def test_the_site_builds_and_every_internal_link_and_anchor_resolves(site):
+    built = pages(site)
+    assert len(built) > 100 and (site / "generated/methods/fedmr.html").is_file()
+    parsed = {p: _parse(p) for p in built}
+    broken = []
+    for page, links in parsed.items():
+        for href in links.hrefs:
+            url = urlsplit(href)
+            if url.scheme or href.startswith(("//", "mailto:")):
+                continue  # external: never fetched here
+            target = (page.parent / unquote(url.path)).resolve() if url.path else page
+            if target.is_dir():
+                target = target / "index.html"
+            if not target.exists():
+                broken.append(f"{page.relative_to(site)}: {href} (no such file)")
+            elif url.fragment and target.suffix == ".html":
+                ids = parsed[target].ids if target in parsed else _parse(target).ids
+                if unquote(url.fragment) not in ids:
+                    broken.append(f"{page.relative_to(site)}: {href} (no anchor '{url.fragment}')")
+    assert not broken, "\n".join(broken[:50])
+
+
+def test_the_link_check_catches_a_broken_anchor(tmp_path):
+    """The check above can fail: a page whose link names an anchor the target lacks."""
+    (tmp_path / "a.html").write_text('<a href="b.html#there">x</a><a href="b.html#here">y</a>')
+    (tmp_path / "b.html").write_text('<h1 id="here">b</h1>')
+    assert "there" not in _parse(tmp_path / "b.html").ids and "here" in _parse(tmp_path / "b.html").ids
+
+
+def _chromium():
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.fixture(scope="module")
+def browser(site):
+    if _chromium() is None:
+        pytest.skip("headless Chromium is not installed (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(site)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=_chromium(), args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        try:
+            yield chromium, f"http://127.0.0.1:{server.server_port}/"
+        finally:
+            chromium.close()
+            server.shutdown()
+            server.server_close()
+
+
+def _open(chromium, url: str, width: int = 1280, height: int = 900):
+    page = chromium.new_page(viewport={"width": width, "height": height})
+    errors, missing = [], []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("response", lambda r: missing.append(r.url) if r.status >= 400 else None)
+    page.goto(url)
+    page.wait_for_load_state("networkidle")
+    return page, errors, missing
+
+
+def test_every_page_loads_with_no_console_error_and_no_missing_image(browser, site):
+    chromium, base = browser
+    problems = []
+    for path in pages(site):
+        rel = path.relative_to(site).as_posix()
+        page, errors, missing = _open(chromium, base + rel)
+        broken = page.evaluate("Array.from(document.images).filter(i => !(i.complete && i.naturalWidth > 0))"
+                               ".map(i => i.src)")
+        problems += [f"{rel}: console: {e}" for e in errors] + [f"{rel}: {u} not found" for u in missing] + \
+            [f"{rel}: image {u} did not load" for u in broken]
+        page.close()
+    assert not problems, "\n".join(problems[:40])
+
+
+def test_the_navigation_reaches_every_page(browser, site):
+    """Every page is one click from the home page's navigation (Furo's sidebar holds the whole tree)."""
+    chromium, base = browser
+    page, _, _ = _open(chromium, base + "index.html")
+    hrefs = page.evaluate("Array.from(document.querySelectorAll('.sidebar-tree a')).map(a => a.href)")
+    page.close()
+    reached = {urlsplit(h).path.lstrip("/") for h in hrefs} | {"index.html"}
+    generated_index = {"genindex.html", "search.html", "py-modindex.html"}
+    every = {p.relative_to(site).as_posix() for p in pages(site)} - generated_index
+    assert every <= reached, sorted(every - reached)
+
+
+def test_the_search_finds_a_method_s_page_by_its_name(browser):
+    chromium, base = browser
+    page, errors, _ = _open(chromium, base + "search.html?q=fedmr")
+    page.wait_for_selector("#search-results li a", timeout=60_000)
+    found = page.evaluate("Array.from(document.querySelectorAll('#search-results li a')).map(a => a.href)")
+    page.close()
+    assert any(h.split("?")[0].endswith("generated/methods/fedmr.html") for h in found), found
+    assert not errors
+
+
+def _column(page, grid: int, col: int) -> list[float]:
+    cells = page.evaluate(f"Array.from(document.querySelectorAll('.fedskew-grid')[{grid}]"
+                          f".querySelectorAll('tbody tr')).map(tr => tr.children[{col}].innerText)")
+    return [float(m.group(0)) for c in cells if (m := re.match(r"-?\d+(\.\d+)?", c.strip()))]
+
+
+def test_a_leaderboard_column_sorts_and_the_filter_keeps_one_method(browser):
+    chromium, base = browser
+    page, errors, _ = _open(chromium, base + "leaderboards/label-skew-lite.html")
+    page.wait_for_selector(".fedskew-grid tbody tr")
+    before = _column(page, 0, 1)
+    assert before != sorted(before)  # (the board's order is by average rank, not by #C=1)
+    header = page.locator(".fedskew-grid").first.locator("th").nth(1)
+    header.click()
+    page.wait_for_function("document.querySelector('.fedskew-grid th[aria-sort]') !== null")
+    once = _column(page, 0, 1)
+    header.click()
+    page.wait_for_timeout(300)
+    twice = _column(page, 0, 1)
+    assert sorted(before) in (once, twice) and sorted(before, reverse=True) in (once, twice)
+    page.locator(".fedskew-grid").first.locator("input").fill("localghbm")
+    page.wait_for_function("document.querySelectorAll('.fedskew-grid')[0].querySelectorAll('tbody tr').length === 1",
+                           timeout=10_000)
+    page.close()
+    assert not errors
+
+
+def test_screenshots_of_the_home_page_and_a_leaderboard_at_desktop_and_phone_widths(browser, site):
+    chromium, base = browser
+    shots = ROOT / "docs" / "_build" / "screenshots"  # (ignored by git; kept after the test for a person to look at)
+    shots.mkdir(parents=True, exist_ok=True)
+    for name, path in (("home", "index.html"), ("leaderboard", "leaderboards/label-skew-lite.html")):
+        for width, height, kind in ((1280, 900, "desktop"), (390, 844, "phone")):
+            page, errors, _ = _open(chromium, base + path, width, height)
+            out = shots / f"{name}-{kind}.png"
+            page.screenshot(path=str(out))
+            page.close()
+            assert out.stat().st_size > 10_000 and not errors
+    print(f"screenshots: {shots}")
