@@ -1,5 +1,4 @@
-"""Merge what a GPU window brought back into the repository (issue 53; the window:
-benchmarks/gpu_window.py).
+"""Merge what a GPU window brought back into the repository (the window: benchmarks/gpu_window.py).
 
     python benchmarks/gpu_merge.py FILES_AT [--campaign-root docs/gpu-campaign]
 
@@ -8,30 +7,66 @@ FILES_AT holds ``window.json`` and, when the window reached its campaign step, `
 window's date, minute and card.
 The campaign step's bench folder (results database, each run's config, summary, metrics and
 identity; no data or weights) replaces ``CAMPAIGN_ROOT/<step>/`` when it holds every finished run
-that folder held, ``campaign.json`` records the step (complete or partial) and the window, and the
-step's leaderboard is rebuilt from the merged runs. Refused in one sentence, nothing written: files
-of a window run at another commit than this checkout's (its runs are not this code's), a campaign
-step that is not in the plan, a bench folder of another suite than the step's, or one that lacks
-finished runs the campaign folder holds.
+that folder held, ``campaign.json`` records the step (complete only with its runs there, else
+partial) and the window, and the step's leaderboard is rebuilt from the merged runs.
+
+What came back is untrusted input: ``window.json`` is parsed into a schema; the archive is
+extracted with the standard library's ``data`` filter, regular files only, under a size budget per
+member and in total, modes 0644; the copied logs must be regular files (not links) within the same
+budget; every check runs before anything is written, and ``campaign.json`` is written once,
+atomically. Refused in one sentence, nothing written: files of a window run at another commit than
+this checkout's, a campaign step that is not in the plan, a bench folder of another suite than the
+step's, one that lacks finished runs the campaign folder holds, and anything malformed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import zlib
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_window import CAMPAIGN, CAMPAIGN_ROOT, KEEP, ROOT, SPEED, TEST_PLAN, campaign_state, done_runs, finished  # noqa: E402
 
+MEMBER_BYTES = 256 * 2**20  # a results database of a paper-scale step is a few MiB; a log, less
+TOTAL_BYTES = 1024 * 2**20
+LOGS = ("gpu-tests.txt", "speed.txt", "campaign.txt")
+
 
 class Refused(Exception):
     """One sentence: why nothing was merged."""
+
+
+class Step(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    rc: int | None = None
+    cut: bool = False
+
+
+class Window(BaseModel):
+    """window.json as benchmarks/gpu_window.py writes it (extra keys are kept, not trusted)."""
+
+    model_config = ConfigDict(extra="allow")
+    commit: str = Field(min_length=7, max_length=64, pattern=r"^[0-9a-f]+(\+dirty)?$")
+    card: str = Field("unknown card", max_length=200)
+    seconds: float | None = None
+    # the date and minute name the copied logs: a date and a time, nothing a path could be made of
+    started: str = Field("", pattern=r"^(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} UTC)?$")
+    campaign_step: str | None = Field(None, max_length=100)
+    campaign_complete: bool = False
+    steps: list[Step] = Field(default_factory=list)
 
 
 def head_commit() -> str:
@@ -40,48 +75,120 @@ def head_commit() -> str:
     return git_commit() or "no git commit"
 
 
-def merge(files_at: Path, root: Path, commit: str | None = None) -> str:
-    record_path = files_at / "window.json"
-    if not record_path.is_file():
+def _regular(path: Path, what: str) -> bool:
+    """Whether ``path`` is a regular file within the budget (absent: False); a link or anything else
+    is refused."""
+    if not os.path.lexists(path):
+        return False
+    if path.is_symlink() or not path.is_file():
+        raise Refused(f"{what} '{path.name}' is not a regular file (a link or a folder); nothing is merged.")
+    if path.stat().st_size > MEMBER_BYTES:
+        raise Refused(f"{what} '{path.name}' is {path.stat().st_size:,} bytes, over the {MEMBER_BYTES:,} a file may "
+                      f"be; nothing is merged.")
+    return True
+
+
+def read_window(files_at: Path) -> Window:
+    path = files_at / "window.json"
+    if not _regular(path, "window.json"):
         raise Refused(f"'{files_at}' holds no window.json: it is not what benchmarks/gpu_window.py writes.")
-    record = json.loads(record_path.read_text())
+    try:
+        data: Any = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise Refused(f"window.json is not valid JSON ({str(exc)[:120]}); nothing is merged.") from None
+    if not isinstance(data, dict):
+        raise Refused(f"window.json holds a {type(data).__name__}, not the window's record (a mapping); nothing is "
+                      f"merged.")
+    try:
+        return Window.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "(the record)"
+        raise Refused(f"window.json's '{where}' = {str(err.get('input'))[:80]!r} is not valid ({err['msg']}); "
+                      f"nothing is merged.") from None
+
+
+def extract(tarball: Path, into: Path) -> None:
+    """The archive's kept files (``KEEP``: text and SQLite), regular files only, through the ``data``
+    filter (no absolute paths, no ``..``, no links out, no special files or set-uid bits), within the
+    size budget, written 0644."""
+    try:
+        with tarfile.open(tarball, "r:gz") as tar:
+            members = tar.getmembers()
+            total = 0
+            keep = []
+            for m in members:
+                if not m.isreg():
+                    continue  # folders are made as needed; links and devices never
+                if Path(m.name).suffix not in KEEP:
+                    continue
+                if m.size > MEMBER_BYTES:
+                    raise Refused(f"campaign.tar.gz's member '{m.name[:80]}' is {m.size:,} bytes, over the "
+                                  f"{MEMBER_BYTES:,} a file may be; nothing is merged.")
+                total += m.size
+                if total > TOTAL_BYTES:
+                    raise Refused(f"campaign.tar.gz holds over {TOTAL_BYTES:,} bytes of files; nothing is merged.")
+                keep.append(m)
+            try:
+                tar.extractall(into, members=keep, filter="data")
+            except tarfile.FilterError as exc:
+                why = " ".join(str(exc).split())[:120]
+                raise Refused(f"campaign.tar.gz's member '{str(exc.tarinfo.name)[:80]}' is refused ({why}); "
+                              f"nothing is merged.") from None
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
+        why = " ".join(str(exc).split())[:120] or "truncated"
+        raise Refused(f"campaign.tar.gz cannot be read ({type(exc).__name__}: {why}); nothing is merged.") from None
+    for path in into.rglob("*"):
+        if path.is_file():
+            if path.stat().st_size > MEMBER_BYTES:  # (a member whose header understated its size)
+                raise Refused(f"campaign.tar.gz's member '{path.relative_to(into)}' outgrew its size; nothing is "
+                              f"merged.")
+            path.chmod(0o644)
+
+
+def merge(files_at: Path, root: Path, commit: str | None = None) -> str:
+    record = read_window(files_at)
     commit = commit or head_commit()
-    ran = record.get("commit") or ""
-    if not (len(ran) >= 7 and (ran.startswith(commit) or commit.startswith(ran))):  # (full or short hashes)
-        raise Refused(f"the window ran commit {record.get('commit')!r} and this checkout is {commit!r}: its runs are "
-                      f"not this code's, so nothing is merged (check out that commit, or run a new window).")
+    ran = record.commit
+    if not (ran.startswith(commit) or commit.startswith(ran)):  # (full or short hashes)
+        raise Refused(f"the window ran commit {ran!r} and this checkout is {commit!r}: its runs are not this code's, "
+                      f"so nothing is merged (check out that commit, or run a new window).")
     plan = {s["step"]: s for s in CAMPAIGN + TEST_PLAN}
-    step = record.get("campaign_step")
-    summary = [f"window on {record.get('card')} ({record.get('seconds')} s)"]
-    started = record.get("started", "")  # (two windows of one day and card: the minute tells them apart)
-    card = "".join(c if c.isalnum() else "-" for c in record.get("card", ""))[:40]
-    stamp = f"{started[:10]}-{started[11:16].replace(':', '')}-{card}"
-    tarball = files_at / "campaign.tar.gz"
+    step = record.campaign_step
     if step is not None and step not in plan:
         raise Refused(f"the window ran campaign step {step!r}, which is not in the plan "
                       f"({', '.join(plan)}); nothing is merged.")
+    tarball = files_at / "campaign.tar.gz"
+    has_archive = step is not None and _regular(tarball, "campaign.tar.gz")
+    logs = [name for name in LOGS if _regular(files_at / name, name)]
     state = campaign_state(root)
-    if any(w.get("started") == started and w.get("commit") == record.get("commit") for w in state["windows"]):
-        raise Refused(f"the window of {started} ({record.get('commit')}) is merged already; nothing is merged again.")
-    state["windows"].append({k: record.get(k) for k in ("started", "card", "commit", "seconds", "campaign_step")})
-    for s in record.get("steps", []):  # a speed step brought back whole is left out of later windows
-        if s["name"] in SPEED and s.get("rc") == 0 and not s.get("cut"):
-            state.setdefault("measured", {})[s["name"]] = {k: record.get(k) for k in ("started", "card", "commit")}
-    if step is not None and tarball.is_file():
-        suite = plan[step]["bench"][0]
-        scale = plan[step]["bench"][plan[step]["bench"].index("--scale") + 1]
-        with tempfile.TemporaryDirectory() as tmp:
-            with tarfile.open(tarball) as tar:
-                members = [m for m in tar.getmembers() if m.isfile() and Path(m.name).suffix in KEEP
-                           and not Path(m.name).is_absolute() and ".." not in Path(m.name).parts]
-                tar.extractall(tmp, members=members)
+    earlier = [w for w in state["windows"] if w.get("started") == record.started and w.get("commit") == ran]
+    if earlier and (not has_archive or any(w.get("archive", True) for w in earlier)):
+        raise Refused(f"the window of {record.started} ({ran}) is merged already; nothing is merged again.")
+    state["windows"] = [w for w in state["windows"] if w not in earlier]
+    state["windows"].append({"started": record.started, "card": record.card, "commit": ran,
+                             "seconds": record.seconds, "campaign_step": step, "archive": has_archive})
+    for s in record.steps:  # a speed step brought back whole is left out of later windows
+        if s.name in SPEED and s.rc == 0 and not s.cut:
+            state.setdefault("measured", {})[s.name] = {"started": record.started, "card": record.card, "commit": ran}
+    card = "".join(c if c.isalnum() else "-" for c in record.card)[:40]
+    stamp = f"{record.started[:10]}-{record.started[11:16].replace(':', '')}-{card}".strip("-") or "window"
+    summary = [f"window on {record.card} ({record.seconds} s)"]
+    with tempfile.TemporaryDirectory() as tmp:
+        got = Path(tmp)
+        if has_archive:
+            suite = plan[step]["bench"][0]
+            scale = plan[step]["bench"][plan[step]["bench"].index("--scale") + 1]
+            extract(tarball, got)
             import yaml
 
             from fedskew.experiments.bench import MARKER
 
-            got = Path(tmp)
-            claimed = yaml.safe_load((got / MARKER).read_text()) if (got / MARKER).is_file() else {}
-            if (claimed or {}).get("suite") != suite or (claimed or {}).get("scale") != scale:
+            try:
+                claimed = yaml.safe_load((got / MARKER).read_text()) if (got / MARKER).is_file() else {}
+            except (yaml.YAMLError, UnicodeDecodeError):
+                claimed = {}
+            if not isinstance(claimed, dict) or claimed.get("suite") != suite or claimed.get("scale") != scale:
                 raise Refused(f"campaign.tar.gz holds a bench folder of another suite or scale than step {step!r} "
                               f"({suite}, {scale}); nothing is merged.")
             target = root / step
@@ -90,25 +197,34 @@ def merge(files_at: Path, root: Path, commit: str | None = None) -> str:
                 if lost:
                     raise Refused(f"campaign.tar.gz lacks {len(lost)} finished runs that {db} holds; nothing is "
                                   f"merged (was the window seeded from another campaign folder?).")
+            runs = finished(got)
+            # complete: the window says so and the runs are there; anything less is partial
+            status = "complete" if record.campaign_complete and runs > 0 else "partial"
             if target.exists():
                 shutil.rmtree(target)
             shutil.copytree(got, target)
-        status = "complete" if record.get("campaign_complete") else "partial"
-        state["steps"][step] = {"status": status, "about": plan[step]["about"]}
-        done = finished(target)
-        summary.append(f"campaign step {step}: {status}, {done} finished runs in {target}")
-        rebuilt = subprocess.run([sys.executable, "-m", "fedskew.cli", "bench", suite, "--scale", scale, "--out",
-                                  str(target), "--report"], capture_output=True, text=True, cwd=ROOT)
-        summary.append(f"leaderboard: {target / 'leaderboard.md'}" if rebuilt.returncode == 0 else
-                       f"leaderboard not rebuilt: {rebuilt.stderr.strip()[-300:]}")
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "campaign.json").write_text(json.dumps(state, indent=2) + "\n")
-    runs_dir = root.parent / "gpu-runs"
-    for name in ("gpu-tests.txt", "speed.txt", "campaign.txt"):
-        if (files_at / name).is_file():
+            state["steps"][step] = {"status": status, "about": plan[step]["about"]}
+            summary.append(f"campaign step {step}: {status}, {runs} finished runs in {target}")
+        elif step is not None:
+            summary.append(f"campaign step {step}: no campaign.tar.gz came back, so the step is not recorded (its "
+                           f"archive can be merged when it arrives)")
+        root.mkdir(parents=True, exist_ok=True)
+        from fedskew.engine.durable import atomic_write_text
+
+        atomic_write_text(json.dumps(state, indent=2) + "\n", root / "campaign.json")
+        runs_dir = root.parent / "gpu-runs"
+        for name in logs:
             runs_dir.mkdir(parents=True, exist_ok=True)
-            shutil.copy(files_at / name, runs_dir / f"{stamp}-window-{name}")
-            summary.append(f"{name} -> {runs_dir / f'{stamp}-window-{name}'}")
+            target_log = runs_dir / f"{stamp}-window-{name}"
+            shutil.copyfile(files_at / name, target_log, follow_symlinks=False)
+            target_log.chmod(0o644)
+            summary.append(f"{name} -> {target_log}")
+    if has_archive:
+        rebuilt = subprocess.run([sys.executable, "-m", "fedskew.cli", "bench", suite, "--scale", scale, "--out",
+                                  str(root / step), "--report"], capture_output=True, text=True, cwd=ROOT)
+        summary.append(f"leaderboard: {root / step / 'leaderboard.md'}" if rebuilt.returncode == 0 else
+                       f"leaderboard not rebuilt: {rebuilt.stderr.strip()[-300:]}")
+    assert re.fullmatch(r"[\w-]+", stamp)  # (the schema allows nothing else into a file name)
     return "; ".join(summary)
 
 

@@ -277,6 +277,14 @@ def prepare() -> int:
         print(f"gpu_window: the checkout is {commit or 'not a git commit'}; commit first, so that the window's runs "
               "are one commit's and its files merge.", file=sys.stderr)
         return 2
+    # the device copy carries untracked files too, so a window could run code no commit holds
+    untracked = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=all"],
+                               capture_output=True, text=True).stdout.splitlines()
+    if untracked:
+        print(f"gpu_window: the checkout holds {len(untracked)} file(s) git does not track and does not ignore "
+              f"(first: {untracked[0][3:]}); the device copy would carry them, so commit, remove or ignore them "
+              f"first.", file=sys.stderr)
+        return 2
     exclude = ROOT / ".git" / "info" / "exclude"
     exclude.parent.mkdir(parents=True, exist_ok=True)
     lines = exclude.read_text().splitlines() if exclude.is_file() else []

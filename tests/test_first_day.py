@@ -3,6 +3,7 @@ Python API, sweeps that never run the caller's script again, and the probes' one
 (resume only what fedskew wrote, checkpoints of another run refused, bounded options, bench flags,
 the published-results registry checked before anything trains)."""
 
+import hashlib
 import json
 import math
 import os
@@ -215,7 +216,9 @@ def test_a_checkpoint_of_another_run_is_never_taken(tmp_path):
     (tmp_path / "fa" / "checkpoint.pt").write_bytes((tmp_path / "sc" / "checkpoint.pt").read_bytes())
     (tmp_path / "fa" / "checkpoint.prev.pt").unlink(missing_ok=True)
     (tmp_path / "fa" / "summary.json").unlink()
+    before = {p.name: p.read_bytes() for p in (tmp_path / "fa").iterdir() if p.is_file()}
     one_sentence(cli("resume", "fa", cwd=tmp_path), "checkpoint.pt: it belongs to another run")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "fa").iterdir() if p.is_file()} == before
 
 
 @pytest.mark.parametrize("args, text", [
@@ -306,14 +309,61 @@ def test_a_run_of_your_own_method_resumes_without_import(tmp_path):
     done = cli("run", "--import", "mine.py", "method=halved", "run_name=h", *tiny, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads((tmp_path / "runs" / "h" / "run.json").read_text())
-    assert record["method_source"] == {"module": "mine", "file": str((tmp_path / "mine.py").resolve())}
+    source = (tmp_path / "mine.py").resolve()
+    assert record["method_source"] == {"module": "mine", "file": str(source),
+                                       "sha256": hashlib.sha256(source.read_bytes()).hexdigest()}
     other = tmp_path / "elsewhere"
     other.mkdir()
     extended = cli("resume", str(tmp_path / "runs" / "h"), "rounds=3", cwd=other)  # no --import, another folder
     assert extended.returncode == 0, extended.stderr[-2000:]
+    assert f"fedskew: imported {source} for method 'halved'" in extended.stderr  # it says which file
     assert json.loads((tmp_path / "runs" / "h" / "summary.json").read_text())["rounds"] == 3
     again = cli("resume", "--import", str(tmp_path / "mine.py"), str(tmp_path / "runs" / "h"), "rounds=4", cwd=other)
     assert again.returncode == 0, again.stderr[-2000:]
+    # the file changed since the run recorded it: not imported (it would run other code than the run's)
     (tmp_path / "mine.py").write_text("raise ImportError('gone')\n")
     one_sentence(cli("resume", str(tmp_path / "runs" / "h"), "rounds=5", cwd=other),
-                 "trains method 'halved' of module")
+                 "trains method 'halved' of " + str(source) + ", but its run.json recorded SHA-256")
+
+
+def test_a_folder_from_elsewhere_runs_no_code_and_nothing_of_the_user_s_is_replaced(tmp_path):
+    """A run folder from a colleague or a download: its run.json names a module that would write a
+    marker; with config.yaml and run.json copied beside the user's own summary.json, metrics.jsonl
+    and notes, `fedskew resume` and `fedskew run --resume` refuse in one sentence before importing
+    anything, and no file changes. A run.json that is a folder is one sentence too."""
+    (tmp_path / "mine.py").write_text(textwrap.dedent(f"""
+        import pathlib
+        pathlib.Path({str(tmp_path / "MARKER")!r}).write_text("ran")
+        import fedskew
+
+        @fedskew.register_method
+        class Halved(fedskew.Method):
+            name = "halved"
+    """))
+    tiny = [f"{k}={json.dumps(v)}" for k, v in TINY.items()]
+    assert cli("run", "--import", "mine.py", "method=halved", "run_name=h", *tiny, cwd=tmp_path).returncode == 0
+    (tmp_path / "MARKER").unlink()
+    user = tmp_path / "mine-notes"
+    user.mkdir()
+    for name in ("config.yaml", "run.json"):
+        shutil.copy(tmp_path / "runs" / "h" / name, user / name)
+    (user / "summary.json").write_text('{"mine": 1}')
+    (user / "metrics.jsonl").write_text('{"round": 0, "mine": true}\n')
+    (user / "notes.txt").write_text("my notes")
+    before = {p.name: p.read_bytes() for p in user.iterdir()}
+    for command in (["resume", str(user)], ["run", "--resume", str(user)]):
+        one_sentence(cli(*command, cwd=tmp_path), "nothing shows that a fedskew run wrote this folder")
+        assert not (tmp_path / "MARKER").exists()  # the recorded module was never imported
+        assert {p.name: p.read_bytes() for p in user.iterdir()} == before
+    (user / "run.json").unlink()
+    (user / "run.json").mkdir()
+    one_sentence(cli("resume", str(user), cwd=tmp_path), "run.json' is not a file")
+    assert not (user / "run.json.tmp").exists() and not (tmp_path / "MARKER").exists()
+    # a source file inside the run folder itself is never imported, even with its digest
+    run = tmp_path / "runs" / "h"
+    shutil.copy(tmp_path / "mine.py", run / "mine.py")
+    record = json.loads((run / "run.json").read_text())
+    record["method_source"]["file"] = str((run / "mine.py").resolve())
+    (run / "run.json").write_text(json.dumps(record))
+    one_sentence(cli("resume", str(run), "rounds=3", cwd=tmp_path), "inside the run folder")
+    assert not (tmp_path / "MARKER").exists()

@@ -237,15 +237,16 @@ def full_config(cfg) -> dict:
 
 
 def cmd_resume(args, console: Console) -> int:
-    from fedskew.config import load_config, read_config_file
-    from fedskew.engine.resume import import_recorded_method, resume
+    from fedskew.config import read_config_file
+    from fedskew.engine.resume import resume
 
     changes = list(getattr(args, "changes", None) or [])
     record = Path(args.run_dir) / "config.yaml"
-    if record.is_file():  # a run of the user's method: its module first, as the run recorded it
-        import_recorded_method(Path(args.run_dir), read_config_file(record))
-    cfg = load_config(record, [c for c in changes if c.startswith("rounds=")]) if record.is_file() else None
-    rounds = cfg.rounds if cfg else 0
+    # the progress bar's length, read without validating the config: nothing the folder names is
+    # imported before resume() has shown the folder to be the run's
+    data = read_config_file(record) if record.is_file() else {}
+    rounds = next((c.split("=", 1)[1] for c in reversed(changes) if c.startswith("rounds=")), data.get("rounds", 0))
+    rounds = int(rounds) if str(rounds).isdigit() else 0
     args.interrupt_hint = f"`fedskew resume {args.run_dir}` continues it again."
     return _execute(lambda on_round: resume(args.run_dir, on_round, changes), rounds, console)
 
@@ -600,6 +601,17 @@ def cmd_bench(args, console: Console) -> int:
     check_folder_name(folder, "bench --out")
     bench.claim_folder(folder, args.suite, args.scale, write=False)  # one suite and scale per folder
     failed = 0
+    if args.strict and not args.report:  # refused before anything trains, not after every run
+
+        from fedskew.engine.rundir import git_commit
+
+        here = git_commit() or os.environ.get("FEDSKEW_GIT_COMMIT") or f"version {__version__}"
+        others = sorted(set(bench.code_of_runs(args.suite, folder, methods)) - {here})
+        why = (f"this checkout has uncommitted changes ({here})" if here.endswith("+dirty") else
+               f"the folder holds runs of {', '.join(others[:3])} and this checkout is {here}" if others else None)
+        if why:
+            raise ConfigError(f"bench --strict: {why}, so the board's runs would not come from one clean commit; "
+                              f"nothing was trained (commit first, or leave --strict out).")
     if not args.report:
         parts = bench.sweeps(args.suite, args.scale, args.data, methods)
         if not parts:

@@ -92,7 +92,11 @@ def method_source(name: str) -> dict | None:
         return None
     if not path or not Path(path).is_file():
         return None
-    return {"module": _where(cls)[0], "file": str(Path(path).resolve())}
+    import hashlib
+
+    # the file's digest: a resume imports the file again only while it is unchanged
+    return {"module": _where(cls)[0], "file": str(Path(path).resolve()),
+            "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
 
 
 def import_module_of(where: str):

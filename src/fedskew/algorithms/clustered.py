@@ -242,8 +242,10 @@ SENT_CFL = "cfl.model."  # the client's cluster model, downloaded for the round
 
 class CFLOptions(StrictOptions):
     search = {"eps_1": [0.2, 0.4], "eps_2": [0.8, 1.6]}  # the bench's search space (fedskew bench)
-    eps_1: float = Field(0.4, gt=0, description="split a cluster when the norm of its members' mean update is below it")
-    eps_2: float = Field(1.6, gt=0, description="... and the largest member update norm is above it")
+    eps_1: float = Field(0.4, gt=0, allow_inf_nan=False,
+                         description="split a cluster when the norm of its members' mean update is below it")
+    eps_2: float = Field(1.6, gt=0, allow_inf_nan=False,
+                         description="... and the largest member update norm is above it")
     min_cluster_size: int = Field(2, ge=1, description="... and it has more members than this")
     start_round: int = Field(20, ge=0, description="... from this round on (counted from 0)")
 
@@ -275,6 +277,9 @@ class CFL(Method):
         if options.start_round >= rounds:
             return (f"start_round = {options.start_round} is not below rounds = {rounds}: no cluster is ever split, "
                     f"so this run is FedAvg")
+        if options.min_cluster_size >= num_clients:
+            return (f"min_cluster_size = {options.min_cluster_size} is not below the {num_clients} clients: a "
+                    f"cluster needs more members than that to split, so none is ever split and this run is FedAvg")
 
     name = "cfl"
     Options = CFLOptions

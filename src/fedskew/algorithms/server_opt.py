@@ -172,6 +172,16 @@ class FedExP(Method):
     name, Options = "fedexp", FedExPOptions
     # the official client: plain SGD (momentum 0), weight decay 1e-4, gradient norm clipped at 10
     run_defaults = {"momentum": 0.0, "weight_decay": 1e-4, "grad_clip": 10.0}
+    INERT_EPSILON = 1e3  # 10^4 times the official code's largest (EMNIST's 0.1)
+
+    @classmethod
+    def inert(cls, options, rounds, num_clients, clients_per_round):
+        if options.epsilon > cls.INERT_EPSILON:
+            scale = clients_per_round if options.epsilon_scale == "clients" else 1
+            return (f"epsilon = {options.epsilon:g}: eta_g = max(1, spread / 2(||Delta||^2 + eps)) exceeds 1 only when "
+                    f"the clients' mean squared update norm is over 2 x {options.epsilon:g} x {scale}, so the "
+                    f"extrapolation stays off and this run is FedAvg in practice (the official code's epsilon is "
+                    f"1e-3 to 0.1)")
 
     def server_init(self, global_state, info):
         return {"eta_g": torch.ones((), dtype=torch.float64), "rounds": torch.zeros((), dtype=torch.long)}

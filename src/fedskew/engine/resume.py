@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -28,13 +30,28 @@ def resume(run_dir: str | Path, on_round=None, changes: dict | list[str] | None 
                           f"out_dir=DIR` starts a run from it elsewhere.")
     from fedskew.engine.rundir import RunDir, run_identity
 
-    import_recorded_method(run_dir, data)
-    if not RunDir(run_dir).proves(run_identity(validate_config(data))):
+    files = RunDir(run_dir)
+    if os.path.lexists(run_dir / "run.json") and not (run_dir / "run.json").is_file():
+        raise ConfigError(f"'{run_dir / 'run.json'}' is not a file (a folder or a link stands where the run's record "
+                          f"goes), so '{run_dir}' is not resumed and nothing in it is touched.")
+    not_a_run = (f"'{run_dir}' holds a config.yaml but nothing shows that a fedskew run wrote this folder (no "
+                 f"checkpoint of that config and its run.json), so it is not resumed and nothing in it is touched; "
+                 f"`fedskew run {run_dir / 'config.yaml'} out_dir=DIR` starts the run elsewhere.")
+    # the folder is proven to be the run's before anything it names is imported: a run of the user's
+    # method is checked with a stand-in for the method (its options as config.yaml records them)
+    with stand_in(data):
+        identity = run_identity(validate_config(data))
+        proven, unreadable = files.proves(identity), files.unreadable(identity)
+    if not proven and unreadable:  # the run's own folder whose checkpoints are damaged: nothing to resume from
+        raise ConfigError(f"no readable checkpoint in '{run_dir}' ({'; '.join(unreadable)}); remove the directory "
+                          f"(or choose another run_name) and start the run again.")
+    if not proven:
         # a config.yaml copied from a real run does not make a folder a run: training here would
         # replace what the folder holds
-        raise ConfigError(f"'{run_dir}' holds a config.yaml but nothing shows that a fedskew run wrote this folder "
-                          f"(no run.json and no checkpoint of that config), so it is not resumed and nothing in it "
-                          f"is touched; `fedskew run {run_dir / 'config.yaml'} out_dir=DIR` starts the run elsewhere.")
+        raise ConfigError(not_a_run)
+    import_recorded_method(run_dir, data)
+    if not files.proves(run_identity(validate_config(data))):
+        raise ConfigError(not_a_run)
     if isinstance(changes, list):
         changes = {".".join(k): v for k, v in map(parse_override, changes)}
     changes = dict(changes or {})
@@ -72,31 +89,80 @@ def resume(run_dir: str | Path, on_round=None, changes: dict | list[str] | None 
     return exp.run(on_round)
 
 
+def _method_name(data: dict) -> str | None:
+    method = data.get("method")
+    name = method.get("name") if isinstance(method, dict) else method
+    return name if isinstance(name, str) else None
+
+
+@contextlib.contextmanager
+def stand_in(data: dict):
+    """While the config's method is not registered: a stand-in under its name that takes the options
+    config.yaml records as they are (a run writes every option resolved), so that the run's identity
+    can be checked before its method's module is imported."""
+    from pydantic import ConfigDict
+
+    from fedskew.algorithms import METHODS, Method
+    from fedskew.algorithms.base import FedAvgOptions
+
+    name = _method_name(data)
+    if name is None or name in METHODS:
+        yield
+        return
+
+    class AnyOptions(FedAvgOptions):
+        model_config = ConfigDict(extra="allow")
+
+    METHODS[name] = type("StandIn", (Method,), {"Options": AnyOptions, "name": name, "source": None})
+    try:
+        yield
+    finally:
+        METHODS.pop(name, None)
+
+
 def import_recorded_method(run_dir: Path, data: dict) -> None:
-    """A run of the user's method: import its module as run.json records it, when this process has
-    not registered the method (``fedskew resume DIR`` after Ctrl-C, without ``--import``).
-    A module that is gone or fails is one sentence naming it."""
+    """A run of the user's method, in a folder proven to be the run's: import its module's file as
+    run.json records it, when this process has not registered the method (``fedskew resume DIR``
+    after Ctrl-C, without ``--import``), only when the file's SHA-256 is the one the run recorded
+    and the file lies outside the run folder; says which file it imported. Anything else is one
+    sentence naming the file and asking for ``--import``."""
+    import hashlib
     import json
 
     from fedskew.algorithms import import_module_of, registered
 
-    method = data.get("method")
-    name = method.get("name") if isinstance(method, dict) else method
-    if not isinstance(name, str) or name in registered():
+    name = _method_name(data)
+    if name is None or name in registered():
         return
     try:
         source = json.loads((run_dir / "run.json").read_text()).get("method_source") or {}
     except (OSError, ValueError, AttributeError):
-        return
-    where = source.get("file") if source.get("file") and Path(source["file"]).is_file() else source.get("module")
-    if not where or where == "__main__":
-        return
+        source = {}
+    file = source.get("file") if isinstance(source, dict) else None
+    ask = f"pass --import MODULE to name the module that defines method '{name}' yourself."
+    if not isinstance(file, str) or not file.endswith(".py"):
+        raise ConfigError(f"run '{run_dir}' trains method '{name}', which is not registered, and its run.json records "
+                          f"no source file of it; {ask}")
+    path = Path(file)
+    if not path.is_file():
+        raise ConfigError(f"run '{run_dir}' trains method '{name}' of {file}, which is not there now; {ask}")
+    if path.resolve().is_relative_to(run_dir.resolve()):
+        raise ConfigError(f"run '{run_dir}' names {file}, inside the run folder, as the source of method '{name}'; "
+                          f"a run never keeps its method there, so it is not imported; {ask}")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if source.get("sha256") != digest:
+        why = ("records no digest of it" if not source.get("sha256") else
+               f"recorded SHA-256 {str(source.get('sha256'))[:12]}..., the file has {digest[:12]}... now")
+        raise ConfigError(f"run '{run_dir}' trains method '{name}' of {file}, but its run.json {why}: the file is "
+                          f"not imported; {ask}")
     try:
-        import_module_of(where)
+        import_module_of(str(path))
     except Exception as exc:  # (the usual unknown-method sentence follows when nothing registered it)
-        raise ConfigError(f"run '{run_dir}' trains method '{name}' of module {where}, whose import failed "
+        raise ConfigError(f"run '{run_dir}' trains method '{name}' of {file}, whose import failed "
                           f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160] or 'no message'}); "
                           f"fix it or pass --import MODULE.") from None
+    print(f"fedskew: imported {path} for method '{name}' (the file run.json records, its SHA-256 unchanged).",
+          file=sys.stderr)
 
 
 def written_by_fedskew(path: Path) -> bool:

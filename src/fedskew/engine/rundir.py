@@ -21,6 +21,7 @@ import errno
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import time
 import zipfile
@@ -73,8 +74,9 @@ def environment(device: torch.device) -> dict:
     if device.type == "cuda":
         env["device_name"] = torch.cuda.get_device_name(device)
     env["cpu"] = cpu_model()
-    # a copy of the checkout without its .git names its commit so (a GPU window)
-    commit = os.environ.get("FEDSKEW_GIT_COMMIT") or git_commit()
+    # a copy of the checkout without its .git names its commit so (a GPU window); where git can
+    # answer, git's answer stands (an edited checkout is +dirty whatever the variable says)
+    commit = git_commit() or os.environ.get("FEDSKEW_GIT_COMMIT")
     if commit:
         env["git_commit"] = commit
     return env
@@ -309,27 +311,65 @@ class RunDir:
         method of the user's, where its module is (``method_source``: module, file), so that a
         resume imports it as the run did (``fedskew resume DIR`` needs no ``--import``)."""
         path = self.path / "run.json"
+        if os.path.lexists(path) and (path.is_symlink() or not path.is_file()):
+            raise ConfigError(f"'{path}' is not a file (a folder or a link stands where the run's record goes); "
+                              f"this folder is not resumed and nothing in it is touched.")
         if not path.is_file():
-            record = {"run": identity, "written_by": "fedskew"}
+            # token: a random name of this run, carried by every checkpoint it writes, so that a run.json
+            # and a config.yaml copied beside other files do not make a folder this run's
+            record = {"run": identity, "written_by": "fedskew", "token": secrets.token_hex(8)}
             if method_source:
                 record["method_source"] = method_source
             atomic_write_text(json.dumps(record), path)
 
-    def proves(self, identity: str) -> bool:
-        """Whether this folder holds a run of ``identity`` that fedskew wrote: its ``run.json`` names
-        it, or (a run from before run.json) a checkpoint that reads back as fedskew's names it."""
+    def record(self) -> dict:
+        """``run.json``'s record ({} when absent or not fedskew's)."""
         try:
-            if json.loads((self.path / "run.json").read_text()).get("run") == identity:
-                return True
-        except (OSError, ValueError, AttributeError):
-            pass
+            record = json.loads((self.path / "run.json").read_text())
+        except (OSError, ValueError, UnicodeDecodeError):
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    def proves(self, identity: str) -> bool:
+        """Whether this folder holds a run of ``identity`` that fedskew wrote: a checkpoint of it that
+        reads back as fedskew's and names ``identity`` and the token of the folder's ``run.json``
+        (a run from before tokens: no token on either side). A ``run.json`` and a ``config.yaml``
+        copied beside other files prove nothing: resuming there would replace those files."""
+        record = self.record()
+        if record and record.get("run") != identity:
+            return False
         for name in ("checkpoint.pt", "checkpoint.prev.pt"):
-            try:
-                if _read_head(self.path / name, "cpu").get("run") == identity:
-                    return True
-            except Exception:  # absent, damaged or not fedskew's: no proof
+            path = self.path / name
+            if path.is_symlink() or not path.is_file():
                 continue
+            try:
+                head = _read_head(path, "cpu")
+            except Exception:  # damaged or not fedskew's: no proof
+                continue
+            if head.get("run") == identity and head.get("token") == record.get("token"):
+                return True
         return False
+
+    def unreadable(self, identity: str) -> list[str]:
+        """Why each checkpoint of a folder whose ``run.json`` names ``identity`` does not prove the
+        run (damaged, another run's), one reason a file; [] when run.json names another run or no
+        checkpoint file is there (then the folder is not shown to be this run's at all)."""
+        record = self.record()
+        if record.get("run") != identity:
+            return []
+        reasons = []
+        for name in ("checkpoint.pt", "checkpoint.prev.pt"):
+            path = self.path / name
+            if not os.path.lexists(path):
+                continue
+            try:
+                head = _read_head(path, "cpu")
+                reason = ("it belongs to another run (another method, data, partition or model)"
+                          if head.get("run") != identity else "it was written by another run of this config")
+            except Exception as exc:
+                reason = (str(exc).splitlines() or [""])[0][:120] or type(exc).__name__
+            reasons.append(f"{name}: {reason}")
+        return reasons
 
     def write_partition(self, fed, title: str) -> None:
         """``partition.json`` and the heatmap ``partition.png``, drawn once per process for each

@@ -174,14 +174,16 @@ class Experiment:
     # the resumable settings that change results, recorded in every checkpoint: a resume whose
     # config.yaml was edited by hand records the edit as a change, as `resume DIR key=value` does
     RESULT_SETTINGS = ("lr", "lr_decay", "lr_decay_every", "lr_schedule", "lr_min", "grad_clip", "precision",
-                       "final_personalization")
+                       "final_personalization", "device", "executor", "distributed", "max_parallel_clients",
+                       "pad_batches", "compile", "channels_last")
 
     def _settings(self) -> dict:
         dumped = self.cfg.model_dump(mode="json")
         return {k: dumped[k] for k in self.RESULT_SETTINGS}
 
     def _checkpoint(self, state: dict) -> None:
-        self.files.checkpoint({**state, "run": self.identity, "settings": self._settings()})
+        self.files.checkpoint({**state, "run": self.identity, "token": self.files.record().get("token"),
+                               "settings": self._settings()})
 
     # -- the loop ------------------------------------------------------------------------------
     @property

@@ -117,8 +117,8 @@ def trials(method: str, budget: int, lr: float) -> list[dict]:
 
     cls = registered()[method]
     space = search_space(cls.Options)
-    defaults = cls.Options().model_dump()
-    first = {**{k: defaults[k] for k in space}, "lr": lr}
+    fields = cls.Options.model_fields  # (the defaults without building the Options' validator)
+    first = {**{k: fields[k].get_default(call_default_factory=True) for k in space}, "lr": lr}
     lrs = [round(lr * f, 8) for f in LR_FACTORS]
     keys = sorted(space)
     points = [{**dict(zip(keys, combo)), "lr": r} for combo in itertools.product(*(space[k] for k in keys))

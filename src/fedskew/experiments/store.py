@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import time
 from contextlib import contextmanager
@@ -111,8 +112,15 @@ def writable(sweep_dir: str | Path) -> bool:
 
 def run_dir_of(db: sqlite3.Connection, run_id: str) -> Path:
     """A run's directory, found beside the database (``runs/<id>``) wherever the sweep folder is
-    now and whatever the working directory was when it ran."""
-    return Path(db.execute("PRAGMA database_list").fetchone()[2]).parent / "runs" / run_id
+    now and whatever the working directory was when it ran. A run id is the 12 hexadecimal digits a
+    sweep gives it: anything else in a database (``../x``, an absolute path) names no folder of it."""
+    from fedskew.config import ConfigError
+
+    where = Path(db.execute("PRAGMA database_list").fetchone()[2])
+    if not isinstance(run_id, str) or not re.fullmatch(r"[0-9a-f]{12}", run_id):
+        raise ConfigError(f"'{where}' names run id {str(run_id)[:40]!r}, which is not a sweep's (12 hexadecimal "
+                          f"digits); the database was not written by fedskew as it is.")
+    return where.parent / "runs" / run_id
 
 
 def scalar_metrics(record: dict) -> dict:
