@@ -50,6 +50,7 @@ def records(path: Path) -> list[dict]:
 # fedskew.run / load_config / resume
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_run_with_overrides_equals_the_cli_run(tmp_path):
     """The same config given as CLI arguments (a real `fedskew run` process) and to fedskew.run
     as a YAML path + keyword + mapping overrides: identical records, summary and final model."""
@@ -173,6 +174,7 @@ def import_user_module(tmp_path, name="user_methods_mod"):
     return sys.modules.pop(name)
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_a_registered_method_runs_on_both_executors_and_in_a_sweep(tmp_path, user_methods, monkeypatch):
     module = import_user_module(tmp_path)
     assert fedskew.methods()["shrink"] is module.Shrink and "shrink" not in BUILTIN
@@ -201,6 +203,7 @@ def test_a_registered_method_runs_on_both_executors_and_in_a_sweep(tmp_path, use
     assert "shrink" in md.read_text() and html.is_file()
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_a_script_registering_a_method_sweeps_with_spawned_workers(tmp_path):
     """The documented pattern: a script registers its method at top level and runs the sweep under
     ``if __name__ == "__main__":``; spawn re-imports the script in each worker (a real process)."""

@@ -70,6 +70,7 @@ def test_a_key_given_twice_in_a_registry_file_is_one_sentence_naming_file_and_li
         f"{at + 2}))" in str(info.value)
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_bench_list_and_smoke_end_to_end(tmp_path):
     out = subprocess.run([sys.executable, "-m", "fedskew.cli", "bench", "--list"], capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)
@@ -97,6 +98,7 @@ def test_bench_list_and_smoke_end_to_end(tmp_path):
     assert "ours beside the published numbers" in out.stdout
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_unknown_suite_and_scale_are_one_sentence(tmp_path):
     for args, text in ((["bench", "seed-paper"], "bench suite 'seed-paper' is not known (did you mean 'seed-papers'?)"),
                        (["bench", "seed-papers", "--scale", "huge"], "bench --scale 'huge' is not allowed"),
@@ -319,6 +321,7 @@ def test_ranks_and_the_paired_test_against_hand_computed_values():
     assert paired_test({0: 0.9, 1: 0.8}, {1: 0.1, 2: 0.2}) is None
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_label_skew_smoke_end_to_end(tmp_path):
     """The label-skew suite at smoke scale with three methods: the methods x settings tables (global
     and personalised), the budget table, the HTML page, and a measured time estimate in --list."""
@@ -414,6 +417,7 @@ def test_a_sweep_killed_before_its_selection_still_reports_its_finished_runs(tmp
     db.close()
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_bench_parts_seeds_and_executor(tmp_path):
     """``--parts``, ``--seeds`` cut a suite; ``--executor``/``--device``/``--checkpoint-every`` set
     where and how runs train (not the setting, so the published cells still match); names the
@@ -602,6 +606,7 @@ def test_selection_ties_within_round_off_go_to_the_earlier_trial(tmp_path):
     assert select(db, spec)[("fedprox", "default")]["params"] == {"mu": 0.01}
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_a_tuned_sweep_in_worker_processes_is_one_pool_and_gives_the_sequential_results(tmp_path, monkeypatch):
     """jobs = 2 runs every method's grid, then its chosen point's other seeds, in one pool of
     workers (issue 55: a pool per method and phase restarted the workers 148 times in the lite

@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 from fedskew.algorithms import COMPONENTS, METHODS, options_reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +93,7 @@ def test_every_option_of_every_method_and_component_says_what_it_means():
     assert not missing, f"options without a meaning: {missing}"
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_every_method_and_component_names_its_source_in_plain_text():
     """Issue 44: every registered method and component carries its own Source (paper, venue,
     year, official code, equations), `fedskew methods NAME` prints it, and no page shows Sphinx

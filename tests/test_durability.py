@@ -100,6 +100,7 @@ def test_a_folder_lock_is_exclusive_and_dies_with_its_process(tmp_path):
     FolderLock(tmp_path, "run directory").acquire().release()  # a killed holder leaves no stale lock
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_two_runs_with_one_run_name_never_share_the_directory(tmp_path):
     first = cli_popen("run", *SMALL_ARGS, "rounds=5000", "out_dir=.", "run_name=same", cwd=tmp_path)
     wait_for(lambda: (tmp_path / "same" / "metrics.jsonl").exists(), first)
@@ -117,6 +118,7 @@ def test_two_runs_with_one_run_name_never_share_the_directory(tmp_path):
     assert rounds == list(range(len(rounds))) and rounds  # one writer: every round once, in order
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_two_sweeps_on_one_folder_one_is_refused(tmp_path):
     spec = {"name": "lock", "base": {**SMALL, "rounds": 30}, "methods": ["fedavg"], "seeds": [0, 1]}
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
@@ -411,11 +413,12 @@ def test_a_checkpoint_writes_only_the_clients_that_changed_and_keeps_what_both_c
                         lambda obj, path: (written.append(path.name), real_client(obj, path))[1])
     res = fedskew.run({**STATEFUL, "checkpoint_every": 2}, out_dir=str(tmp_path), run_name="r")
     rounds = [h["clients"] for h in res.history]
-    # checkpoints after rounds 2, 4 and 5: each writes the clients trained since the one before, then itself
+    # checkpoints before round 0 (no client state yet) and after rounds 2, 4 and 5: each writes the clients
+    # trained since the one before, then itself
     batches = " ".join(w for w in written if w.endswith(".pt")).split("checkpoint.pt")
-    assert [set(b.split()) for b in batches] == [{f"{k}-{version}.pt" for k in trained} for version, trained in
-                                                 ((2, rounds[0] + rounds[1]), (4, rounds[2] + rounds[3]),
-                                                  (5, rounds[4]))] + [set()]
+    assert [set(b.split()) for b in batches] == [set()] + [{f"{k}-{version}.pt" for k in trained} for version, trained
+                                                           in ((2, rounds[0] + rounds[1]), (4, rounds[2] + rounds[3]),
+                                                               (5, rounds[4]))] + [set()]
     run_dir = tmp_path / "r"
     cur, prev = (torch.load(run_dir / name, weights_only=True)["client_files"]
                  for name in ("checkpoint.pt", "checkpoint.prev.pt"))
@@ -521,6 +524,7 @@ def test_a_checkpoint_holding_its_client_states_inline_still_resumes(tmp_path, s
 def test_no_readable_checkpoint_is_one_sentence_that_can_be_followed(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         fedskew.run(SMALL, out_dir=str(tmp_path), run_name="r", on_round=crash_after(0))
+    (tmp_path / "r" / "checkpoint.prev.pt").unlink()  # (the checkpoint written before round 0)
     (tmp_path / "r" / "checkpoint.pt").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"no readable checkpoint in '.*' \(checkpoint.pt: it is not a zip archive "
                                           r"as torch.save writes \(File is not a zip file\)\); remove the "
@@ -531,6 +535,7 @@ def test_no_readable_checkpoint_is_one_sentence_that_can_be_followed(tmp_path):
 def test_a_checkpoint_with_a_negative_round_is_not_read(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         fedskew.run(SMALL, out_dir=str(tmp_path), run_name="r", on_round=crash_after(0))
+    (tmp_path / "r" / "checkpoint.prev.pt").unlink()  # (the checkpoint written before round 0)
     path = tmp_path / "r" / "checkpoint.pt"
     torch.save({**torch.load(path, weights_only=True), "next_round": -3}, path)
     with pytest.raises(ConfigError, match=r"no readable checkpoint in '.*' \(checkpoint.pt: its next_round is -3, "
@@ -543,6 +548,7 @@ def test_a_compressed_checkpoint_is_refused_before_it_inflates(tmp_path):
     holds is refused from the zip directory alone, before anything is inflated."""
     with pytest.raises(KeyboardInterrupt):
         fedskew.run(SMALL, out_dir=str(tmp_path), run_name="r", on_round=crash_after(0))
+    (tmp_path / "r" / "checkpoint.prev.pt").unlink()  # (the checkpoint written before round 0)
     path = tmp_path / "r" / "checkpoint.pt"
     with zipfile.ZipFile(path) as original:
         entries = {info.filename: original.read(info) for info in original.infolist()}
@@ -618,6 +624,7 @@ def test_a_dead_worker_fails_only_its_run(tmp_path, monkeypatch):
 # 5-6. Signals, and settings changed on resume
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 @pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
 def test_a_signal_stops_the_run_with_the_resume_command(tmp_path_factory, full, sig, code, word):
     for _ in range(3):  # a loaded machine may let the 4-round run finish before the signal lands
@@ -636,6 +643,7 @@ def test_a_signal_stops_the_run_with_the_resume_command(tmp_path_factory, full, 
     same_as_full(tmp_path / "r", full)
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_resume_with_a_smaller_learning_rate_is_recorded(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         fedskew.run(SMALL, out_dir=str(tmp_path), run_name="r", on_round=crash_after(1))
@@ -651,6 +659,7 @@ def test_resume_with_a_smaller_learning_rate_is_recorded(tmp_path):
     assert refused.returncode == 2 and "'seed' cannot change when a run resumes" in refused.stderr
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_a_finished_run_is_read_only_unless_extended(tmp_path):
     """`fedskew resume DIR lr=...` or `rounds=` fewer on a finished run is one sentence and leaves
     every file as it was; more rounds extend it (other changes with them)."""
@@ -708,7 +717,7 @@ def test_a_run_name_never_writes_outside_its_own_new_folder(tmp_path, name, why)
 
 
 def test_divergence_advice_names_what_exists(tmp_path):
-    with pytest.raises(FloatingPointError, match="no checkpoint was written yet: start again with a smaller lr"):
+    with pytest.raises(FloatingPointError, match="no round.s checkpoint was written yet: start again with a smaller"):
         fedskew.run(SMALL, lr=1e8, out_dir=str(tmp_path), run_name="a")
     with pytest.raises(KeyboardInterrupt):
         fedskew.run(SMALL, out_dir=str(tmp_path), run_name="b", on_round=crash_after(1))
@@ -819,6 +828,7 @@ def test_a_locked_results_database_is_waited_for_then_one_sentence(tmp_path, mon
     assert len(fedskew.load_results(sweep_dir)) == 1  # released: read as usual
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 @pytest.mark.parametrize("jobs, fails", [(1, False), (1, True), (2, False)])
 def test_a_full_disk_under_the_results_database_is_one_sentence_and_the_sweep_continues(tmp_path, monkeypatch, jobs,
                                                                                          fails):

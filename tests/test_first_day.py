@@ -181,6 +181,7 @@ def test_resume_refuses_a_folder_that_no_run_wrote(tmp_path):
     assert sorted(p.name for p in d.iterdir()) == ["config.yaml", "summary.json"]
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 @pytest.mark.parametrize("command", [["resume", "d"], ["run", "--resume", "d"]])
 @pytest.mark.parametrize("with_environment", [True, False])
 def test_resume_refuses_a_folder_holding_a_config_copied_from_a_real_run(tmp_path, command, with_environment):
@@ -252,6 +253,7 @@ def test_channels_last_takes_off_on_or_auto_and_on_needs_the_sequential_executor
     one_sentence(cli("run", *args, "rounds=1", cwd=tmp_path, timeout=120), text)
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_bench_flags_are_checked_before_anything_runs(tmp_path):
     one_sentence(cli("bench", "label-skew", cwd=tmp_path), "bench label-skew needs --scale smoke, lite or paper")
     one_sentence(cli("bench", "label-skew", "--scale", "smoke", "--seeds", ",", cwd=tmp_path),
@@ -291,6 +293,7 @@ def test_the_registry_is_checked_key_by_key(tmp_path, entry, text):
         load(tmp_path)
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_a_run_of_your_own_method_resumes_without_import(tmp_path):
     """Issue 54, item 22: after Ctrl-C the printed hint `fedskew resume DIR` failed for a method of
     the user's ("method.name 'logitadj' is not known"); the run records where its method is defined
@@ -326,6 +329,7 @@ def test_a_run_of_your_own_method_resumes_without_import(tmp_path):
                  "trains method 'halved' of " + str(source) + ", but its run.json recorded SHA-256")
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_a_folder_from_elsewhere_runs_no_code_and_nothing_of_the_user_s_is_replaced(tmp_path):
     """A run folder from a colleague or a download: its run.json names a module that would write a
     marker; with config.yaml and run.json copied beside the user's own summary.json, metrics.jsonl

@@ -112,28 +112,32 @@ def browser(site):
             server.server_close()
 
 
-def _open(chromium, url: str, width: int = 1280, height: int = 900):
+def _open(chromium, url: str, width: int = 1280, height: int = 900, settle: bool = True):
+    """A page, its console errors and the URLs that came back 4xx/5xx; ``settle``: wait for the network
+    to idle (the scripts' own requests done), else for the load event (every image and script)."""
     page = chromium.new_page(viewport={"width": width, "height": height})
     errors, missing = [], []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.on("response", lambda r: missing.append(r.url) if r.status >= 400 else None)
-    page.goto(url)
-    page.wait_for_load_state("networkidle")
+    page.goto(url, wait_until="networkidle" if settle else "load")
     return page, errors, missing
 
 
 def test_every_page_loads_with_no_console_error_and_no_missing_image(browser, site):
     chromium, base = browser
     problems = []
+    page, errors, missing = _open(chromium, base + "index.html", settle=False)  # one tab, page after page
     for path in pages(site):
         rel = path.relative_to(site).as_posix()
-        page, errors, missing = _open(chromium, base + rel)
+        errors.clear()
+        missing.clear()
+        page.goto(base + rel, wait_until="load")
         broken = page.evaluate("Array.from(document.images).filter(i => !(i.complete && i.naturalWidth > 0))"
                                ".map(i => i.src)")
         problems += [f"{rel}: console: {e}" for e in errors] + [f"{rel}: {u} not found" for u in missing] + \
             [f"{rel}: image {u} did not load" for u in broken]
-        page.close()
+    page.close()
     assert not problems, "\n".join(problems[:40])
 
 

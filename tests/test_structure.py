@@ -38,6 +38,7 @@ def cli(*args, cwd=None):
 # -- trust at the boundary ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_keys_that_do_not_apply_are_one_sentence_in_a_real_cli(tmp_path):
     out = cli("run", "partition=pcdd", "partition.alpha=0.01", "model.width=3", "dataset.dim=5", "rounds=1",
               f"out_dir={tmp_path}")
@@ -86,6 +87,7 @@ def test_server_optimisers_take_only_their_own_options():
     assert METHODS["fedyogi"].Options is METHODS["fedadam"].Options
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_one_name_per_option_old_names_warn_for_one_release(tmp_path):
     with pytest.warns(FutureWarning, match="'proto_share_fraction' is now called 'share_fraction'"):
         cfg = load_config(None, ["method=fedmr", "method.proto_share_fraction=0.5"])

@@ -183,6 +183,7 @@ def test_a_method_without_a_global_model_is_selected_by_its_personal_models_on_t
     assert json.loads(params)["lr"] == max(scores, key=scores.get)
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_a_killed_sweep_resumes_to_the_uninterrupted_result(tmp_path):
     spec = {**TINY, "base": {**TINY["base"], "rounds": 4}, "methods": ["fedavg", "fedprox"],
             "partitions": {"P6C3": {"name": "pcdd"}}}
@@ -216,6 +217,7 @@ def test_a_killed_sweep_resumes_to_the_uninterrupted_result(tmp_path):
     assert results["killed"] == results["clean"] and len(results["clean"]) == 4
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_parallel_jobs_give_the_sequential_results(tmp_path):
     spec = load_spec({**TINY, "partitions": {"P6C3": {"name": "pcdd"}}, "seeds": [0]})
     one = run_sweep(spec, tmp_path / "one", jobs=1)
@@ -237,6 +239,7 @@ def swept(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_report_markdown_has_the_papers_layout(swept):
     md = (swept / "report" / "report.md").read_text()
     assert "| partition | fedavg | fedprox |" in md and "| P6C3 |" in md and "| Dir |" in md
@@ -369,6 +372,7 @@ def test_report_of_a_folder_that_is_not_a_sweep(tmp_path):
 # -- presets ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 @pytest.mark.parametrize("name", sorted(PAPERS))
 def test_reproduce_smoke_runs_every_preset(tmp_path, name, capsys):
     assert main(["reproduce", name, "--scale", "smoke", "--out", str(tmp_path / name), "--jobs", "1"]) == 0

@@ -104,6 +104,7 @@ fedskew.run({**eval(sys.argv[3]), "logger": ["tensorboard", "mlflow"]}, out_dir=
 """
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_sigkill_around_the_checkpoint_loses_no_tracked_round(tmp_path, when):
     """Killed just after the checkpoint (the trackers had not seen the round yet) or just before it

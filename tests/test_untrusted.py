@@ -124,6 +124,7 @@ def test_a_broken_archive_is_one_sentence_and_campaign_json_is_untouched(window,
     assert digests(tmp_path) == before
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_a_bomb_a_set_uid_member_a_link_and_a_path_out_are_refused_or_tamed(window, tmp_path):
     from gpu_merge import MEMBER_BYTES
 
@@ -165,6 +166,7 @@ def test_a_log_that_is_a_link_is_not_followed(window, tmp_path):
     assert not (tmp_path / "docs" / "gpu-runs").exists()
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_complete_only_with_the_runs_there_and_a_late_archive_merges(window, tmp_path):
     """window.json saying the step is complete with no archive records no step; the archive coming
     later is merged, not refused as merged already; an archive with no finished runs is partial."""
@@ -221,6 +223,7 @@ def test_bench_strict_on_an_edited_checkout_refuses_before_training(tmp_path):
     ("compile", "off", "auto", {"executor": "vectorized"}),  # (on: minutes of compiling on a CPU)
     ("channels_last", "off", "auto", {}),
 ])
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_a_config_edited_between_rounds_is_recorded_as_a_change(tmp_path, key, before, after, extra):
     """A run stopped after round 2 whose config.yaml was edited by hand to another executor, compile
     or layout setting: the resume says so and records the edit from round 3, not for every round."""

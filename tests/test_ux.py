@@ -89,6 +89,7 @@ def test_bold_marks_the_top_group_and_nothing_below_three_seeds():
 # Errors and interruptions
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_bad_input_is_one_sentence(tmp_path):
     (tmp_path / "afile").write_text("x")
     done = cli("run", "out_dir=afile", "rounds=1", cwd=tmp_path)
@@ -130,6 +131,7 @@ def wait_for(path: Path, lines: int, proc, timeout: float = 120) -> None:
     raise AssertionError(f"{path} never reached {lines} lines")
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_ctrl_c_stops_a_run_with_the_resume_hint(tmp_path):
     # 60 rounds: the signal, sent once round 0 is recorded, lands while the run still has most of its
     # rounds ahead however loaded the machine (with 6, a busy test process could send it after the end)
@@ -179,6 +181,7 @@ def test_ctrl_c_inside_a_checkpoint_write_is_the_interruption_not_a_traceback(tm
     assert torch.equal(torch.load(tmp_path / "c.pt")["a"], torch.zeros(3)) and not (tmp_path / "c.pt.tmp").exists()
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_ctrl_c_stops_a_parallel_sweep_and_the_same_command_finishes_it(tmp_path):
     spec = {"name": "int", "base": {"rounds": 4, "partition.num_clients": 6, "clients_per_round": 3,
                                     "local_epochs": 1, "model.hidden": [16], "final_personalization": False},
@@ -203,6 +206,7 @@ def test_ctrl_c_stops_a_parallel_sweep_and_the_same_command_finishes_it(tmp_path
 # Progress
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_sweep_progress_lines_count_and_fit(tmp_path):
     spec = {"name": "prog", "base": {"rounds": 2, "partition.num_clients": 6, "clients_per_round": 3,
                                      "local_epochs": 1, "model.hidden": [16]},
@@ -223,6 +227,7 @@ def test_sweep_progress_lines_count_and_fit(tmp_path):
     assert again.stdout.count(": already done") == 6
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_sweep_progress_on_a_terminal_shows_counts_and_eta(tmp_path):
     spec = {"name": "tty", "base": {"rounds": 2, "partition.num_clients": 6, "clients_per_round": 3,
                                     "local_epochs": 1, "model.hidden": [16]}, "methods": ["fedavg"],
@@ -266,6 +271,7 @@ def test_split_multirun_keeps_bracketed_lists_whole():
     assert single == ["logger=tensorboard,mlflow"] and multi == {"lr": [0.1, 0.2]}
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_multirun_is_a_sweep_stored_and_reported_like_one(tmp_path):
     done = cli("run", "method=fedavg,fedprox", "seed=0,1", "lr=0.01,0.05", "rounds=2", *TINY, "--jobs", "2",
                cwd=tmp_path)
@@ -281,6 +287,7 @@ def test_multirun_is_a_sweep_stored_and_reported_like_one(tmp_path):
     assert (folder / "report" / "report.md").is_file()
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_a_multirun_of_methods_without_a_global_model_reports_their_personalised_accuracy(tmp_path):
     """`fedskew run method=gpfl seed=0,1` (no global model, as FedCP, pFedHN, FedRep): the report's
     default metric falls back to the personalised accuracy instead of refusing the global one the
@@ -306,6 +313,7 @@ def test_print_config_shows_every_default_and_runs_back(tmp_path):
     assert again.method.options == {k: v for k, v in printed["method"].items() if k != "name"}
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_methods_command_lists_every_method_by_family_one_line_each(tmp_path):
     from fedskew.cli import FAMILIES
 
@@ -388,6 +396,7 @@ def test_a_clone_named_fedskew_beside_a_script_does_not_shadow_the_package(tmp_p
     assert Path(lines[1]).resolve() == Path(fedskew.__file__).resolve()
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 @pytest.mark.parametrize("guarded, own_method", [(False, False), (False, True), (True, True)])
 def test_an_unguarded_parallel_sweep_in_a_script_runs_once_or_is_one_sentence(tmp_path, guarded, own_method):
     """README's snippet without ``if __name__ == "__main__":`` made every spawned worker start the
@@ -416,6 +425,7 @@ def test_an_unguarded_parallel_sweep_in_a_script_runs_once_or_is_one_sentence(tm
         assert not (tmp_path / "sw").exists()
 
 
+@pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_a_parallel_sweep_reports_every_workers_rounds_to_python(tmp_path, capsys):
     """Progress per round across workers (before: only when a run finished, "ETA ?" for the whole
     first run), an ETA from the measured round rate, and a plain line from ``fedskew.sweep``."""

@@ -356,7 +356,6 @@ def cd_diagram(table: dict, path: Path) -> str | None:
     frame = pd.DataFrame({m: v for m, v in table["means"].items() if all(x is not None for x in v)})
     if frame.shape[0] < 5 or frame.shape[1] < 3:  # (autorank's floor: five blocks)
         return None
-    frame = frame.loc[:, frame.std(axis=0) >= 0]  # (every column)
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # (autorank prints its tables)
         warnings.simplefilter("ignore")
         result = autorank(frame, alpha=0.05, verbose=False, force_mode="nonparametric", order="descending")

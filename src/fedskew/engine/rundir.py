@@ -437,7 +437,7 @@ class RunDir:
         if self.checkpoint_round:
             return (f"the checkpoint after round {self.checkpoint_round} is kept: `fedskew resume {self.path} "
                     f"lr=<smaller>` (or grad_clip=<norm>) continues from it.")
-        return "no checkpoint was written yet: start again with a smaller lr or with grad_clip set."
+        return "no round's checkpoint was written yet: start again with a smaller lr or with grad_clip set."
 
     def load_checkpoint(self, shapes: dict, device: torch.device, identity: str | None = None,
                         clients: bool = True) -> dict | None:

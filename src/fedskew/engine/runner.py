@@ -258,6 +258,10 @@ class Experiment:
             global_state = federated_state(self.model)
             server_state = method.server_init(global_state, self.info)
             client_states, totals = ClientStates(), {"up": 0, "down": 0, "up_model": 0, "down_model": 0}
+            # the run's first checkpoint, before its first round: a folder that holds anything of a run holds a
+            # checkpoint of it, which is what shows a resume that the folder is the run's (RunDir.proves)
+            self._checkpoint({"next_round": 0, "global_state": global_state, "server_state": server_state,
+                              "client_states": client_states, "totals": totals})
         atomic_write_text("".join(json.dumps(h) + "\n" for h in history), self.run_dir / "metrics.jsonl")
         trackers = Trackers(cfg, self.run_dir, start)
         summary = None
