@@ -30,6 +30,7 @@ TESTS = {
     "tests/test_durability.py::test_a_signal_stops_the_run_with_the_resume_command": "signals",
     "tests/test_durability.py::test_a_signalled_sweep_stops_its_runs_at_a_round_boundary": "signals",
     "tests/test_durability.py::test_a_second_signal_inside_the_first_handler_cannot_deadlock_a_worker": "signals",
+    "tests/test_durability.py::test_an_interrupted_bench_resumes_to_the_same_board_but_its_time_line": "signals",
     "tests/test_durability.py::test_workers_die_with_a_killed_sweep": "kills",
     "tests/test_durability.py::test_workers_die_with_a_sweep_killed_while_they_start": "kills",
     "tests/test_durability.py::test_a_dead_worker_fails_only_its_run": "kills",

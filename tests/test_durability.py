@@ -1011,14 +1011,16 @@ def test_an_interrupted_bench_resumes_to_the_same_board_but_its_time_line(tmp_pa
 
     wait_for(some_done, cut, timeout=1800)
     cut.send_signal(signal.SIGINT)
-    cut.communicate(timeout=300)
+    cut_err = cut.communicate(timeout=300)[1]
     assert cut.returncode != 0  # it stopped before the end
     again = subprocess.run([*args, "--out", "cut"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                            timeout=1800)
-    assert again.returncode == 0, (again.stdout[-3000:], again.stderr[-2000:])  # (a failed run is named in stdout)
+    assert again.returncode == 0, (f"exit {again.returncode}\n--- stdout\n{again.stdout[-3000:]}\n--- stderr\n"
+                                   f"{again.stderr[-3000:]}\n--- the interrupted bench's stderr\n{cut_err[-3000:]}")
+
     def strip(path):
         return [line.replace("--out cut", "--out X").replace("--out whole", "--out X")
-                              for line in path.read_text().splitlines() if not line.startswith(TIME_LINE)]
+                for line in path.read_text().splitlines() if not line.startswith(TIME_LINE)]
     boards = [strip(tmp_path / name / "leaderboard.md") for name in ("whole", "cut")]
     assert sum(line.startswith(TIME_LINE) for line in (tmp_path / "cut" / "leaderboard.md").read_text().splitlines())
     assert boards[0] == boards[1]
