@@ -3,6 +3,7 @@ processes keep every core busy: a test that passes alone but fails under load fa
 
     python tests/stress.py                      # every test below, 20 times, beside 2 busy processes
     python tests/stress.py --repeats 5 --only flower --busy 2
+    python tests/stress.py tests/test_ux.py::test_ctrl_c_stops_a_run_with_the_resume_hint   # named tests only
 
 Not part of CI (it takes an hour or more); a maintainer runs it after changing a test that waits on
 a process or a signal. Each repetition runs the test in a fresh pytest process (``-n 0``); the busy
@@ -52,13 +53,14 @@ def busy() -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tests", nargs="*", help="pytest node ids to run instead of the list's")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--busy", type=int, default=2, help="busy processes beside the tests (default 2)")
     parser.add_argument("--only", help="only the tests of these groups (comma-separated: " +
                                        ", ".join(sorted(set(TESTS.values()))) + ")")
     args = parser.parse_args()
     groups = set(args.only.split(",")) if args.only else set(TESTS.values())
-    chosen = [t for t, g in TESTS.items() if g in groups]
+    chosen = args.tests or [t for t, g in TESTS.items() if g in groups]
     hogs = [multiprocessing.Process(target=busy, daemon=True) for _ in range(args.busy)]
     for h in hogs:
         h.start()

@@ -17,7 +17,7 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("site")]  # one worker, one build of the site
 
 
 @pytest.fixture(scope="module")
