@@ -3,12 +3,16 @@
 A misspelt method and ``fedskew bench --list`` should answer within 1.2 x the time of
 ``python -c "import torch"`` on the same machine: fedskew's own work beyond importing torch is what
 this measures. The commands run interleaved, ``--repeats`` times each, and the medians are compared,
-so a noisy machine moves all three alike.
+so a noisy machine moves all three alike. The commands run as on a user's machine: Python caches each
+module's compiled bytecode (an environment that sets PYTHONDONTWRITEBYTECODE, as some containers do,
+would compile fedskew's modules from source on every command, about 0.2 s); one unmeasured round first
+writes the caches.
 
     python benchmarks/feedback_speed.py --repeats 7
 """
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -28,12 +32,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     times = {name: [] for name in COMMANDS}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     with tempfile.TemporaryDirectory() as cwd:
-        for _ in range(args.repeats):
+        for i in range(args.repeats + 1):
             for name, cmd in COMMANDS.items():
                 t0 = time.perf_counter()
-                subprocess.run(cmd, cwd=cwd, capture_output=True, check=False)
-                times[name].append(time.perf_counter() - t0)
+                subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, check=False)
+                if i:  # (the first round writes the bytecode caches)
+                    times[name].append(time.perf_counter() - t0)
     base = statistics.median(times["import torch"])
     print("| command | median (s) | / import torch |\n|---|---|---|")
     for name, ts in times.items():

@@ -18,6 +18,25 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _compile_the_package() -> None:
+    """The package's modules compiled to bytecode once, as a user's Python caches them after a first
+    command. The suite starts hundreds of Python processes; where PYTHONDONTWRITEBYTECODE is set (some
+    containers and CI images set it) each would otherwise compile fedskew's modules from source again
+    (about 0.3 s a process). Python reads caches it finds whatever that variable says."""
+    import compileall
+    from pathlib import Path
+
+    import fedskew
+
+    try:
+        compileall.compile_dir(Path(fedskew.__file__).parent, quiet=2)
+    except OSError:  # (an installed, read-only package: it was compiled at install)
+        pass
+
+
+_compile_the_package()
+
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # two workers on two cores: one torch thread each, and for the processes they start (a test that
     # compares thread counts sets its own)

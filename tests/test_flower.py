@@ -91,7 +91,8 @@ def test_deployment_matches_fedskew_run(federation, tmp_path, extra):
 
 def test_a_killed_supernode_leaves_the_round_to_the_others(tmp_path):
     """SuperNode 1 is killed once round 0 is recorded: round 1 waits out the ServerApp's reply
-    timeout (20 s; a warm node's reply of BASE's round comes in a few seconds, under load too) for it, then aggregates node 0 alone, reporting node 1 as failed; the run ends.
+    timeout (20 s; a warm node's reply of BASE's round comes in a few seconds, under load too) for
+    it, then aggregates node 0 alone, reporting node 1 as failed; the run ends.
     (BASE's two rounds: each round after the kill waits the whole timeout, which a third round
     only repeated.)"""
     cfg = load_config(None, BASE)
