@@ -575,7 +575,7 @@ def test_every_public_name_method_and_config_key_has_its_reference_entry():
     assert set(pages) == set(METHODS) | {"index"}
 
 
-ISSUE_NUMBER = re.compile(r"\bissues?[ -]?#?\d+", re.IGNORECASE)
+ISSUE_NUMBER = re.compile(r"\bissues?(?:[ -]|\s*\n\s*)?#?\d+", re.IGNORECASE)  # (wrapped at a line end too)
 
 
 def user_texts() -> dict[str, str]:
@@ -604,6 +604,7 @@ def test_no_user_text_cites_the_issue_tracker():
 
 
 def test_the_issue_check_catches_a_citation():
-    assert [m.group(0) for m in ISSUE_NUMBER.finditer("as issue 54 found; see issue #7, the issue-48 board")] == \
-        ["issue 54", "issue #7", "issue-48"]
+    assert [m.group(0) for m in ISSUE_NUMBER.finditer("as issue 54 found; see issue #7, the issue-48 board, the "
+                                                      "commit of issue\n43's work")] == \
+        ["issue 54", "issue #7", "issue-48", "issue\n43"]
     assert not ISSUE_NUMBER.search("FedAvg's issues with label skew, 3 issues")
