@@ -4,18 +4,18 @@ A window is 15 minutes of device time, the machine's start included, drawn by ch
 device call runs at most 10 minutes; this script is sized to finish inside 9 (``--budget 540``),
 each step under its own time limit:
 
-1. speed figures (:data:`SPEED`), each step alone on the card, ratios measured in the same call:
-   the engine table at 10 and 100 clients, runs as lanes, the compiled step against the eager one
-   (benchmarks/compile_speed.py: ``compile``'s CUDA default waits on it) and one FedMR ResNet-18
-   round -> ``speed.txt``. A step an earlier window brought back whole is left out
-   (:func:`default_steps`);
-2. then, side by side: CUDA correctness, ``python -m pytest -m gpu`` (tests/test_gpu.py) in a
-   thread -> ``gpu-tests.txt``; and the next step of the campaign (:data:`CAMPAIGN`, by cost) that
-   the repository's campaign folder does not hold complete, with the time left: ``fedskew bench
-   ...`` in a folder seeded from the campaign folder (its finished runs are skipped), stopped by
-   SIGINT at its limit (every run checkpoints and is marked interrupted) -> ``campaign.tar.gz``
-   (the bench folder's results database and each run's text files; no data or weights) and
-   ``campaign.txt`` (its log).
+1. side by side: CUDA correctness, ``python -m pytest -m gpu`` (tests/test_gpu.py) in a thread ->
+   ``gpu-tests.txt``; and the next step of the campaign (:data:`CAMPAIGN`, by cost) that the
+   repository's campaign folder does not hold complete, with the time the speed steps leave:
+   ``fedskew bench ...`` in a folder seeded from the campaign folder (its finished runs are
+   skipped), stopped by SIGINT at its limit (every run checkpoints and is marked interrupted) ->
+   ``campaign.tar.gz`` (the bench folder's results database and each run's text files; no data or
+   weights) and ``campaign.txt`` (its log);
+2. then the speed figures (:data:`SPEED`), each step alone on the card, ratios measured in the same
+   call: the engine table at 10 and 100 clients, runs as lanes, the compiled step against the eager
+   one (benchmarks/compile_speed.py: ``compile``'s CUDA default waits on it), one FedMR ResNet-18
+   round, and where a paper-scale MAP round's time goes (benchmarks/gpu_profile.py) -> ``speed.txt``.
+   A step an earlier window brought back whole is left out (:func:`default_steps`).
 
 It writes ``window.json`` (card, torch, commit, each step's exit status and seconds) beside them:
 at most 6 files, within the device tool's limits. ``benchmarks/gpu_merge.py FILES_AT``, run here
@@ -193,6 +193,9 @@ SPEED = {
     # waits on this number): the plan leaves FedMR out while a run costs GPU-hours
     "speed-fedmr-round": (["benchmarks/engine_speed.py", "--device", "cuda", "--paper", "fedmr", "--paper-fraction",
                            "0.1", "--engines", "bare", "sequential", "sequential-cl", "padded", "--rounds", "1"], 150),
+    # where a paper-scale MAP round's time goes on the card (item 3): kernels against the host, launches a
+    # step, copies, syncs, idle gaps, and the round's FLOPs against the card's FP32 peak
+    "speed-profile": (["benchmarks/gpu_profile.py", "--device", "cuda", "--rounds", "3", "--profiled", "2"], 150),
 }
 STEPS = ("gpu-tests", *SPEED, "campaign")
 
@@ -206,9 +209,10 @@ def default_steps(root: Path) -> list[str]:
 def window(out: Path, data: str | None, budget: float, plan: list[dict], root: Path, allow_cpu: bool,
            campaign_limit: float | None = None, stop_after: int | None = None, steps=STEPS,
            keep: Path | None = None) -> int:
-    """The speed steps first, each alone on the card; then the CUDA tests in a thread beside the
-    campaign step (the tests use a sliver of the card: the first window ran them alone for 157 s,
-    and 9 of its 12 campaign runs finished only in a second call)."""
+    """In the order the campaign needs them: the CUDA tests in a thread beside the next campaign step
+    (the tests use a sliver of the card: the first window ran them alone for 157 s, and 9 of its 12
+    campaign runs finished only in a second call), with the time left once the speed steps' limits
+    are set aside; then the speed steps, each alone on the card."""
     import threading
 
     import torch
@@ -224,15 +228,13 @@ def window(out: Path, data: str | None, budget: float, plan: list[dict], root: P
     record = {"commit": os.environ.get("FEDSKEW_GIT_COMMIT"), "card": torch.cuda.get_device_name(0)
               if device == "cuda" else "cpu (no CUDA: a test of the mechanism)", "torch": torch.__version__,
               "device": device, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "steps": []}
-    left = lambda: budget - (time.monotonic() - start)  # noqa: E731
+    speed = {name: value for name, value in SPEED.items() if name in steps} if device == "cuda" else {}
+    # the speed steps' time, set aside for after the campaign step: their limits, at most half the budget
+    # (the campaign step comes first; a speed step cut or not reached is measured by the next window)
+    reserve = min(sum(limit for _, limit in speed.values()), budget / 2)
+    left = lambda: budget - (time.monotonic() - start) - reserve  # noqa: E731  (the campaign's and tests' time)
     py = sys.executable
     tests, tests_done = {}, None
-    if device == "cuda":
-        for name, (args, limit) in SPEED.items():
-            if name in steps:
-                extra = ["--data", data] if data and name in ("speed-compile", "speed-fedmr-round") else []
-                record["steps"].append({"name": name, **run_step([py, *args, *extra], min(limit, left() - 150),
-                                                                 out / "speed.txt", env, ROOT)})
     if "gpu-tests" in steps:  # (on the CPU, with --allow-cpu, its tests skip: the mechanism's test)
         # 4 test processes (the host has 16 cores): the registry-wide case adds 148 small runs to the
         # 17 checks that took 157 s in one process in the first window
@@ -243,6 +245,7 @@ def window(out: Path, data: str | None, budget: float, plan: list[dict], root: P
         tests_done.start()
     step = next_step(plan, root) if "campaign" in steps else None
     record["campaign_step"] = step["step"] if step else None
+    campaign = None
     if step is not None:
         work = work_folder(keep, root, step["step"])
         cmd = [py, "-m", "fedskew.cli", "bench", *step["bench"], "--out", str(work), "--jobs", "4" if device == "cuda"
@@ -252,7 +255,7 @@ def window(out: Path, data: str | None, budget: float, plan: list[dict], root: P
         before = finished(work)
         stop = (lambda: finished(work) >= before + stop_after) if stop_after else None
         result = run_step(cmd, limit, out / "campaign.txt", env, ROOT, stop)
-        record["steps"].append({"name": f"campaign {step['step']}", **result})
+        campaign = {"name": f"campaign {step['step']}", **result}
         record["campaign_complete"] = result["rc"] == 0 and not result["cut"]
         if work.is_dir():
             record["campaign_bytes"] = pack(work, out / "campaign.tar.gz")
@@ -260,7 +263,15 @@ def window(out: Path, data: str | None, budget: float, plan: list[dict], root: P
             shutil.rmtree(work.parent, ignore_errors=True)  # packed: the checkpoints there do not come back
     if tests_done is not None:
         tests_done.join()
-        record["steps"].insert(len(record["steps"]) - (step is not None), {"name": "gpu-tests", **tests})
+        record["steps"].append({"name": "gpu-tests", **tests})
+    if campaign is not None:
+        record["steps"].append(campaign)
+    for name, (args, limit) in speed.items():  # alone on the card now, in the order of SPEED
+        reads_data = name in ("speed-compile", "speed-fedmr-round", "speed-profile")
+        extra = ["--data", data] if data and reads_data else []
+        time_left = budget - (time.monotonic() - start) - 15
+        record["steps"].append({"name": name, **run_step([py, *args, *extra], min(limit, time_left),
+                                                         out / "speed.txt", env, ROOT)})
     record["seconds"] = round(time.monotonic() - start, 1)
     (out / "window.json").write_text(json.dumps(record, indent=2))
     print(json.dumps({k: record[k] for k in ("card", "campaign_step", "seconds")}))

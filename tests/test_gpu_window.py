@@ -118,3 +118,101 @@ def test_a_speed_step_measured_whole_is_left_out_of_later_windows_and_a_window_m
     again = merge(files, root)
     assert again.returncode == 2 and "is merged already; nothing is merged again" in again.stderr
     assert (root / "campaign.json").read_text() == before
+
+
+def test_the_profile_s_figures_from_a_hand_made_trace():
+    """benchmarks/gpu_profile.py's trace figures, against a trace whose answers are counted by hand:
+    kernels [0, 10), [5, 15) and [20, 30) us over two rounds are 25 us busy (12.5 a round), one
+    gap of 5 us; two launches; a 1 MiB host-to-device copy and a 4-byte one back; one synchronize."""
+    from gpu_profile import merged, trace_summary
+
+    assert merged([(20, 30), (0, 10), (5, 15), (15, 16)]) == [(0, 16), (20, 30)]
+    k = {"ph": "X", "cat": "kernel"}
+    trace = {"traceEvents": [
+        {**k, "name": "sgemm_a", "ts": 0, "dur": 10}, {**k, "name": "sgemm_a", "ts": 5, "dur": 10},
+        {**k, "name": "relu", "ts": 20, "dur": 10},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 4, "dur": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 31, "dur": 1},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pageable -> Device)", "ts": 17, "dur": 2,
+         "args": {"bytes": 2**20}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pageable)", "ts": 30, "dur": 1,
+         "args": {"bytes": 4}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 3},
+        {"ph": "i", "cat": "kernel", "name": "an instant, not a span", "ts": 3}]}
+    s = trace_summary(trace, rounds=2)
+    assert s["kernels"] == 1.5 and s["launches"] == 1 and s["syncs"] == 0.5 and s["ops"] == 0.5
+    assert s["kernel_us"] == 12.5 and s["span_us"] == 30 and s["gaps"] == 0.5 and s["gap_us"] == 2.5
+    assert s["longest_gap_us"] == 5 and s["gaps_over_100us"] == 0
+    assert s["copies"] == {"Memcpy HtoD": (0.5, 2**19), "Memcpy DtoH": (0.5, 2.0)}
+    assert s["top_kernels"] == [("sgemm_a", 10.0), ("relu", 5.0)]
+
+
+def test_the_profile_runs_on_the_cpu_and_counts_a_round_s_flops(tmp_path, capsys):
+    """The profile step of a GPU window, run on the CPU on a small Fashion-MNIST in its real format
+    (every client in every round, so every round has the same steps): the FLOPs it counts for FedAvg
+    on MLPNet lie between the training's weight products alone (forward 2 W and weight gradients
+    2 W a sample and epoch, W = the layers' weights) and all of training's with every sample
+    evaluated twice (6 W, and 2 x 2 W for the evaluations) over training and test samples."""
+    import numpy as np
+
+    from conftest import write_idx
+    from gpu_profile import main
+
+    rng = np.random.default_rng(0)
+    (tmp_path / "fmnist").mkdir()
+    for prefix, n in (("train", 400), ("t10k", 100)):
+        write_idx(tmp_path / "fmnist" / f"{prefix}-images-idx3-ubyte.gz", rng.integers(0, 255, (n, 28, 28)))
+        write_idx(tmp_path / "fmnist" / f"{prefix}-labels-idx1-ubyte.gz", np.arange(n) % 10)
+    assert main(["--device", "cpu", "--data", str(tmp_path), "--rounds", "1", "--profiled", "1", "--peak-tflops",
+                 "1", "--config", "method=fedavg", "partition.num_clients=4", "clients_per_round=4",
+                 "local_epochs=1"]) == 0
+    out = capsys.readouterr().out
+    assert "model mlpnet (1.99 M parameters), method fedavg" in out and "top host operators by self time" in out
+    flops = float(out.split("FLOPs a round (torch.utils.flop_counter, matrix products, forward and backward): ")[1]
+                  .split(" GFLOP")[0]) * 1e9
+    weights = 784 * 1024 + 1024 * 1024 + 1024 * 128 + 128 * 10
+    train = 400  # every training sample in the round, one epoch (the local test split comes out of it)
+    assert 4 * weights * train * 0.75 <= flops <= (6 * weights * train + 4 * weights * (train + 100)), flops
+    assert "fraction of the FP32 peak (1 TFLOP/s, given with --peak-tflops)" in out
+
+
+def test_a_window_runs_the_campaign_step_with_the_tests_first_and_the_speed_steps_after(tmp_path, monkeypatch):
+    """The order a window spends its budget in, on a stand-in card (no GPU here; every step's command
+    recorded, none run): the CUDA tests start, the campaign step runs beside them with the budget
+    less the speed steps' share (their limits, at most half the budget), and only then the speed
+    steps, each alone, in SPEED's order, each within its own limit and the time left."""
+    import threading
+
+    import torch
+
+    import gpu_window
+
+    clock = [0.0]
+    calls = []
+
+    def run_step(cmd, limit, log, env, cwd, stop=None):
+        name = "tests" if "pytest" in cmd else "campaign" if "bench" in cmd else Path(cmd[1]).stem
+        calls.append((name, round(clock[0]), round(limit), threading.current_thread() is threading.main_thread()))
+        # (the tests run beside the campaign: no wall time of their own; the campaign takes its whole limit)
+        clock[0] += {"tests": 0, "campaign": limit}.get(name, min(limit, 60))
+        return {"cmd": cmd, "rc": 0, "seconds": 1.0, "cut": name == "campaign"}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in card")
+    monkeypatch.setattr(gpu_window, "run_step", run_step)
+    monkeypatch.setattr(gpu_window.time, "monotonic", lambda: clock[0])
+    steps = ["gpu-tests", "speed-compile", "speed-fedmr-round", "speed-profile", "campaign"]
+    assert gpu_window.window(tmp_path / "out", None, 540, gpu_window.TEST_PLAN, tmp_path / "root", False,
+                             steps=steps) == 0
+    speed = {k: v[1] for k, v in gpu_window.SPEED.items() if k in steps}
+    share = min(sum(speed.values()), 540 / 2)
+    assert [c[0] for c in calls] == ["tests", "campaign", "compile_speed", "engine_speed", "gpu_profile"]
+    assert calls[0][3] is False and calls[1][3] is True  # the tests in their thread, beside the campaign
+    assert calls[1][2] == 540 - share - 60  # the campaign's limit: the budget less the speed share and a minute
+    clock_at, limits = [c[1] for c in calls[2:]], [c[2] for c in calls[2:]]
+    assert clock_at[0] >= calls[1][1] + calls[1][2]  # the speed steps after the campaign ended
+    assert all(limit <= speed[name] for limit, name in zip(limits, speed))
+    assert all(at + limit <= 540 for at, limit in zip(clock_at, limits))  # none runs past the budget
+    record = json.loads((tmp_path / "out" / "window.json").read_text())
+    assert [s["name"] for s in record["steps"]] == ["gpu-tests", "campaign smoke-niid", *speed]
