@@ -832,20 +832,57 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, handled as Ctrl-C: the run stops with its last checkpoint and the resume command."""
 
 
+_SIGNALLED: str | None = None  # "interrupted" or "terminated" once SIGINT or SIGTERM arrived during main()
+
+
+def _signalled(kind: str) -> None:
+    """Remember the signal, and ask a run in progress to stop after its round (``durable.STOP``) as well: Python
+    swallows a KeyboardInterrupt raised inside a weakref callback or a ``__del__`` ("Exception ignored in ...";
+    found by signalling runs at random moments: the run went on and ended with exit 0)."""
+    global _SIGNALLED
+    _SIGNALLED = kind
+    durable = sys.modules.get("fedskew.engine.durable")  # (loaded with any run; nothing is imported in a handler)
+    if durable is not None:
+        durable.STOP.set()
+
+
 def _on_sigterm(signum, frame):
+    _signalled("terminated")
     raise Terminated()
+
+
+def _on_sigint(signum, frame):
+    _signalled("interrupted")
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
     import signal
 
-    before = signal.getsignal(signal.SIGTERM)
-    if before is signal.SIG_DFL:  # not inside a host that handles it
+    global _SIGNALLED
+    _SIGNALLED = None
+    if "fedskew.engine.durable" in sys.modules:  # (a second command in one process starts afresh)
+        sys.modules["fedskew.engine.durable"].STOP.clear()
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    if before[0] is signal.SIG_DFL:  # not inside a host that handles it
         signal.signal(signal.SIGTERM, _on_sigterm)
+    if before[1] is signal.default_int_handler:  # Python's own: the same KeyboardInterrupt, remembered
+        signal.signal(signal.SIGINT, _on_sigint)
+    hook = sys.unraisablehook
+    sys.unraisablehook = _unraisable
     try:
         return _main(argv)
     finally:
-        signal.signal(signal.SIGTERM, before)
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGINT, before[1])
+        sys.unraisablehook = hook
+
+
+def _unraisable(unraisable) -> None:
+    """A signal's KeyboardInterrupt that Python could not raise (it arrived in a weakref callback or a
+    ``__del__``) is not printed as "Exception ignored" with a traceback: the run stops after its round."""
+    if not (isinstance(unraisable.exc_value, KeyboardInterrupt) and _SIGNALLED is not None):
+        sys.__unraisablehook__(unraisable)
 
 
 def _one_line_warnings() -> None:
@@ -902,17 +939,40 @@ def _main(argv: list[str] | None) -> int:
     _one_line_warnings()
     # piped output (a log file, CI) gets 120 columns rather than rich's 80, so result tables do not wrap
     console = Console() if sys.stdout.isatty() or "COLUMNS" in os.environ else Console(width=120)
-    from fedskew.config import ConfigError
-    from fedskew.data import DatasetError, PartitionError
-    from fedskew.engine.runner import ClientFailure
-    from fedskew.models import ModelError
-
     commands = {"run": cmd_run, "resume": cmd_resume, "partition": cmd_partition, "sweep": cmd_sweep,
                 "methods": cmd_methods, "bench": cmd_bench,
                 "report": cmd_report, "reproduce": cmd_reproduce, "flower": cmd_flower}
     if args.command is None:
         parser.print_help()
         return 2
+    try:
+        return _dispatch(args, console, commands)
+    except Exception:
+        if _SIGNALLED is None:
+            raise
+        # the signal landed where its KeyboardInterrupt became another exception: a C extension's import
+        # (matplotlib's ft2font gives "ImportError: initialization failed", found by signalling runs at random
+        # moments) or a callback from C; or Python swallowed it and the run stopped after its round (STOP:
+        # RunInterrupted). It is the interruption; a half-initialised extension may crash the interpreter's
+        # shutdown, so the process ends at once.
+        global _END_NOW
+        _END_NOW = True
+        return _stopped(args, _SIGNALLED == "terminated")
+
+
+def _stopped(args, terminated: bool) -> int:
+    """The interruption's sentence (with the command that continues, where there is one) and exit status."""
+    hint = getattr(args, "interrupt_hint", None)
+    print(f"\nfedskew: {'terminated' if terminated else 'interrupted'}{'; ' + hint if hint else '.'}", file=sys.stderr)
+    return 143 if terminated else 130
+
+
+def _dispatch(args, console, commands) -> int:
+    from fedskew.config import ConfigError
+    from fedskew.data import DatasetError, PartitionError
+    from fedskew.engine.runner import ClientFailure
+    from fedskew.models import ModelError
+
     try:
         import_user_modules(getattr(args, "imports", None) or [])
         return commands[args.command](args, console)
@@ -929,12 +989,9 @@ def _main(argv: list[str] | None) -> int:
               f"then run the same command again: finished work is kept.", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
-        hint = getattr(args, "interrupt_hint", None)
-        what = "terminated" if isinstance(exc, Terminated) else "interrupted"
-        print(f"\nfedskew: {what}{'; ' + hint if hint else '.'}", file=sys.stderr)
         global _END_NOW
-        _END_NOW = bool(hint)  # an interrupted sweep: its database is written and its workers are gone
-        return 143 if isinstance(exc, Terminated) else 130
+        _END_NOW = bool(getattr(args, "interrupt_hint", None))  # an interrupted sweep: its database is written
+        return _stopped(args, isinstance(exc, Terminated) or _SIGNALLED == "terminated")  # and its workers are gone
 
 
 _END_NOW = False
@@ -968,6 +1025,8 @@ def import_user_modules(names: list[str]) -> None:
             raise ConfigError(f"--import '{name}' called sys.exit({exc.code!r}) while being imported; a module "
                               f"that registers methods must not exit.") from None
         except Exception as exc:
+            if _SIGNALLED is not None:  # a Ctrl-C that the module's import turned into another exception
+                raise KeyboardInterrupt from None
             why = (str(exc).splitlines() or [""])[0][:200] or "(no message)"
             raise ConfigError(f"--import '{name}' failed: {type(exc).__name__}: {why}.") from None
 

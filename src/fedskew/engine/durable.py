@@ -11,14 +11,18 @@ writes, and a metrics log whose torn last line is detected.
   drops a torn last line (a crash or a full disk mid-append) and refuses corruption elsewhere.
 - :data:`STOP`: set by :func:`stop_after_this_round` (a sweep worker's SIGTERM/SIGINT handler), it
   makes the run loop checkpoint after the round it is in and raise :class:`RunInterrupted`.
+- :func:`signals_held`: SIGINT and SIGTERM held back during a few writes that must not be split.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
+import signal
+import threading
 from pathlib import Path
 
 from fedskew.config import ConfigError
@@ -54,6 +58,33 @@ class RunInterrupted(RuntimeError):
 
 def stop_after_this_round(signum=None, frame=None) -> None:
     STOP.set()
+
+
+@contextlib.contextmanager
+def signals_held():
+    """``with signals_held():`` a SIGINT or SIGTERM that arrives in the block is handled when the block
+    ends, by the handler that was in place (a KeyboardInterrupt then, from the block's last line): for
+    the writes that make a folder a run's, through its first checkpoint, which a Ctrl-C must not split
+    (a folder with the run's record and no checkpoint could not show a resume that it is the run's).
+    Signals reach Python's main thread only: elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list = []
+    kinds = (signal.SIGINT, signal.SIGTERM)
+    before = {s: signal.signal(s, lambda signum, frame: held.append((signum, frame))) for s in kinds}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        if held:  # the first one, as it would have been handled
+            signum, frame = held[0]
+            handler = before[signum]
+            if callable(handler):
+                handler(signum, frame)
+            elif handler in (signal.SIG_DFL, None):
+                os.kill(os.getpid(), signum)  # (the default action: SIGINT's is Python's own handler, callable)
 
 
 class FolderLock:

@@ -44,6 +44,7 @@ from fedskew.engine.durable import (
     append_line,
     atomic_write_text,
     blocking_file,
+    signals_held,
 )
 from fedskew.engine.lanes import LaneExecutor
 from fedskew.engine.local import SequentialExecutor, federated_state, load_state
@@ -231,12 +232,23 @@ class Experiment:
 
     def _run(self, on_round) -> RunResult:
         cfg, method = self.cfg, self.method
-        self.files.write_identity(self.identity, method_source(cfg.method.name))
-        self.files.write_record(cfg, self.environment, self.resume)
-        self.files.write_partition(
-            self.fed, f"{cfg.dataset.name} / {cfg.partition.name}: {self.fed.num_clients} clients"
-        )
-        ckpt = self._load_checkpoint() if self.resume else None
+        # the writes that make the folder the run's, through its first checkpoint, are not split by a Ctrl-C or a
+        # SIGTERM (held until they are done): a folder that holds anything of a run holds a checkpoint of it, which
+        # is what shows a resume that the folder is the run's (RunDir.proves)
+        with signals_held():
+            self.files.write_identity(self.identity, method_source(cfg.method.name))
+            self.files.write_record(cfg, self.environment, self.resume)
+            self.files.write_partition(
+                self.fed, f"{cfg.dataset.name} / {cfg.partition.name}: {self.fed.num_clients} clients"
+            )
+            ckpt = self._load_checkpoint() if self.resume else None
+            if ckpt is None:
+                start, history = 0, []
+                global_state = federated_state(self.model)
+                server_state = method.server_init(global_state, self.info)
+                client_states, totals = ClientStates(), {"up": 0, "down": 0, "up_model": 0, "down_model": 0}
+                self._checkpoint({"next_round": 0, "global_state": global_state, "server_state": server_state,
+                                  "client_states": client_states, "totals": totals})
         if ckpt is not None:
             start, global_state = ckpt["next_round"], ckpt["global_state"]
             server_state, client_states, totals = ckpt["server_state"], ckpt["client_states"], ckpt["totals"]
@@ -253,15 +265,6 @@ class Experiment:
                 self.changes = {**edited, **self.changes}
             if self.changes:  # settings changed at this resume, from round start + 1 (counted from 1)
                 self.files.record_changes(start, self.changes)
-        else:
-            start, history = 0, []
-            global_state = federated_state(self.model)
-            server_state = method.server_init(global_state, self.info)
-            client_states, totals = ClientStates(), {"up": 0, "down": 0, "up_model": 0, "down_model": 0}
-            # the run's first checkpoint, before its first round: a folder that holds anything of a run holds a
-            # checkpoint of it, which is what shows a resume that the folder is the run's (RunDir.proves)
-            self._checkpoint({"next_round": 0, "global_state": global_state, "server_state": server_state,
-                              "client_states": client_states, "totals": totals})
         atomic_write_text("".join(json.dumps(h) + "\n" for h in history), self.run_dir / "metrics.jsonl")
         trackers = Trackers(cfg, self.run_dir, start)
         summary = None
