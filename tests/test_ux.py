@@ -165,7 +165,13 @@ def ctrl_c():
     os.kill(os.getpid(), signal.SIGINT)
     for _ in range(200):  # the handler runs at the next bytecode
         time.sleep(0.01)
-if where == "held":
+if where == "starting":
+    warnings = fedskew.cli._one_line_warnings
+    def patched():
+        ctrl_c()
+        warnings()
+    fedskew.cli._one_line_warnings = patched
+elif where == "held":
     write_partition = rundir.RunDir.write_partition
     def patched(self, *a, **k):
         ctrl_c()
@@ -196,17 +202,22 @@ fedskew.cli.entry()
 
 
 @pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
-@pytest.mark.parametrize("where", ["held", "converted", "swallowed"])
+@pytest.mark.parametrize("where", ["starting", "held", "converted", "swallowed"])
 def test_a_ctrl_c_anywhere_in_a_run_is_the_interruption_and_the_run_resumes(tmp_path, where):
-    """``held``: a Ctrl-C while a run writes the files that make its folder its own waits until its first
-    checkpoint is written (else the folder could not show a resume that it is the run's); ``converted``: a
-    Ctrl-C that reaches the command as another exception is still the interruption; ``swallowed``: one whose
-    KeyboardInterrupt Python dropped stops the run after its round. Each way: exit 130, the resume sentence,
-    no traceback, and ``fedskew resume`` finishes the run."""
+    """``starting``: a Ctrl-C while the command imports its libraries, before anything is written (a
+    sweep's Ctrl-C in its first seconds ended in a KeyboardInterrupt traceback); ``held``: a Ctrl-C while a
+    run writes the files that make its folder its own waits until its first checkpoint is written (else the
+    folder could not show a resume that it is the run's); ``converted``: a Ctrl-C that reaches the command
+    as another exception is still the interruption; ``swallowed``: one whose KeyboardInterrupt Python
+    dropped stops the run after its round. Each way: exit 130, the interruption's sentence (with the resume
+    command once a run exists), no traceback, and ``fedskew resume`` finishes the run."""
     (tmp_path / "signal_inside.py").write_text(SIGNAL_INSIDE)
     done = subprocess.run([sys.executable, "signal_inside.py", where, *TINY, "out_dir=.", "run_name=r"], cwd=tmp_path,
                           env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 130 and "Traceback" not in done.stderr, (done.returncode, done.stderr[-2000:])
+    if where == "starting":
+        assert done.stderr.strip() == "fedskew: interrupted." and not (tmp_path / "r").exists()
+        return
     assert "fedskew: interrupted; the run directory keeps the last checkpoint: `fedskew resume r` continues it." in \
         done.stderr
     assert (tmp_path / "r" / "checkpoint.pt").is_file() and not (tmp_path / "r" / "summary.json").exists()

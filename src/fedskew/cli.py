@@ -872,6 +872,14 @@ def main(argv: list[str] | None = None) -> int:
     sys.unraisablehook = _unraisable
     try:
         return _main(argv)
+    except KeyboardInterrupt as exc:  # before a command began: while Python imported the libraries it needs
+        return _stopped(None, isinstance(exc, Terminated))
+    except Exception:
+        if _SIGNALLED is None:
+            raise
+        global _END_NOW
+        _END_NOW = True  # (as in _main: an exception that stands for the signal)
+        return _stopped(None, _SIGNALLED == "terminated")
     finally:
         signal.signal(signal.SIGTERM, before[0])
         signal.signal(signal.SIGINT, before[1])
