@@ -9,8 +9,9 @@ writes, and a metrics log whose torn last line is detected.
   never a prefix.
 - :func:`append_line`: one JSON record per line, flushed and fsynced; :func:`read_records`
   drops a torn last line (a crash or a full disk mid-append) and refuses corruption elsewhere.
-- :data:`STOP`: set by :func:`stop_after_this_round` (a sweep worker's SIGTERM/SIGINT handler), it
-  makes the run loop checkpoint after the round it is in and raise :class:`RunInterrupted`.
+- :data:`STOP`: set by :func:`stop_after_this_round` (a sweep worker's SIGTERM/SIGINT handler) and by the
+  command line's handlers (beside their KeyboardInterrupt, which Python may drop), it makes the run loop
+  checkpoint after the round it is in and raise :class:`RunInterrupted`.
 - :func:`signals_held`: SIGINT and SIGTERM held back during a few writes that must not be split.
 """
 
