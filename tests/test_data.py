@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -67,6 +70,26 @@ def test_digits_split_is_stratified_and_seeded():
     per_class = torch.bincount(a.y_test, minlength=10).float()
     assert per_class.min() >= 34 and per_class.max() <= 38  # 20% of ~180 per class
     assert 0.0 <= a.x_train.min() and a.x_train.max() <= 1.0
+
+
+def test_digits_are_scikit_learn_s_digits_read_without_importing_it(monkeypatch):
+    """The file read directly holds what scikit-learn's loader returns, bit for bit, and loading it
+    imports neither scikit-learn nor SciPy (in a fresh process); without the file, the loader's
+    arrays all the same."""
+    from sklearn.datasets import load_digits as sk_digits
+
+    import fedskew.data.datasets as datasets
+
+    bunch = sk_digits()
+    table = datasets._digits_table()
+    assert np.array_equal(table[:, :-1].reshape(-1, 8, 8), bunch.images)
+    assert np.array_equal(table[:, -1].astype(np.int64), bunch.target)
+    code = ("import sys; from fedskew.data.datasets import load_digits; load_digits(0); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'sklearn', 'scipy', 'pandas'}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+    monkeypatch.setattr(datasets.importlib.util, "find_spec", lambda name: None)
+    assert np.array_equal(datasets._digits_table(), table)
 
 
 def test_train_and_test_subsample_are_stratified_and_seeded():
