@@ -673,3 +673,23 @@ def test_the_tree_passes_ruff():
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", "."],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_suite_s_worker_groups_hold(tmp_path):
+    """README's test command runs the tests of one ``xdist_group`` on one worker (the Flower and Ray
+    clusters' tests, the site's; pyproject's addopts: ``--dist loadgroup``): a module-level group of a
+    small suite run with that command's options lands on one worker. pytest 9.2 with pytest-xdist 3.8
+    dropped the groups without a word (every test went to any worker: the site was built twice and two
+    Ray instances ran at once), hence pyproject's pin."""
+    (tmp_path / "test_grouped.py").write_text(
+        "import os\nimport pytest\n\npytestmark = pytest.mark.xdist_group('one')\n\n\n"
+        "@pytest.mark.parametrize('i', range(6))\ndef test_g(i):\n    print('WORKER', os.environ['PYTEST_XDIST_WORKER'])\n")
+    (tmp_path / "test_free.py").write_text("import pytest\n\n\n@pytest.mark.parametrize('i', range(6))\n"
+                                           "def test_f(i):\n    pass\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p",
+                           "no:cacheprovider", "-o", "addopts=", "-s", "-c", "/dev/null", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    workers = {line.split()[0] for line in done.stdout.splitlines() if "test_grouped.py::" in line and "PASSED" in line}
+    assert len(workers) == 1 and len([ln for ln in done.stdout.splitlines() if "test_grouped.py::" in ln
+                                      and "PASSED" in ln]) == 6, done.stdout[-3000:]
