@@ -683,7 +683,8 @@ def test_the_suite_s_worker_groups_hold(tmp_path):
     Ray instances ran at once), hence pyproject's pin."""
     (tmp_path / "test_grouped.py").write_text(
         "import os\nimport pytest\n\npytestmark = pytest.mark.xdist_group('one')\n\n\n"
-        "@pytest.mark.parametrize('i', range(6))\ndef test_g(i):\n    print('WORKER', os.environ['PYTEST_XDIST_WORKER'])\n")
+        "@pytest.mark.parametrize('i', range(6))\ndef test_g(i):\n"
+        "    print('WORKER', os.environ['PYTEST_XDIST_WORKER'])\n")
     (tmp_path / "test_free.py").write_text("import pytest\n\n\n@pytest.mark.parametrize('i', range(6))\n"
                                            "def test_f(i):\n    pass\n")
     done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p",
