@@ -117,15 +117,19 @@ def test_sigkill_around_the_checkpoint_loses_no_tracked_round(tmp_path, when):
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient
 
+    # (a folder named by the case: pytest hands the second case the first one's tmp_path again once that
+    # passed and was removed, and MLflow keeps its store of a database path for the life of the process: a
+    # new file at the old path is "a readonly database" to it)
+    out = tmp_path / when
     cfg = {**SMALL, "rounds": 4}
-    proc = subprocess.run([sys.executable, "-c", KILLER, str(tmp_path), when, repr(cfg)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", KILLER, str(out), when, repr(cfg)], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr[-2000:]
-    fedskew.resume(tmp_path / "k")
-    records = jsonl(tmp_path / "k")
+    fedskew.resume(out / "k")
+    records = jsonl(out / "k")
     assert [r["round"] for r in records] == [0, 1, 2, 3]
-    events = tensorboard_scalars(tmp_path / "k")
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    events = tensorboard_scalars(out / "k")
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("fedskew").experiment_id])
     for key in KEYS:
         assert events[key] == [(r["round"], pytest.approx(r[key], rel=1e-6)) for r in records]
