@@ -126,7 +126,6 @@ def _start_line(cfg, exp) -> str:
 
 def cmd_run(args, console: Console) -> int:
     from fedskew.config import ConfigError, load_config
-    from fedskew.engine.runner import Experiment
 
     if args.resume:
         if args.items:
@@ -158,6 +157,8 @@ def cmd_run(args, console: Console) -> int:
 
         print(yaml.safe_dump(full_config(cfg), sort_keys=False), end="")
         return 0
+    from fedskew.engine.runner import Experiment  # (after the config: a mistake in it is said without the engine)
+
     exp = Experiment(cfg)
     if exp.worker:  # a rank > 0 of `torchrun ... distributed=true`: trains for rank 0, prints nothing
         exp.run()
@@ -978,13 +979,19 @@ def _stopped(args, terminated: bool) -> int:
 def _dispatch(args, console, commands) -> int:
     from fedskew.config import ConfigError
     from fedskew.data import DatasetError, PartitionError
-    from fedskew.engine.runner import ClientFailure
     from fedskew.models import ModelError
+
+    def said() -> tuple[type[BaseException], ...]:
+        """The errors said in one sentence; a client's failure only where the engine ran (a command that
+        lists or checks something never imports it)."""
+        runner = sys.modules.get("fedskew.engine.runner")
+        return ConfigError, DatasetError, PartitionError, ModelError, FloatingPointError, \
+            *((runner.ClientFailure,) if runner is not None else ())
 
     try:
         import_user_modules(getattr(args, "imports", None) or [])
         return commands[args.command](args, console)
-    except (ConfigError, DatasetError, PartitionError, ModelError, FloatingPointError, ClientFailure) as exc:
+    except said() as exc:
         print(f"fedskew: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a read-only folder or a full disk anywhere else: one sentence, nothing half-written

@@ -25,6 +25,7 @@ is linked.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -378,13 +379,23 @@ def listing(data_root: str | None = None) -> list[dict]:
         for scale in SCALES:
             with warnings.catch_warnings():  # (an inert option is said when a run starts, not when it is listed)
                 warnings.simplefilter("ignore", InertOptionWarning)
-                runs = sum(planned_count(load_spec(spec)) for spec in sweeps(name, scale, "DATA").values())
-                linked = len(linked_entries(name, scale, entries))
+                parts = sweeps(name, scale, "DATA")
+                runs = sum(planned_count(load_spec(spec)) for spec in parts.values())
+                linked = len(linked_entries(name, scale, entries, parts))
             total = sum(1 for e in entries if any(e.file in PAPERS[p]["files"] for p in suite["papers"]))
             rows.append({"suite": name, "scale": scale, "papers": ", ".join(suite["papers"]), "runs": runs,
                          "published": f"{linked} of {total}" if total else "0", "linked": linked, "total": total,
                          "about": suite["about"], "time": estimate(name, scale, runs)})
     return rows
+
+
+@functools.cache
+def _timings() -> dict:
+    """``bench_timings.yaml``: the run time measured for each suite and scale."""
+    import yaml
+
+    return yaml.load((Path(__file__).parent / "bench_timings.yaml").read_text(),
+                     Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
 
 
 def estimate(name: str, scale: str, runs: int, out: str | Path | None = None) -> str:
@@ -393,8 +404,6 @@ def estimate(name: str, scale: str, runs: int, out: str | Path | None = None) ->
     suite on the 2-core CPU machine this project is built on (``bench_timings.yaml``), else
     "not measured". GPU times are not measured yet."""
     import sqlite3
-
-    import yaml
 
     folder, seconds, where = suite_dir(name, scale, out), [], ""
     for db_path in folder.glob("*/results.sqlite"):
@@ -407,8 +416,7 @@ def estimate(name: str, scale: str, runs: int, out: str | Path | None = None) ->
     if seconds:
         per_run, where = statistics.fmean(seconds), f"measured in {folder}"
     else:
-        table = yaml.safe_load((Path(__file__).parent / "bench_timings.yaml").read_text())
-        known = (table.get(name) or {}).get(scale)
+        known = (_timings().get(name) or {}).get(scale)
         if not known:
             return "not measured"
         per_run, where = float(known["seconds_per_run"]), known["where"]
@@ -445,16 +453,18 @@ class Cell:
         return abs(self.delta) <= self.entry.spread
 
 
-def linked_entries(name: str, scale: str, entries: list[Entry] | None = None) -> list[Entry]:
+def linked_entries(name: str, scale: str, entries: list[Entry] | None = None,
+                   parts: dict[str, dict] | None = None) -> list[Entry]:
     """The published entries a run of the suite at ``scale`` sits beside: the entry's table is on
     the data set the scale trains (``PAPERS[part]["reference"]``), it needs no method options the
     presets do not run, and the preset runs its method label under its setting. The others (the
-    papers' other data sets, models or tables) no preset runs: `fedskew bench --list` counts them."""
+    papers' other data sets, models or tables) no preset runs: `fedskew bench --list` counts them.
+    ``parts``: the suite's :func:`sweeps` at that scale, when the caller has them."""
     from fedskew.experiments.spec import load_spec
 
     entries = load() if entries is None else entries
     out = []
-    for paper, spec in sweeps(name, scale, "DATA").items():
+    for paper, spec in (sweeps(name, scale, "DATA") if parts is None else parts).items():
         dataset = PAPERS[paper]["reference"].get(scale)
         if dataset is None:
             continue
