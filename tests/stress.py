@@ -36,6 +36,7 @@ TESTS = {
     "tests/test_durability.py::test_workers_die_with_a_sweep_killed_while_they_start": "kills",
     "tests/test_durability.py::test_a_dead_worker_fails_only_its_run": "kills",
     "tests/test_reliability.py::test_sigkill_then_resume_is_bit_identical": "kills",
+    "tests/test_tracking.py::test_sigkill_around_the_checkpoint_loses_no_tracked_round": "kills",
     "tests/test_durability.py::test_two_sweeps_on_one_folder_one_is_refused": "refusals",
     "tests/test_durability.py::test_two_runs_with_one_run_name_never_share_the_directory": "refusals",
     "tests/test_first_day.py::test_resume_refuses_a_folder_holding_a_config_copied_from_a_real_run": "refusals",
