@@ -193,10 +193,13 @@ def worker_init(external: dict[str, tuple[str, str]], parent: int, rounds=None, 
     _die_with_parent(parent)
     signal.signal(signal.SIGTERM, stop_after_this_round)
     signal.signal(signal.SIGINT, stop_after_this_round)
+    import gc
+
     import torch
 
     from fedskew.algorithms import import_methods
 
+    gc.freeze()  # (torch's objects, alive as long as the worker: as the command line does, see fedskew.cli)
     torch.set_num_threads(1)
     import_methods(external)
 

@@ -19,8 +19,11 @@ from pathlib import Path
 
 
 def main(sock: str, keyfile: str, cfgfile: str) -> None:
+    import gc
+
     import torch
 
+    gc.freeze()  # (torch's objects, alive as long as the worker: as the command line does, see fedskew.cli)
     torch.set_num_threads(int(os.environ.get("FEDSKEW_WORKER_THREADS", "1")))
     from fedskew.flower.app import _runtime, report_of
 
