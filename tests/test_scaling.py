@@ -37,7 +37,11 @@ def fedskew_run(out: Path, name: str, extra: list[str], ranks: int = 0) -> Path:
     if ranks:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
                f"--master_port={free_port()}", "-m", "fedskew.cli", "run", *cmd[4:], "distributed=true"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
+    # (torchrun keeps its ranks' logs in a new folder of TMPDIR: one beside the test's, in pytest's folder
+    # that pytest removes, rather than /tmp's, which nobody does)
+    tmp = out.with_name(out.name + "-tmp")
+    tmp.mkdir(exist_ok=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, "TMPDIR": str(tmp)}, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return out / name
 
