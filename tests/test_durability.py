@@ -193,7 +193,7 @@ def test_workers_die_with_a_sweep_killed_while_they_start(tmp_path):
 
 
 NESTED_SIGNAL = """
-import sys, threading
+import os, sys, threading, time
 from fedskew.engine.durable import STOP, stop_after_this_round
 flag = STOP if sys.argv[1] == "stop" else threading.Event()
 state = {"outer": False, "busy": False}
@@ -207,6 +207,20 @@ def local(frame, event, arg):
         flag.set()
         state["busy"] = False
     return local
+def watch():  # the Event's deadlock, seen as it is: the nested set() waits for the lock its own outer set() holds
+    main = threading.main_thread().ident
+    while True:
+        frame, codes = sys._current_frames()[main], []
+        top = frame.f_code.co_name
+        while frame is not None:
+            codes.append(frame.f_code)
+            frame = frame.f_back
+        if top == "__enter__" and codes.count(threading.Event.set.__code__) == 2 and flag._cond._lock.locked():
+            print("deadlocked", flush=True)
+            os._exit(3)
+        time.sleep(0.02)
+if isinstance(flag, threading.Event):
+    threading.Thread(target=watch, daemon=True).start()
 sys.settrace(tracer)
 flag.set()
 sys.settrace(None)
@@ -222,16 +236,19 @@ def test_a_second_signal_inside_the_first_handler_cannot_deadlock_a_worker(tmp_p
     ``threading.Event`` (what STOP was) the nested set waits for the lock its own thread holds, for
     ever, at any line after the lock is taken: the worker never returned its interrupted run and
     the sweep waited out its 60 s grace (seen 1 in ~50 tries on 2 busy cores). The nested call is
-    forced here at every line of the first call; the Event case shows the test can fail."""
+    forced here at every line of the first call; the Event case shows the test can fail (the script
+    sees that deadlock itself: the nested set() waiting for the lock the outer one holds)."""
     script = tmp_path / "nested.py"
     script.write_text(NESTED_SIGNAL)
-    try:  # (the Event case hangs for ever once the nested call is forced: its 20 s only wait for that)
+    try:
         done = subprocess.run([sys.executable, str(script), flag], env=ENV, capture_output=True, text=True,
-                              timeout=20 if hangs else 120)
+                              timeout=120)
     except subprocess.TimeoutExpired:
-        assert hangs, "STOP.set() deadlocked when a second signal's handler ran inside it"
-        return
-    assert not hangs and done.returncode == 0 and "returned True" in done.stdout, done.stderr
+        raise AssertionError(f"{flag}.set() hung without the deadlock the script looks for") from None
+    if hangs:
+        assert done.returncode == 3 and "deadlocked" in done.stdout, (done.returncode, done.stdout, done.stderr)
+    else:
+        assert done.returncode == 0 and "returned True" in done.stdout, done.stderr
 
 
 @pytest.mark.slow  # sweep processes signalled

@@ -126,7 +126,7 @@ def one_ray_instance():
     ``ray.shutdown`` does nothing until the module's simulations are done. Each call still starts
     and terminates its own actors."""
     ray = pytest.importorskip("ray")
-    ray.init(include_dashboard=False, log_to_driver=False)  # (the actors' lines would land in pytest's output)
+    ray.init(include_dashboard=False, log_to_driver=False, **({"num_cpus": int(os.environ["RAYCPUS"])} if os.environ.get("RAYCPUS") else {}))  # (the actors' lines would land in pytest's output)
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(ray, "shutdown", lambda *args, **kwargs: None)
