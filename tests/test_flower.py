@@ -126,7 +126,10 @@ def one_ray_instance():
     ``ray.shutdown`` does nothing until the module's simulations are done. Each call still starts
     and terminates its own actors."""
     ray = pytest.importorskip("ray")
-    ray.init(include_dashboard=False, log_to_driver=False, **({"num_cpus": int(os.environ["RAYCPUS"])} if os.environ.get("RAYCPUS") else {}))  # (the actors' lines would land in pytest's output)
+    # one CPU: one actor a simulation, which serves both clients in turn (an actor is a Python process that
+    # imports Ray, Flower, torch and fedskew, about 3 s of CPU; the suite's other worker has the second core);
+    # log_to_driver off: the actors' lines would land in pytest's output
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=1)
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(ray, "shutdown", lambda *args, **kwargs: None)
