@@ -5,10 +5,10 @@ A misspelt method and ``fedskew bench --list`` should answer within 1.2 x the ti
 this measures. fedskew's commands freeze torch's objects for the garbage collector (``gc.freeze``), which
 spares them the collector's last pass at exit that a bare ``import torch`` pays; the last column compares
 them with a bare import that does the same, so it holds fedskew's own work alone. The commands run
-interleaved, ``--repeats`` times each, and the medians are compared, so a noisy machine moves all alike. The commands run as on a user's machine: Python caches each
-module's compiled bytecode (an environment that sets PYTHONDONTWRITEBYTECODE, as some containers do,
-would compile fedskew's modules from source on every command, about 0.2 s); one unmeasured round first
-writes the caches.
+interleaved, ``--repeats`` times each, and the medians are compared, so a noisy machine moves all alike.
+The commands run as on a user's machine: Python caches each module's compiled bytecode (an environment
+that sets PYTHONDONTWRITEBYTECODE, as some containers do, would compile fedskew's modules from source on
+every command, about 0.2 s); one unmeasured round first writes the caches.
 
     python benchmarks/feedback_speed.py --repeats 7
 """
