@@ -949,8 +949,8 @@ def _main(argv: list[str] | None) -> int:
     import torch  # noqa: F401  (every command imports it, through the config)
 
     # torch's import leaves about half a million objects that live as long as the process; frozen, the
-    # garbage collector's full passes stop scanning them (a listing or a typo answered 0.1 s sooner, the
-    # same share of every pass in a long run)
+    # garbage collector's full passes stop scanning them, Python's last one at exit included (a listing or
+    # a typo answers about 0.45 s sooner: docs/benchmarks.md, "How fast the command line answers")
     gc.freeze()
     _one_line_warnings()
     # piped output (a log file, CI) gets 120 columns rather than rich's 80, so result tables do not wrap
