@@ -131,7 +131,7 @@ PAPERS = {
             },
             "partitions": {"random_classes": {}},
             "seeds": [0, 1, 2],
-            "methods": ["fedavg", "fedrs", "fedphp", "map", "ditto", "fedrep"],
+            "methods": MAP_METHODS,
         },
     },
     # Neural-collapse FL: fixed simplex-ETF head + memory vectors, label_count splits, VGG11.
