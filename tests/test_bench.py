@@ -665,3 +665,72 @@ def test_a_board_names_the_options_that_act_in_none_of_a_method_s_runs(tmp_path)
         run_sweep(spec, tmp_path / "label-skew-fmnist", jobs=1).close()
     assert inert_options("label-skew", tmp_path) == {
         "cfl": "start_round = 20 is not below rounds = 2: no cluster is ever split, so this run is FedAvg"}
+
+
+def test_rank_agreement_against_hand_computed_kendall_taus():
+    """How far two boards rank the same methods alike (the lite board against the paper-scale
+    campaign): Kendall's tau-b, its p-value and the methods that move most, by hand."""
+    from fedskew.experiments.bench import rank_agreement
+
+    # 4 common methods (x and y are on one board only), one discordant pair of 6:
+    # tau = (5 - 1) / 6; exact p: 4 of the 24 orders have at most one inversion, two-sided 2 * 4 / 24
+    got = rank_agreement({"a": 0.4, "b": 0.3, "c": 0.2, "d": 0.1, "x": 0.9},
+                         {"a": 0.4, "b": 0.3, "c": 0.1, "d": 0.2, "y": 0.0})
+    assert got.n == 4 and got.tau == pytest.approx(2 / 3) and got.p == pytest.approx(1 / 3)
+    assert got.moves == [("c", 3.0, 4.0), ("d", 4.0, 3.0)]
+    assert "fewer than 5 methods" in got.sentence("lite", "paper")
+    assert "c (#3 lite, #4 paper)" in got.sentence("lite", "paper")
+    # a tie on the first board (c = d): tau-b = 5 concordant / sqrt((6 - 1) * (6 - 0))
+    tied = rank_agreement({"a": 4, "b": 3, "c": 1, "d": 1}, {"a": 4, "b": 3, "c": 2, "d": 1})
+    assert tied.tau == pytest.approx(5 / 30 ** 0.5) and tied.moves == [("c", 3.5, 3.0), ("d", 3.5, 4.0)]
+    # reversed order of 6: tau -1, exact p 2 / 720; the largest moves first, then by name
+    rev = rank_agreement({m: i for i, m in enumerate("abcdef")}, {m: -i for i, m in enumerate("abcdef")})
+    assert rev.tau == pytest.approx(-1) and rev.p == pytest.approx(2 / 720)
+    assert [m for m, _, _ in rev.moves] == ["a", "f", "b"] and "fewer than 5" not in rev.sentence("x", "y")
+    assert rank_agreement({"a": 1, "b": 2}, {"a": 1, "b": 2}) is None  # fewer than 3 common methods
+    assert rank_agreement({"a": 1, "b": 1, "c": 1}, {"a": 1, "b": 2, "c": 3}) is None  # all tied: undefined
+
+
+def _written_board(values):
+    """A board as `fedskew bench` writes it (leaderboard.md), from seeds' values."""
+    from fedskew.experiments.bench import board_sections
+    from fedskew.experiments.report import to_markdown
+
+    board = _board(values)
+    board.part = "map"
+    return to_markdown("board", board_sections(board), Path("."))
+
+
+def test_board_agreement_joins_the_campaign_steps_and_reads_written_boards():
+    from fedskew.experiments.bench import board_agreement, column_means
+
+    seeds = lambda v: {0: v, 1: v + 0.01, 2: v - 0.01}  # noqa: E731
+    lite = _written_board({(m, "s"): seeds(v) for m, v in zip("abcde", (0.9, 0.8, 0.7, 0.6, 0.5))})
+    part = _written_board({(m, "s"): seeds(v) for m, v in zip("ab", (0.7, 0.9))})  # a and b swapped
+    rest = _written_board({(m, "s"): seeds(v) for m, v in zip("cde", (0.6, 0.5, 0.4))})
+    (line,) = board_agreement([part, rest], lite, "at paper scale", "on the lite board")
+    # 5 methods, one discordant pair of 10: tau = 0.8; exact two-sided p = 2 * 5 / 120
+    assert line.startswith("map: global accuracy (test set, mean of the last 10 rounds), s: Kendall's tau-b 0.80, "
+                           "p = 0.083 over the 5 methods")
+    assert "a (#2 at paper scale, #1 on the lite board); b (#1 at paper scale, #2 on the lite board)" in line
+    assert board_agreement([part], lite, "p", "l") == []  # 2 common methods: nothing to say
+    with pytest.raises(ConfigError, match="b has a mean in 'map: global accuracy .*', s, on two of the boards"):
+        board_agreement([part, part], lite, "p", "l")
+    # a row that a board shows beside its own (`--beside`) is not its own
+    header, rows = ["method", "s", "avg rank", "W/T/L vs -"], [["a", "**90.00 +- 1.00 (#1)**", "1.00", "-"],
+                                                              ["z (board)", "80.00 +- 1.00 (#2)", "2.00", "-"],
+                                                              ["y", "failed (3) (#3)", "3.00", "-"]]
+    assert column_means(rows, header.index("s")) == {"a": 90.0}
+    # `--beside`: this board's own rows against the committed board's, in the table's text and the console
+    from fedskew.experiments.bench import beside, board_sections
+
+    mine = _board({(m, "s"): seeds(v) for m, v in zip("abc", (0.7, 0.9, 0.8))})
+    mine.part = "map"
+    sections = board_sections(mine)
+    said = beside(sections, lite, "the lite board")
+    # a b c here: b, c, a (ranks 3, 1, 2); there a, b, c: two discordant pairs of 3, tau = -1/3
+    assert said[-1].endswith("s: Kendall's tau-b -0.33, p = 1 over the 3 methods both rank (with fewer than 5 "
+                             "methods no ranking can reach p < 0.05); moved most (rank among them): a (#3 here, #1 "
+                             "there); b (#1 here, #2 there); c (#2 here, #3 there).")
+    assert "How far the two boards rank the methods both ran alike: s: Kendall's tau-b -0.33" in sections[0].text
+    assert [r[0] for r in sections[0].rows] == ["b", "c", "a", "d (board)", "e (board)"]

@@ -219,3 +219,29 @@ def test_a_window_runs_the_campaign_step_with_the_tests_first_and_the_speed_step
     assert all(at + limit <= 540 for at, limit in zip(clock_at, limits))  # none runs past the budget
     record = json.loads((tmp_path / "out" / "window.json").read_text())
     assert [s["name"] for s in record["steps"]] == ["gpu-tests", "campaign smoke-niid", *speed]
+
+
+def test_the_campaign_s_paper_scale_boards_joined_are_set_beside_the_lite_board(tmp_path):
+    """When a step is merged, the suite's steps' boards (map-part and map-rest each ran some of MAP's
+    methods) are joined and set beside the committed lite board: Kendall's tau-b per table."""
+    from gpu_merge import main, rank_report
+    from test_bench import _written_board
+
+    seeds = lambda v: {0: v, 1: v + 0.01, 2: v - 0.01}  # noqa: E731
+    root, boards = tmp_path / "campaign", tmp_path / "leaderboards"
+    for step, methods in (("map-part", {"a": 0.9, "b": 0.8}), ("map-rest", {"c": 0.6, "d": 0.7, "e": 0.5})):
+        (root / step).mkdir(parents=True)
+        (root / step / "leaderboard.md").write_text(_written_board({(m, "s"): seeds(v) for m, v in methods.items()}))
+    (root / "campaign.json").write_text(json.dumps({"steps": {"map-part": {"status": "complete"}}, "windows": []}))
+    assert rank_report(root, "seed-papers", boards) is None  # no lite board to compare with
+    boards.mkdir()
+    (boards / "seed-papers-lite.md").write_text(_written_board({(m, "s"): seeds(v) for m, v in
+                                                                zip("abcde", (0.9, 0.8, 0.7, 0.6, 0.5))}))
+    report = rank_report(root, "seed-papers", boards).read_text()
+    assert "map-part (complete), map-rest (not merged)" in report
+    # c and d swapped of 5: tau 0.8, exact two-sided p 10 / 120
+    assert ("- map: global accuracy (test set, mean of the last 10 rounds), s: Kendall's tau-b 0.80, p = 0.083 over "
+            "the 5 methods both rank; moved most (rank among them): c (#4 at paper scale, #3 on the lite board); "
+            "d (#3 at paper scale, #4 on the lite board).") in report
+    assert rank_report(root, "niid-bench", boards) is None  # no step of that suite has a board
+    assert main(["--ranks", "niid-bench", "--campaign-root", str(root)]) == 0

@@ -627,6 +627,68 @@ def average_ranks(values: dict[str, float]) -> dict[str, float]:
     return out
 
 
+@dataclass
+class Agreement:
+    """How far two boards rank the same methods alike in one setting (:func:`rank_agreement`)."""
+
+    tau: float  # Kendall's tau-b of the two boards' means
+    p: float  # its two-sided p-value (the null: no association)
+    n: int  # methods both boards rank
+    moves: list[tuple[str, float, float]]  # (method, rank on the first board, rank on the second), largest first
+
+    def sentence(self, first: str, second: str) -> str:
+        moved = "; ".join(f"{m} (#{a:g} {first}, #{b:g} {second})" for m, a, b in self.moves) or "none"
+        few = " (with fewer than 5 methods no ranking can reach p < 0.05)" if self.n < 5 else ""
+        return (f"Kendall's tau-b {self.tau:.2f}, p = {self.p:.2g} over the {self.n} methods both rank{few}; moved "
+                f"most (rank among them): {moved}")
+
+
+def rank_agreement(first: dict[str, float], second: dict[str, float], movers: int = 3) -> Agreement | None:
+    """Kendall's tau-b between two boards' means of the methods both have (``scipy.stats.kendalltau``:
+    tied means counted as tau-b counts them; its two-sided p-value is exact for fewer than 50 methods
+    without ties), and the ``movers`` methods whose ranks among those methods (1 = best, ties sharing
+    the mean rank, :func:`average_ranks`) differ most. None with fewer than 3 common methods."""
+    from scipy.stats import kendalltau
+
+    common = sorted(set(first) & set(second))
+    if len(common) < 3:
+        return None
+    a, b = [first[m] for m in common], [second[m] for m in common]
+    if len(set(a)) == 1 or len(set(b)) == 1:  # one board ties them all: tau is undefined
+        return None
+    result = kendalltau(a, b)
+    ra, rb = average_ranks(dict(zip(common, a))), average_ranks(dict(zip(common, b)))
+    moves = sorted(((m, ra[m], rb[m]) for m in common if ra[m] != rb[m]), key=lambda t: (-abs(t[1] - t[2]), t[0]))
+    return Agreement(float(result.statistic), float(result.pvalue), len(common), moves[:movers])
+
+
+def board_agreement(first: list[str], second: str, first_name: str, second_name: str) -> list[str]:
+    """Per ranked table and setting that the written boards ``first`` (``leaderboard.md`` texts,
+    joined: the campaign's steps each hold some of a table's methods) and ``second`` share: one line
+    of :class:`Agreement` between their means. A method's rows that a board shows beside its own
+    (``NAME (board)``) are not its own and are left out; a method two of ``first`` both rank is one
+    sentence (ConfigError)."""
+    joined: dict[str, dict[str, dict[str, float]]] = {}  # title -> setting -> method -> mean
+    for text in first:
+        for title, (header, rows) in board_tables(text).items():
+            settings = header[1:header.index("avg rank")]
+            for j, setting in enumerate(settings, start=1):
+                cells = joined.setdefault(title, {}).setdefault(setting, {})
+                for method, mean in column_means(rows, j).items():
+                    if method in cells:
+                        raise ConfigError(f"{method} has a mean in '{title}', {setting}, on two of the boards joined "
+                                          f"as {first_name}; join boards of different methods.")
+                    cells[method] = mean
+    lines = []
+    for title, (header, rows) in board_tables(second).items():
+        settings = header[1:header.index("avg rank")]
+        for j, setting in enumerate(settings, start=1):
+            got = rank_agreement(joined.get(title, {}).get(setting, {}), column_means(rows, j))
+            if got is not None:
+                lines.append(f"{title}, {setting}: {got.sentence(first_name, second_name)}.")
+    return lines
+
+
 def boards(name: str, scale: str, out: str | Path | None = None, methods: list[str] | None = None) -> list[Board]:
     """Per part of the suite and per metric of :data:`BOARD_METRICS` that some run recorded: the
     board of the runs the selection chose, of every method the folder's sweep.yaml names, or of
@@ -927,6 +989,17 @@ def _cell_mean(cell: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def column_means(rows: list[list[str]], j: int) -> dict[str, float]:
+    """Method -> mean of column ``j`` of a written board's ranked table, for the rows that have one
+    and are the board's own (not a ``NAME (board)`` row that :func:`beside` put there)."""
+    out = {}
+    for row in rows:
+        mean = _cell_mean(row[j])
+        if mean is not None and not row[0].endswith(" (board)"):
+            out[row[0]] = mean
+    return out
+
+
 def beside(sections: list, board_text: str, where: str) -> list[str]:
     """Put the rows of a committed board (``board_text``, a ``leaderboard.md``) beside a board's own
     rows: in each ranked table whose title the committed board shares, its methods that this board
@@ -974,9 +1047,17 @@ def beside(sections: list, board_text: str, where: str) -> list[str]:
                                           f"{len(diffs)} shared cells (another torch, CPU or thread count moves the "
                                           f"last digits)" if diffs else f"{baseline} shares no cell with {where}")
             said.append(f"{sec.title}: {text}.")
+        ranked = []
+        for j, s in enumerate(settings, start=1):
+            got = rank_agreement(column_means(list(ours.values()), j), column_means(theirs, col[s]) if s in col else {})
+            if got is not None:
+                ranked.append(f"{s}: {got.sentence('here', 'there')}")
+        said += [f"{sec.title}, {line}." for line in ranked]
         sec.text += (f"\n\nBeside it: the rows marked (board) are {where}'s, in the settings this board ran, "
                      f"ranked again with this board's rows by mean; their cells are not bold and their paired "
-                     f"tests are not shown (the committed board keeps no seeds' values).")
+                     f"tests are not shown (the committed board keeps no seeds' values)."
+                     + (" How far the two boards rank the methods both ran alike: " + "; ".join(ranked) + "."
+                        if ranked else ""))
     return said
 
 
@@ -1052,6 +1133,7 @@ def write_leaderboard(name: str, scale: str, command: str, out: str | Path | Non
 
 
 __all__ = [
+    "Agreement",
     "Board",
     "Cell",
     "claim_folder",
@@ -1059,11 +1141,13 @@ __all__ = [
     "SCALES",
     "SUITES",
     "average_ranks",
+    "board_agreement",
     "boards",
     "estimate",
     "leaderboard",
     "listing",
     "paired_test",
+    "rank_agreement",
     "suite_dir",
     "suite_method",
     "sweeps",
