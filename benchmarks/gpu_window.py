@@ -59,8 +59,8 @@ CAMPAIGN = [
                "--methods", "fedavg,fedrs,fedphp,map", "--checkpoint-every", "50"]},
     {"step": "map-rest", "about": "MAP Tables I and II: the other methods with a published cell, seeds 0-2",
      "bench": ["seed-papers", "--scale", "paper", "--parts", "map", "--seeds", "0,1,2", "--methods",
-               "fedprox,scaffold,perfedavg,fedrod,ditto,dittors,fedmmd,fedaws,moon,fednova,feddyn,fedrep,fedproto",
-               "--checkpoint-every", "50"]},
+               "fedprox,scaffold,perfedavg,pfedme,fedrod,ditto,dittors,fedmmd,fedaws,moon,fednova,feddyn,flda,"
+               "fedrep,fedproto", "--checkpoint-every", "50"]},
     {"step": "niid-fmnist", "about": "NIID-Bench's FMNIST protocol, 4 methods x 5 partitions, seeds 0-2",
      "bench": ["niid-bench", "--scale", "paper", "--parts", "niid-fmnist", "--seeds", "0,1,2"]},
     {"step": "label-skew-first", "about": "the label-skew suite at paper scale: FedAvg, FedRS, FedLC, FedDecorr",
