@@ -251,7 +251,6 @@ def test_the_campaign_s_map_steps_run_every_method_with_a_published_map_cell():
     """map-part and map-rest together: each method that MAP's Tables I and II give a number at paper
     scale, once (pFedMe and FLDA were left out of the plan once)."""
     import gpu_window
-
     from fedskew.experiments.bench import linked_entries
 
     ran = [m for s in gpu_window.CAMPAIGN if s["step"].startswith("map-")

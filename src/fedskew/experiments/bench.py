@@ -646,8 +646,9 @@ class Agreement:
 def rank_agreement(first: dict[str, float], second: dict[str, float], movers: int = 3) -> Agreement | None:
     """Kendall's tau-b between two boards' means of the methods both have (``scipy.stats.kendalltau``:
     tied means counted as tau-b counts them; its two-sided p-value is exact for up to 33 methods
-    without ties, else the normal approximation), and the ``movers`` methods whose ranks among those methods (1 = best, ties sharing
-    the mean rank, :func:`average_ranks`) differ most. None with fewer than 3 common methods."""
+    without ties, else the normal approximation), and the ``movers`` methods whose ranks among
+    those methods (1 = best, ties sharing the mean rank, :func:`average_ranks`) differ most. None
+    with fewer than 3 common methods."""
     from scipy.stats import kendalltau
 
     common = sorted(set(first) & set(second))
