@@ -245,6 +245,14 @@ def test_the_campaign_s_paper_scale_boards_joined_are_set_beside_the_lite_board(
             "d (#3 at paper scale, #4 on the lite board).") in report
     assert rank_report(root, "niid-bench", boards) is None  # no step of that suite has a board
     assert main(["--ranks", "niid-bench", "--campaign-root", str(root)]) == 0
+    # two steps that both rank a method: one sentence, no traceback, nothing written
+    (root / "map-rest" / "leaderboard.md").write_text((root / "map-part" / "leaderboard.md").read_text())
+    (root / "seed-papers-paper-vs-lite.md").unlink()
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_merge.py"), "--ranks", "seed-papers",
+                           "--campaign-root", str(root)], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                          timeout=120)
+    assert done.returncode == 2 and "has a mean in 'map: global accuracy" in done.stderr
+    assert "Traceback" not in done.stderr and not (root / "seed-papers-paper-vs-lite.md").exists()
 
 
 def test_the_campaign_s_map_steps_run_every_method_with_a_published_map_cell():
