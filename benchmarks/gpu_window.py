@@ -45,6 +45,9 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # fedskew from this checkout (the device machine has it nowhere else)
@@ -72,9 +75,25 @@ TEST_PLAN = [{"step": "smoke-niid", "about": "niid-bench at smoke scale (digits)
 KEEP = (".sqlite", ".yaml", ".json", ".jsonl", ".md", ".html")  # what a campaign folder holds: text and SQLite
 
 
+class CampaignRecord(BaseModel):
+    """campaign.json: each step's status, each merged window, the speed steps measured."""
+
+    model_config = ConfigDict(extra="forbid")
+    steps: dict[str, dict[str, Any]] = {}
+    windows: list[dict[str, Any]] = []
+    measured: dict[str, dict[str, Any]] = {}
+
+
 def campaign_state(root: Path) -> dict:
+    """campaign.json through fedskew's file boundary (a regular file, a few MB, valid JSON, the
+    record's shape), or a new record where there is none; a damaged one is one sentence."""
+    from fedskew.files import read_json
+
     path = root / "campaign.json"
-    return json.loads(path.read_text()) if path.is_file() else {"steps": {}, "windows": []}
+    if not os.path.lexists(path):
+        return {"steps": {}, "windows": []}
+    state = read_json(path, "campaign record", model=CampaignRecord).model_dump(exclude_unset=True)
+    return {"steps": {}, "windows": [], **state}
 
 
 def next_step(plan: list[dict], root: Path) -> dict | None:

@@ -233,7 +233,7 @@ def test_the_momentum_control_runs_fedavg_under_the_four_s_optimiser():
     parsed = load_spec(module.spec("DATA"))
     assert [m.label or m.name for m in parsed.methods] == ["fedavg", "fedcm", "fedhbm", "ghbm", "localghbm",
                                                             "fedavg-sgd"]
-    assert parsed.report["baseline"] == "fedavg-sgd"
+    assert parsed.report.baseline == "fedavg-sgd"
     def optimiser(label):
         return sorted((c["lr"], c["momentum"], c["weight_decay"]) for m in parsed.methods
                                          if (m.label or m.name) == label

@@ -820,8 +820,10 @@ def test_a_garbage_results_database_is_one_sentence(tmp_path):
     (tmp_path / "sw" / "results.sqlite").write_bytes(os.urandom(4096))
     with pytest.raises(ConfigError, match="is not a fedskew results database"):
         fedskew.load_results(tmp_path / "sw")
-    with pytest.raises(ConfigError, match="is not a fedskew results database"):
+    # a sweep into it: not a folder a sweep of fedskew made, so nothing is written there
+    with pytest.raises(ConfigError, match="already holds files that no fedskew sweep wrote .results.sqlite."):
         fedskew.sweep({"name": "g", "base": SMALL, "methods": ["fedavg"]}, out=tmp_path / "sw")
+    assert sorted(p.name for p in (tmp_path / "sw").iterdir()) == ["results.sqlite"]
 
 
 def test_a_locked_results_database_is_waited_for_then_one_sentence(tmp_path, monkeypatch):

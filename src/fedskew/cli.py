@@ -164,7 +164,8 @@ def cmd_run(args, console: Console) -> int:
         exp.run()
         return 0
     console.print(_start_line(cfg, exp), highlight=False)
-    args.interrupt_hint = f"the run directory keeps the last checkpoint: `fedskew resume {exp.run_dir}` continues it."
+    args.interrupt_hint = (f"the run directory keeps the last checkpoint: `fedskew resume{_imports(args)} "
+                           f"{exp.run_dir}` continues it.")
     return _execute(exp.run, cfg.rounds, console)
 
 
@@ -248,8 +249,15 @@ def cmd_resume(args, console: Console) -> int:
     data = read_config_file(record) if record.is_file() else {}
     rounds = next((c.split("=", 1)[1] for c in reversed(changes) if c.startswith("rounds=")), data.get("rounds", 0))
     rounds = int(rounds) if str(rounds).isdigit() else 0
-    args.interrupt_hint = f"`fedskew resume {args.run_dir}` continues it again."
+    args.interrupt_hint = f"`fedskew resume{_imports(args)} {args.run_dir}` continues it again."
     return _execute(lambda on_round: resume(args.run_dir, on_round, changes), rounds, console)
+
+
+def _imports(args) -> str:
+    """The ``--import`` flags a command was given, to repeat in the command that continues it."""
+    import shlex
+
+    return "".join(f" --import {shlex.quote(m)}" for m in getattr(args, "imports", None) or [])
 
 
 def _execute(fn, rounds: int, console: Console) -> int:
@@ -416,7 +424,6 @@ def _pct(v) -> str:
 
 def _sweep_tables(sweep_dir: Path, console: Console) -> None:
     """The report's main tables as terminal tables, titled with the metric and its unit."""
-    import yaml
 
     from fedskew.experiments.report import (
         MIN_BOLD_SEEDS,
@@ -427,9 +434,10 @@ def _sweep_tables(sweep_dir: Path, console: Console) -> None:
         metric_title,
     )
     from fedskew.experiments.selection import selected_runs
+    from fedskew.experiments.spec import read_record
     from fedskew.experiments.store import open_sweep
 
-    spec = yaml.safe_load((sweep_dir / "sweep.yaml").read_text()) or {}
+    spec = read_record(sweep_dir)
     opts = spec.get("report") or {}
     db = open_sweep(sweep_dir)
     try:
@@ -469,8 +477,9 @@ def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, conso
     from fedskew.experiments.pool import check_pack
 
     pack = check_pack(getattr(args, "pack", None) or "auto")  # (a bad value: one sentence before anything runs)
+    from fedskew.config import ConfigError
     from fedskew.experiments.report import write_report
-    from fedskew.experiments.spec import default_jobs, default_sweep_dir, planned_count, rounds_per_run
+    from fedskew.experiments.spec import MAX_RUNS, default_jobs, default_sweep_dir, planned_count, rounds_per_run
     from fedskew.experiments.store import writable
     from fedskew.experiments.sweep import clock, run_sweep
 
@@ -486,6 +495,9 @@ def _run_and_report(spec, out: str | None, jobs: int | None, report: bool, conso
                   + (f"; each grid on seeds {spec.selection.tune_seeds}, its chosen point on the others"
                      if spec.selection.tune_seeds is not None else "") + f") into {sweep_dir}, {where}",
                   highlight=False)
+    if total > MAX_RUNS and not getattr(args, "yes", False):
+        raise ConfigError(f"the sweep plans {total:,} runs, more than {MAX_RUNS:,}, so nothing was started; check its "
+                          f"grids and seeds, or add --yes to run them all.")
     if args is not None:  # (a multirun names a new folder each time: its continuation is named explicitly)
         on = f"--ray {ray}" if ray is not None else f"--jobs {jobs}"
         again = (f"`fedskew sweep {sweep_dir / 'sweep.yaml'} --out {sweep_dir} {on}`"
@@ -624,9 +636,15 @@ def cmd_bench(args, console: Console) -> int:
         for paper, spec in parts.items():
             failed |= _run_and_report(load_spec(spec), str(folder / bench.part_folder(paper, args.scale)), args.jobs,
                                       False, console, args, args.ray)
-    elif args.settings or args.parts or args.seeds:  # their names are checked as a run checks them
-        bench.restrict(bench.sweeps(args.suite, args.scale, args.data, methods), args.suite, _csv(args.parts),
-                       _csv(args.seeds), {}, _csv(args.settings))
+    else:
+        if args.settings or args.parts or args.seeds:  # their names are checked as a run checks them
+            bench.restrict(bench.sweeps(args.suite, args.scale, args.data, methods), args.suite, _csv(args.parts),
+                           _csv(args.seeds), {}, _csv(args.settings))
+        parts = [folder / bench.part_folder(p, args.scale) for p in bench.SUITES[args.suite]["papers"]]
+        if not any((p / "results.sqlite").is_file() for p in parts):  # nothing to rank: no empty board is written
+            raise ConfigError(f"bench --report: '{folder}' holds no runs of suite '{args.suite}' at scale "
+                              f"'{args.scale}', so no leaderboard is written; `fedskew bench {args.suite} --scale "
+                              f"{args.scale} --out {folder}` runs them.")
     command = f"fedskew bench {args.suite} --scale {args.scale}" + (f" --data {args.data}" if args.data else "") + \
         "".join(f" --import {m}" for m in getattr(args, "imports", None) or []) + \
         (f" --methods {','.join(methods)}" if methods else "") + \
@@ -724,6 +742,7 @@ def cmd_flower(args, console: Console) -> int:
 
 IMPORT_HELP = ("import a module (a name on the Python path, or a .py file) first: the methods it registers with "
                "fedskew.register_method can be named like built-in ones; repeat for several")
+YES_HELP = "run a sweep of more than 10,000 runs (refused without it: a typo in a grid should not start a week of work)"
 PACK_HELP = ("runs on the vectorised executor that differ only in seed, partition, lr or float method options train "
              "as lanes of one program (docs/design.md, \"Runs as lanes\"): auto (on a CUDA device; default), off, or N "
              "runs a pack")
@@ -745,10 +764,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--jobs", type=int, help="multirun (key=a,b): runs at once (default: min(2, cores))")
     p_run.add_argument("--pack", metavar="auto|off|N", help=PACK_HELP)
     p_run.add_argument("--import", dest="imports", action="append", metavar="MODULE", help=IMPORT_HELP)
+    p_run.add_argument("--yes", action="store_true", help=YES_HELP)
     p_res = sub.add_parser("resume", help="continue an interrupted run from its directory")
     p_res.add_argument("run_dir")
     p_res.add_argument("--import", dest="imports", action="append", metavar="MODULE",
-                       help=IMPORT_HELP + " (a run of your method imports the module it recorded by itself)")
+                       help=IMPORT_HELP + " (a run of your own method needs it again: a run folder never imports code)")
     p_res.add_argument("changes", nargs="*", metavar="key=value",
                        help="settings to change from the next round on (lr, lr_decay, grad_clip, rounds, ...)")
     p_part = sub.add_parser("partition", help="print and draw a partition", epilog=EPILOG)
@@ -766,6 +786,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_sw.add_argument("--no-report", action="store_true", help="skip the report at the end")
     p_sw.add_argument("--pack", metavar="auto|off|N", help=PACK_HELP)
     p_sw.add_argument("--import", dest="imports", action="append", metavar="MODULE", help=IMPORT_HELP)
+    p_sw.add_argument("--yes", action="store_true", help=YES_HELP)
     p_sw.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                       help="run on Ray: no address starts a local instance; auto, host:port or ray://host:10001 "
                            "joins a cluster (docs/scaling.md)")
@@ -796,6 +817,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_be.add_argument("--jobs", type=int, help="runs at once, one torch thread each (default: min(2, cores))")
     p_be.add_argument("--pack", metavar="auto|off|N", help=PACK_HELP)
     p_be.add_argument("--import", dest="imports", action="append", metavar="MODULE", help=IMPORT_HELP)
+    p_be.add_argument("--yes", action="store_true", help=YES_HELP)
     p_be.add_argument("--ray", help="run on Ray (local, auto, host:port)")
     p_be.add_argument("--report", action="store_true", help="only rebuild the leaderboard from the runs there are")
     p_be.add_argument("--strict", action="store_true", help="refuse a leaderboard whose runs come from more than one "
@@ -876,9 +898,11 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
     except KeyboardInterrupt as exc:  # before a command began: while Python imported the libraries it needs
         return _stopped(None, isinstance(exc, Terminated))
-    except Exception:
+    except Exception as exc:
         if _SIGNALLED is None:
-            raise
+            if os.environ.get("FEDSKEW_DEBUG", "") not in ("", "0"):
+                raise
+            return crashed(exc, argv)
         global _END_NOW
         _END_NOW = True  # (as in _main: an exception that stands for the signal)
         return _stopped(None, _SIGNALLED == "terminated")
@@ -886,6 +910,30 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, before[0])
         signal.signal(signal.SIGINT, before[1])
         sys.unraisablehook = hook
+
+
+def crashed(exc: BaseException, argv: list[str] | None) -> int:
+    """The error boundary: an exception no command anticipated is one sentence on stderr (what failed,
+    on which file where it names one) and the path of a crash report that holds the traceback; exit
+    status 1. ``FEDSKEW_DEBUG=1`` raises it instead."""
+    import tempfile
+    import traceback
+
+    command = " ".join(["fedskew", *(sys.argv[1:] if argv is None else argv)])
+    report = None
+    try:
+        fd, report = tempfile.mkstemp(prefix="fedskew-crash-", suffix=".txt")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"{command}\n\n{''.join(traceback.format_exception(exc))}")
+    except OSError:
+        report = None
+    what = (str(exc).splitlines() or [""])[0][:200] or "no message"
+    where = f" on '{exc.filename}'" if isinstance(exc, OSError) and exc.filename else ""
+    kept = (f"the traceback is in {report}" if report else "no crash report could be written") + \
+        "; FEDSKEW_DEBUG=1 prints it here instead"
+    print(f"fedskew: error: {command.split(' ', 2)[1] if ' ' in command else 'fedskew'} failed{where} with an "
+          f"unexpected {type(exc).__name__} ({what}); {kept}.", file=sys.stderr)
+    return 1
 
 
 def _unraisable(unraisable) -> None:

@@ -27,6 +27,8 @@ from fedskew.data.partitions import PARTITIONS, partition_keys
 from fedskew.data.sources import DATASETS, dataset_keys
 from fedskew.models.build import MODEL_NAMES, model_keys
 
+MAX_SEED = 2**63 - 1  # a seed is a signed 64-bit integer: torch's generators and the results store hold no more
+
 
 class ConfigError(ValueError):
     """An invalid configuration; the message names the key, the value and what is allowed."""
@@ -245,7 +247,7 @@ class RunConfig(_Strict):
     client_dropout: float = Field(0.0, ge=0, lt=1, description="the fraction of selected clients that drop out after "
                                                                "receiving the model (never answer; seeded per round "
                                                                "and client; one always stays)")
-    seed: int = Field(0, ge=0, description="every random draw derives from it through named streams")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="every random draw derives from it through named streams")
     device: str = Field("cpu", description="cpu, cuda or cuda:N")
     out_dir: str = Field("runs", description="the folder that holds the run folder")
     run_name: str | None = Field(None, description="the run folder's name (default "
@@ -452,28 +454,16 @@ SECTIONS = {"dataset": DatasetConfig, "partition": PartitionConfig, "model": Mod
 
 
 MAX_YAML_BYTES = 1 << 20
-MAX_YAML_ALIASES = 20  # a config needs none; an alias bomb needs many
-
-
-class _BoundedLoader(yaml.SafeLoader):
-    """A SafeLoader that refuses alias bombs (a few hundred bytes expanding to gigabytes)."""
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            self.aliases_seen = getattr(self, "aliases_seen", 0) + 1
-            if self.aliases_seen > MAX_YAML_ALIASES:
-                raise yaml.YAMLError(f"more than {MAX_YAML_ALIASES} aliases (*name references); a config needs none")
-        return super().compose_node(parent, index)
 
 
 def load_yaml(text: str, what: str):
-    """Parse a config or sweep file's text: size and alias expansion bounded, one-sentence errors."""
+    """Parse a config or sweep file's text: size, alias expansion and nesting bounded, one-sentence
+    errors (:func:`fedskew.files.parse_yaml`)."""
+    from fedskew.files import parse_yaml
+
     if len(text) > MAX_YAML_BYTES:
         raise ConfigError(f"{what} is {len(text):,} bytes; a config or sweep file is at most {MAX_YAML_BYTES:,}.")
-    try:
-        return yaml.load(text, Loader=_BoundedLoader)
-    except (yaml.YAMLError, ValueError) as exc:
-        raise ConfigError(f"{what} is not valid YAML ({yaml_problem(exc)[:200]}).") from None
+    return parse_yaml(text, what)
 
 
 def yaml_problem(exc: Exception) -> str:
@@ -517,9 +507,11 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key, raw = item.split("=", 1)
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{item}' has an empty key; use dotted keys such as model.name=mlp.")
+    from fedskew.files import BoundedLoader
+
     try:
-        value = yaml.load(raw, Loader=_BoundedLoader) if raw != "" else ""
-    except (yaml.YAMLError, ValueError):  # not YAML, or a number too long for Python: the text itself
+        value = yaml.load(raw, Loader=BoundedLoader) if raw != "" else ""
+    except (yaml.YAMLError, ValueError, RecursionError):  # not YAML, or a number too long for Python: the text
         value = raw
     return key.split("."), value
 
@@ -566,13 +558,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """The raw mapping of a YAML config file (not yet validated; a run directory's
     ``fedskew_version`` key dropped), with one-sentence errors."""
+    from fedskew.files import read_text
+
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file '{path}' does not exist.")
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file '{path}' cannot be read ({str(exc)[:120]}).") from None
+    text = read_text(path, "config file", limit=MAX_YAML_BYTES)
     loaded = load_yaml(text, f"config file '{path}'")
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping of keys, not a {type(loaded).__name__}.")

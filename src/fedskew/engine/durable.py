@@ -23,12 +23,14 @@ import fcntl
 import json
 import os
 import signal
+import stat
 import threading
 from pathlib import Path
 
 from fedskew.config import ConfigError
 
 LOCK_NAME = ".fedskew.lock"
+MAX_LOG = 1 << 30  # metrics.jsonl: a few KB a round
 
 
 class StopFlag:
@@ -97,7 +99,23 @@ class FolderLock:
         self.fd: int | None = None
 
     def acquire(self) -> FolderLock:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # never through a link: a lock file that is a symbolic link, a hard link to another file, or
+        # anything but a regular file was put there by someone else, and writing the PID would change it
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise
+            raise ConfigError(f"'{self.path}' is not a lock file of fedskew's (a link, a folder or a device stands "
+                              f"there), so {self.what} '{self.path.parent}' is not touched; remove it, or choose "
+                              f"another folder.") from None
+        info = os.fstat(self.fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            os.close(self.fd)
+            self.fd = None
+            kind = "a hard link to another file" if stat.S_ISREG(info.st_mode) else "a FIFO, a device or a socket"
+            raise ConfigError(f"'{self.path}' is not a lock file of fedskew's ({kind}), so {self.what} "
+                              f"'{self.path.parent}' is not touched; remove it, or choose another folder.")
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -137,12 +155,26 @@ def fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
+def replaceable(path: Path, *more: Path) -> None:
+    """One sentence where a folder, a FIFO or a device stands where fedskew replaces a file of its own
+    (a link is replaced itself, never written through)."""
+    for where in (Path(path), *map(Path, more)):
+        if os.path.lexists(where) and not where.is_symlink() and not stat.S_ISREG(os.lstat(where).st_mode):
+            raise ConfigError(f"'{where}' is not a file (a folder or a special file stands where fedskew writes "
+                              f"'{Path(path).name}'), so nothing was replaced; move it away and run the command "
+                              f"again.")
+
+
 def atomic_write(write, path: Path, sync_folder: bool = True) -> None:
     """``write(fh)`` into a temporary file, fsync it, rename it over ``path``, fsync the folder
     (``sync_folder=False``: the caller fsyncs it once after several files)."""
     tmp = path.with_name(path.name + ".tmp")
+    replaceable(path, tmp)
+    if os.path.lexists(tmp):  # a crash's leftover, or a link planted there: removed, never written through
+        tmp.unlink()
     try:
-        with open(tmp, "wb") as fh:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
@@ -161,6 +193,30 @@ def atomic_write(write, path: Path, sync_folder: bool = True) -> None:
     os.replace(tmp, path)
     if sync_folder:
         fsync_folder(path.parent)
+
+
+def replace_folder(source: Path, target: Path) -> None:
+    """``target`` made a copy of the folder ``source``, or left as it was: the copy is made beside it on
+    the same file system and renamed into place, so a full disk or a crash mid-copy leaves the old
+    folder whole (and the partial copy removed)."""
+    import shutil
+
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    new = target.with_name(f".{target.name}.new-{os.getpid()}")
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    shutil.rmtree(new, ignore_errors=True)
+    try:
+        shutil.copytree(source, new, symlinks=True, copy_function=shutil.copy2)
+        fsync_folder(new)
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    if os.path.lexists(target):
+        os.replace(target, old)
+    os.replace(new, target)
+    fsync_folder(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_png(fig, path: Path, dpi: int = 100) -> Path:
@@ -198,7 +254,9 @@ def read_records(path: Path) -> list[dict]:
     """The records of a metrics log. A last line without its newline, or the last line not valid
     JSON, is the trace of an interrupted append and is dropped; a bad line before it is
     corruption (one sentence)."""
-    text = path.read_text(errors="replace") if path.is_file() else ""
+    from fedskew.files import read_text
+
+    text = read_text(path, "metrics log", own=True, limit=MAX_LOG) if os.path.lexists(path) else ""
     *complete, torn = text.split("\n")  # torn: what follows the last newline ("" after a clean append)
     records = []
     for i, line in enumerate(complete):
@@ -206,7 +264,7 @@ def read_records(path: Path) -> list[dict]:
             continue
         try:
             rec = json.loads(line)
-            if not isinstance(rec, dict) or "round" not in rec:
+            if not isinstance(rec, dict) or not isinstance(rec.get("round"), int):
                 raise ValueError("not a round record")
         except ValueError:
             if i == len(complete) - 1 and not torn:
@@ -218,4 +276,4 @@ def read_records(path: Path) -> list[dict]:
 
 
 __all__ = ["FolderLock", "append_line", "blocking_file", "atomic_save", "atomic_write_text", "fsync_folder",
-           "read_records"]
+           "read_records", "replace_folder"]

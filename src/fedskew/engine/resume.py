@@ -121,58 +121,33 @@ def stand_in(data: dict):
 
 
 def import_recorded_method(run_dir: Path, data: dict) -> None:
-    """A run of the user's method, in a folder proven to be the run's: import its module's file as
-    run.json records it, when this process has not registered the method (``fedskew resume DIR``
-    after Ctrl-C, without ``--import``), only when the file's SHA-256 is the one the run recorded
-    and the file lies outside the run folder; says which file it imported. Anything else is one
-    sentence naming the file and asking for ``--import``."""
-    import hashlib
-    import json
-
-    from fedskew.algorithms import import_module_of, registered
+    """A run of the user's method that this process has not registered is never resumed by importing
+    what its folder names: code runs only from ``--import`` (or ``fedskew.register_method`` in the
+    user's own process). run.json's ``method_source`` only says what to pass: one sentence naming the
+    file the run was started with."""
+    from fedskew.algorithms import registered
+    from fedskew.engine.rundir import RunDir
 
     name = _method_name(data)
     if name is None or name in registered():
         return
-    try:
-        source = json.loads((run_dir / "run.json").read_text()).get("method_source") or {}
-    except (OSError, ValueError, AttributeError):
-        source = {}
+    source = RunDir(run_dir).record().get("method_source")
     file = source.get("file") if isinstance(source, dict) else None
-    ask = f"pass --import MODULE to name the module that defines method '{name}' yourself."
-    if not isinstance(file, str) or not file.endswith(".py"):
-        raise ConfigError(f"run '{run_dir}' trains method '{name}', which is not registered, and its run.json records "
-                          f"no source file of it; {ask}")
-    path = Path(file)
-    if not path.is_file():
-        raise ConfigError(f"run '{run_dir}' trains method '{name}' of {file}, which is not there now; {ask}")
-    if path.resolve().is_relative_to(run_dir.resolve()):
-        raise ConfigError(f"run '{run_dir}' names {file}, inside the run folder, as the source of method '{name}'; "
-                          f"a run never keeps its method there, so it is not imported; {ask}")
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if source.get("sha256") != digest:
-        why = ("records no digest of it" if not source.get("sha256") else
-               f"recorded SHA-256 {str(source.get('sha256'))[:12]}..., the file has {digest[:12]}... now")
-        raise ConfigError(f"run '{run_dir}' trains method '{name}' of {file}, but its run.json {why}: the file is "
-                          f"not imported; {ask}")
-    try:
-        import_module_of(str(path))
-    except Exception as exc:  # (the usual unknown-method sentence follows when nothing registered it)
-        raise ConfigError(f"run '{run_dir}' trains method '{name}' of {file}, whose import failed "
-                          f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160] or 'no message'}); "
-                          f"fix it or pass --import MODULE.") from None
-    print(f"fedskew: imported {path} for method '{name}' (the file run.json records, its SHA-256 unchanged).",
-          file=sys.stderr)
+    hint = (f"`fedskew resume --import {str(file)[:200]} {run_dir}` continues it if that file (the one the run was "
+            f"started with) is yours, or pass --import MODULE naming the module that defines '{name}'"
+            if isinstance(file, str) else f"pass --import MODULE naming the module that defines '{name}'")
+    raise ConfigError(f"run '{run_dir}' trains method '{name}', which this process has not registered, and a run "
+                      f"folder never imports code by itself: {hint}.")
 
 
 def written_by_fedskew(path: Path) -> bool:
     """Whether a run's ``config.yaml`` is fedskew's record (its version and the environment beside the
     config), not a file of the user's."""
-    import yaml
+    from fedskew.files import FileProblem, read_yaml
 
     try:
-        record = yaml.safe_load(path.read_text())
-    except (OSError, ValueError, yaml.YAMLError):
+        record = read_yaml(path, "run config record", own=True)
+    except FileProblem:
         return False
     return isinstance(record, dict) and "fedskew_version" in record and isinstance(record.get("environment"), dict)
 
@@ -180,11 +155,11 @@ def written_by_fedskew(path: Path) -> bool:
 def finished_rounds(run_dir: Path, data: dict) -> int | None:
     """The rounds of a finished run (``summary.json`` written for the rounds config.yaml asks for),
     else None: not started, interrupted, or an extension of it interrupted."""
-    import json
+    from fedskew.files import FileProblem, read_json
 
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
+        summary = read_json(run_dir / "summary.json", "run summary", own=True)
+    except FileProblem:
         return None
     rounds = summary.get("rounds") if isinstance(summary, dict) else None
     return rounds if isinstance(rounds, int) and rounds == data.get("rounds", rounds) else None

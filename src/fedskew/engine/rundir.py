@@ -34,7 +34,15 @@ import yaml
 
 from fedskew import __version__
 from fedskew.config import ADDED_RUN_KEYS, ConfigError, RunConfig, former_architecture_keys, without_added
-from fedskew.engine.durable import atomic_save, atomic_write, atomic_write_text, fsync_folder, read_records, save_png
+from fedskew.engine.durable import (
+    atomic_save,
+    atomic_write,
+    atomic_write_text,
+    fsync_folder,
+    read_records,
+    replaceable,
+    save_png,
+)
 
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
 
@@ -133,16 +141,29 @@ class RunResult:
                 f"global/test_acc {shown}, run_dir '{self.run_dir}')")
 
 
-def _check_inflated_size(path: Path) -> None:
+MAX_CHECKPOINT = 4 << 30  # a checkpoint or client file of a run whose model is not known yet
+MIN_CHECKPOINT = 64 << 20  # what any run's checkpoint may take beyond its model's copies
+
+
+def checkpoint_limit(shapes: dict) -> int:
+    """The most bytes a checkpoint of a model of ``shapes`` holds: 64 copies of the model in float64
+    (server states such as control variates, momenta and the inline client states of old
+    checkpoints are a few copies each) and 64 MB besides; a larger file is not this run's and is not read."""
+    params = sum(int(np.prod(s)) for s in shapes.values())
+    return MIN_CHECKPOINT + 64 * 8 * params
+
+
+def _check_inflated_size(fh) -> None:
     """Refuse a checkpoint whose zip entries inflate past the file's own size: ``torch.save`` stores
     entries uncompressed, so only a foreign (or malicious) file compresses, and a 1 MB deflated
     entry could ask for gigabytes before ``torch.load`` checks anything."""
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(fh) as archive:
             inflated = sum(info.file_size for info in archive.infolist())
     except (zipfile.BadZipFile, OSError) as exc:
         raise ValueError(f"it is not a zip archive as torch.save writes ({exc})") from None
-    size = path.stat().st_size
+    size = fh.seek(0, os.SEEK_END)
+    fh.seek(0)
     if inflated > size:
         raise ValueError(f"its zip entries inflate to {inflated:,} bytes from a {size:,}-byte file (torch.save never "
                          f"compresses)")
@@ -191,9 +212,18 @@ class ClientStates(dict):
         return self[key]
 
 
-def _torch_load(path: Path, device) -> object:
-    _check_inflated_size(path)
-    return torch.load(path, map_location=device, weights_only=True)
+def _torch_load(path: Path, device, limit: int = MAX_CHECKPOINT) -> object:
+    """A checkpoint through the file boundary: a regular file (never a link, a FIFO or a device) of at
+    most ``limit`` bytes, its zip entries not inflating past it, read with ``weights_only``."""
+    from fedskew.files import FileProblem, open_file
+
+    try:
+        fh = open_file(path, "checkpoint", own=True, limit=limit)
+    except FileProblem as exc:
+        raise ValueError(exc.reason) from None
+    with fh:
+        _check_inflated_size(fh)
+        return torch.load(fh, map_location=device, weights_only=True)
 
 
 def compact(obj):
@@ -214,8 +244,8 @@ def _client_file(cid, version: int) -> str:
     return f"{cid}-{version}.pt"
 
 
-def _read_head(path: Path, device) -> dict:
-    ckpt = _torch_load(path, device)
+def _read_head(path: Path, device, limit: int = MAX_CHECKPOINT) -> dict:
+    ckpt = _torch_load(path, device, limit)
     if not isinstance(ckpt, dict) or "next_round" not in ckpt:
         raise ValueError("it is not a fedskew checkpoint")
     return ckpt
@@ -235,7 +265,7 @@ def _save_client(state: dict, path: Path) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _read_clients(ckpt: dict, folder: Path, device) -> None:
+def _read_clients(ckpt: dict, folder: Path, device, limit: int = MAX_CHECKPOINT) -> None:
     """``ckpt["client_states"]`` with the states of the client files ``ckpt["client_files"]`` names
     (a checkpoint written before client files holds every state inline). Each file's bytes must have
     the SHA-256 the checkpoint recorded for it (``client_digests``): another run's file,
@@ -245,21 +275,22 @@ def _read_clients(ckpt: dict, folder: Path, device) -> None:
 
     if "client_files" not in ckpt:
         return
+    from fedskew.files import FileProblem, read_bytes
+
     states = dict(ckpt.get("client_states", {}))  # (empty ones are held inline)
     digests = ckpt.get("client_digests")
     for cid, version in ckpt["client_files"].items():
         file = folder / _client_file(cid, version)
-        if not file.is_file():
-            raise ValueError(f"clients/{file.name}, which it names, is missing or not a file")
-        if digests is not None:
-            data = file.read_bytes()
-            if hashlib.sha256(data).hexdigest() != digests.get(cid):
-                raise ValueError(f"clients/{file.name}, which it names, does not hold what it recorded (another "
-                                 f"run's, client's or round's file, or a damaged one)")
         try:
-            _check_inflated_size(file)
-            states[cid] = torch.load(io.BytesIO(data) if digests is not None else file, map_location=device,
-                                     weights_only=True)
+            data = read_bytes(file, "client file", own=True, limit=limit)
+        except FileProblem:
+            raise ValueError(f"clients/{file.name}, which it names, is missing or not a file") from None
+        if digests is not None and hashlib.sha256(data).hexdigest() != digests.get(cid):
+            raise ValueError(f"clients/{file.name}, which it names, does not hold what it recorded (another "
+                             f"run's, client's or round's file, or a damaged one)")
+        try:
+            _check_inflated_size(io.BytesIO(data))
+            states[cid] = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
         except Exception as exc:
             raise ValueError(f"clients/{file.name}, which it names, cannot be read "
                              f"({(str(exc).splitlines() or [''])[0][:80] or type(exc).__name__})") from None
@@ -294,7 +325,10 @@ class RunDir:
         record = {**cfg.resolved(), "environment": env}
         old = self.path / "config.yaml"
         if resumed and old.is_file():
-            before = yaml.safe_load(old.read_text()) or {}
+            from fedskew.files import read_yaml
+
+            before = read_yaml(old, "run config record", own=True)
+            before = before if isinstance(before, dict) else {}
             previous = before.get("environment_previous", [])
             if before.get("environment") not in (None, env):
                 previous = [*previous, before["environment"]]
@@ -324,9 +358,11 @@ class RunDir:
 
     def record(self) -> dict:
         """``run.json``'s record ({} when absent or not fedskew's)."""
+        from fedskew.files import FileProblem, read_json
+
         try:
-            record = json.loads((self.path / "run.json").read_text())
-        except (OSError, ValueError, UnicodeDecodeError):
+            record = read_json(self.path / "run.json", "run record", own=True, limit=1 << 20)
+        except FileProblem:
             return {}
         return record if isinstance(record, dict) else {}
 
@@ -387,8 +423,10 @@ class RunDir:
 
     def record_changes(self, start: int, changes: dict) -> None:
         """Settings changed at a resume, in config.yaml's ``changes``, from round ``start + 1``."""
+        from fedskew.files import read_yaml
+
         path = self.path / "config.yaml"
-        record = yaml.safe_load(path.read_text())
+        record = read_yaml(path, "run config record", own=True)
         record["changes"] = [*record.get("changes", []), {"from_round": start + 1, **changes}]
         atomic_write_text(yaml.safe_dump(record, sort_keys=False), path)
 
@@ -412,6 +450,7 @@ class RunDir:
             fsync_folder(folder)  # every client file is on disk before the checkpoint that names it
         state = {**state, "client_states": inline, "client_files": files, "client_digests": digests}
         path = self.path / "checkpoint.pt"
+        replaceable(path, self.path / "checkpoint.prev.pt")
         if path.exists():
             if self.current_ok:
                 os.replace(path, self.path / "checkpoint.prev.pt")
@@ -446,11 +485,12 @@ class RunDir:
         ``checkpoint.pt``, else (truncated, corrupt, a client file missing, or another run's, with a
         notice) ``checkpoint.prev.pt``; None when the run never wrote one. ``clients=False``: the client
         states are not read (a finished run's result needs the global state only)."""
-        paths = [p for p in (self.path / "checkpoint.pt", self.path / "checkpoint.prev.pt") if p.exists()]
+        paths = [p for p in (self.path / "checkpoint.pt", self.path / "checkpoint.prev.pt") if os.path.lexists(p)]
         errors = []
+        limit = checkpoint_limit(shapes)
         for path in paths:
             try:
-                ckpt = _read_head(path, device)
+                ckpt = _read_head(path, device, limit)
                 if not isinstance(ckpt["next_round"], int) or ckpt["next_round"] < 0:
                     raise ValueError(f"its next_round is {ckpt['next_round']!r}, not a round count")
                 if any(shapes.get(k) != v.shape for k, v in ckpt["global_state"].items()):
@@ -458,7 +498,7 @@ class RunDir:
                 if identity is not None and ckpt.get("run", identity) != identity:
                     raise ValueError("it belongs to another run (another method, data, partition or model)")
                 if clients:
-                    _read_clients(ckpt, self.path / "clients", device)
+                    _read_clients(ckpt, self.path / "clients", device, limit)
             except Exception as exc:  # empty, truncated, corrupt or foreign file: try the previous one
                 reason = (str(exc).splitlines() or [""])[0][:120] or type(exc).__name__
                 errors.append(f"{path.name}: {reason}")

@@ -29,6 +29,7 @@ import functools
 import itertools
 import json
 import math
+import os
 import random
 import re
 import statistics
@@ -340,18 +341,22 @@ def claim_folder(folder: Path, name: str, scale: str, write: bool = True) -> Non
     if blocked is not None:
         raise ConfigError(f"bench --out '{folder}' cannot be a suite folder: '{blocked}' is a file, not a folder; "
                           f"give another --out.")
+    from fedskew.files import FileProblem, read_yaml
+
     marker = Path(folder) / MARKER
-    if marker.is_file():
+    if os.path.lexists(marker):
         try:
-            held = yaml.safe_load(marker.read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            held = {}
+            held = read_yaml(marker, "suite marker", own=True)
+        except FileProblem as exc:
+            raise ConfigError(f"{str(exc).removesuffix('.')}; a suite folder's marker is what fedskew bench writes, so "
+                              f"nothing is written in '{folder}': give another --out.") from None
+        held = held if isinstance(held, dict) else {}
         if (held.get("suite"), held.get("scale")) != (name, scale):
             raise ConfigError(f"folder '{folder}' holds bench suite '{held.get('suite')}' at scale "
                               f"'{held.get('scale')}', not '{name}' at '{scale}'; give another --out.")
         return
     if Path(folder).is_dir() and any(Path(folder).iterdir()):
-        parts = set(SUITES[name]["papers"])
+        parts = {part_folder(p, scale) for p in SUITES[name]["papers"]}  # (smoke's label-skew part: -digits)
         other = [p.name for p in Path(folder).iterdir() if p.is_dir() and p.name not in parts]
         if other or not any((Path(folder) / p).is_dir() for p in parts):
             raise ConfigError(f"folder '{folder}' already holds files that are not bench suite '{name}''s "
@@ -694,11 +699,10 @@ def boards(name: str, scale: str, out: str | Path | None = None, methods: list[s
     """Per part of the suite and per metric of :data:`BOARD_METRICS` that some run recorded: the
     board of the runs the selection chose, of every method the folder's sweep.yaml names, or of
     ``methods`` (the suite's entries for them: ``bench --report --methods``)."""
-    import yaml
 
     from fedskew.experiments.selection import selected_runs
-    from fedskew.experiments.spec import load_spec, planned_points
-    from fedskew.experiments.store import open_sweep
+    from fedskew.experiments.spec import load_spec, planned_points, read_record
+    from fedskew.experiments.store import cell, open_sweep
 
     check_suite(name, scale)
     out_boards = []
@@ -707,7 +711,7 @@ def boards(name: str, scale: str, out: str | Path | None = None, methods: list[s
         folder = suite_dir(name, scale, out) / part_folder(paper, scale)
         if not (folder / "results.sqlite").is_file():
             continue
-        spec = yaml.safe_load((folder / "sweep.yaml").read_text()) if (folder / "sweep.yaml").is_file() else {}
+        spec = read_record(folder)
         if methods and spec:
             spec = {**spec, "methods": load_spec(suite[paper]).model_dump(mode="json")["methods"]}
         db = open_sweep(folder)
@@ -719,8 +723,8 @@ def boards(name: str, scale: str, out: str | Path | None = None, methods: list[s
                 if planned is None or (r["label"], r["params"]) in planned:  # not a trial of an earlier grid
                     points.setdefault((r["label"], r["partition"]), set()).add(r["params"])
             tried = {k: len(v) for k, v in points.items()}
-            done = [json.loads(r["summary"]) for r in db.execute("SELECT label, params, summary FROM runs WHERE "
-                                                                 "status='done'")
+            done = [cell(db, r, "summary") for r in db.execute("SELECT run_id, label, params, summary FROM runs "
+                                                               "WHERE status='done'")
                     if r["label"] in res.labels and (planned is None or (r["label"], r["params"]) in planned)]
         finally:
             db.close()
@@ -932,31 +936,36 @@ def inert_options(name: str, folder: Path, methods: list[str] | None = None) -> 
     """Method label -> what its options switch off (``Method.inert``) in every finished run of the
     suite in ``folder``, for the labels where each run says so (CFL's ``start_round`` at lite scale:
     its every run is FedAvg's); a board says it beside the cells."""
-    import sqlite3
     import warnings
+
+    from pydantic import ValidationError
 
     from fedskew.algorithms import method_inert
     from fedskew.config import InertOptionWarning, MethodConfig
+    from fedskew.experiments.store import cell, connect
 
     said: dict[str, set] = {}
     for _, part in part_dirs(name, folder):
-        db = sqlite3.connect(part / "results.sqlite")
+        db = connect(part / "results.sqlite", read_only=True)
         try:
-            rows = db.execute("SELECT label, method, config FROM runs WHERE status='done'").fetchall()
+            rows = db.execute("SELECT run_id, label, method, config FROM runs WHERE status='done'").fetchall()
+            configs = [(row["label"], row["method"], cell(db, row, "config")) for row in rows]
         finally:
             db.close()
         seen: dict[str, str | None] = {}
-        for label, method, config in rows:
+        for label, method, c in configs:
             if methods and method not in methods:
                 continue
-            c = json.loads(config)
-            key = json.dumps([c["method"], c["rounds"], c["partition"].get("num_clients"), c["clients_per_round"]],
-                             sort_keys=True)
-            if key not in seen:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", InertOptionWarning)
-                    seen[key] = method_inert(MethodConfig.model_validate(c["method"]), c["rounds"],
-                                             c["partition"].get("num_clients", 0), c["clients_per_round"])
+            try:
+                key = json.dumps([c["method"], c["rounds"], c["partition"].get("num_clients"),
+                                  c["clients_per_round"]], sort_keys=True)
+                if key not in seen:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", InertOptionWarning)
+                        seen[key] = method_inert(MethodConfig.model_validate(c["method"]), int(c["rounds"]),
+                                                 int(c["partition"].get("num_clients", 0)), c["clients_per_round"])
+            except (KeyError, TypeError, AttributeError, ValueError, ValidationError, ConfigError):
+                continue  # an edited config: no note of inert options (the board's cells stand on their own)
             said.setdefault(label, set()).add(seen[key])
     return {label: next(iter(texts)) for label, texts in sorted(said.items()) if None not in texts and len(texts) == 1}
 
@@ -975,13 +984,15 @@ def board_tables(text: str) -> dict[str, tuple[list[str], list[list[str]]]]:
     """The ranked tables of a written board (``leaderboard.md``): section title -> (header, rows)."""
     out = {}
     for section in re.split(r"\n(?=## )", text):
-        title = section.splitlines()[0].removeprefix("## ").strip()
+        title = (section.splitlines() or [""])[0].removeprefix("## ").strip()
         lines = [ln for ln in section.splitlines() if ln.startswith("| ")]
         if len(lines) < 3:
             continue
         cells = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines if not ln.startswith("|---")]
-        if "avg rank" in cells[0]:
-            out[title] = (cells[0], cells[1:])
+        if "avg rank" in cells[0]:  # a row of another width than the header is not the table's (a board edited)
+            rows = [row for row in cells[1:] if len(row) == len(cells[0]) and row[0]]
+            if rows:
+                out[title] = (cells[0], rows)
     return out
 
 
@@ -1106,12 +1117,9 @@ def write_leaderboard(name: str, scale: str, command: str, out: str | Path | Non
         sections += board_sections(board)
     said = []
     if beside_board is not None:
-        try:
-            board_text = Path(beside_board).read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            why = getattr(exc, "strerror", None) or exc
-            raise ConfigError(f"bench --beside '{beside_board}' cannot be read ({why}); give a board's leaderboard.md, "
-                              f"such as docs/leaderboards/label-skew-lite.md.") from None
+        from fedskew.files import read_text
+
+        board_text = read_text(beside_board, "bench --beside board")
         if not board_tables(board_text):
             raise ConfigError(f"bench --beside '{beside_board}' holds no ranked table of a board; give a board's "
                               f"leaderboard.md, such as docs/leaderboards/label-skew-lite.md.")

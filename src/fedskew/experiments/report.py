@@ -260,10 +260,13 @@ def comm_section(res: Results) -> Section:
     for p in res.partitions:
         for c in res.labels:
             runs = res.runs.get((c, p), [])
-            if not runs:
+            # (a summary without its counts or rounds, edited or damaged, gives no row)
+            totals = [r.summary["comm/up_floats_total"] + r.summary["comm/down_floats_total"] for r in runs
+                      if r.summary.get("comm/up_floats_total") is not None
+                      and r.summary.get("comm/down_floats_total") is not None]
+            rounds = runs[0].summary.get("rounds") if runs else None
+            if not totals or not rounds or rounds < 1:
                 continue
-            totals = [r.summary["comm/up_floats_total"] + r.summary["comm/down_floats_total"] for r in runs]
-            rounds = runs[0].summary["rounds"]
             total = sum(totals) / len(totals)
             extra = runs[0].summary.get("comm/extra_pct")
             rows.append([p, c, f"{total / rounds:,.0f}", f"{total:,.0f}", "-" if extra is None else f"{extra:.2f}"])
@@ -282,8 +285,8 @@ def time_section(res: Results, metric: str) -> Section:
                 # the median round of each run: round 0 pays the warm-up (first calls, padding checks)
                 t, _, _ = mean_std(
                     [
-                        statistics.median(h["time/round_s"] for h in r.history if "time/round_s" in h)
-                        if any("time/round_s" in h for h in r.history)
+                        statistics.median(h["time/round_s"] for h in r.history if h.get("time/round_s") is not None)
+                        if any(h.get("time/round_s") is not None for h in r.history)
                         else r.summary.get("time/round_s_mean")
                         for r in runs
                     ]
@@ -428,11 +431,11 @@ def check_metric_and_baseline(res: Results, metric: str, baseline: str | None) -
 def write_report(sweep_dir: str | Path, out: str | Path | None = None, metric: str | None = None,
                  baseline: str | None = None) -> tuple[Path, Path]:
     """Write ``report.md``, ``report.html`` and the plots for a sweep folder; returns both paths."""
-    import yaml
+    from fedskew.experiments.spec import read_record
 
     sweep_dir = Path(sweep_dir)
     db = open_sweep(sweep_dir)  # a one-sentence error when it is not a sweep folder
-    spec = yaml.safe_load((sweep_dir / "sweep.yaml").read_text()) if (sweep_dir / "sweep.yaml").is_file() else {}
+    spec = read_record(sweep_dir)
     opts = spec.get("report", {}) or {}
     chosen_baseline = baseline or opts.get("baseline")
     out = Path(out) if out else sweep_dir / "report"

@@ -11,10 +11,8 @@ import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
-from fedskew.experiments.spec import SweepSpec, grid_points, load_spec, planned_points, tune_seeds
-from fedskew.experiments.store import open_sweep, run_dir_of, writing
+from fedskew.experiments.spec import SweepSpec, grid_points, load_spec, planned_points, read_record, tune_seeds
+from fedskew.experiments.store import cell, open_sweep, run_dir_of, writing
 
 # what a validation selection reads for a method without a global model (FedRep, FedCP, pFedHN):
 # its clients' personal models on the hold-out, each weighted to its client's classes
@@ -42,7 +40,7 @@ def select(db: sqlite3.Connection, spec: SweepSpec, record: bool = True) -> dict
     for row in rows:
         if row["seed"] in tuning and (row["label"], row["params"]) in planned:
             summaries.setdefault((row["label"], row["partition"]), []).append((row["params"],
-                                                                                json.loads(row["summary"])))
+                                                                                cell(db, row, "summary")))
     groups: dict[tuple[str, str], dict[str, list[float]]] = {}
     used: dict[tuple[str, str], str] = {}
     for group, found in summaries.items():
@@ -52,7 +50,7 @@ def select(db: sqlite3.Connection, spec: SweepSpec, record: bool = True) -> dict
         key = used[group] = PERSONAL_VALIDATION if personal else metric
         for params, s in found:
             bucket = groups.setdefault(group, {}).setdefault(params, [])
-            if s.get(key) is not None:
+            if s.get(key) is not None:  # (a number: clean_metrics)
                 bucket.append(float(s[key]))
     order = {(m.column, json.dumps(p, sort_keys=True)): i for m in spec.methods
              for i, p in enumerate(grid_points(m.options, m.trials))}
@@ -131,10 +129,10 @@ def selected_runs(db: sqlite3.Connection, spec: dict | None = None) -> Results:
         if row["status"] == "failed":
             failed[key] = failed.get(key, 0) + 1
             continue
-        history = [json.loads(m["metrics"]) for m in
-                   db.execute("SELECT metrics FROM rounds WHERE run_id=? ORDER BY round", (row["run_id"],))]
-        runs.setdefault(key, []).append(Run(row["label"], row["partition"], row["seed"], json.loads(row["params"]),
-                                            json.loads(row["summary"]), history, run_dir_of(db, row["run_id"])))
+        history = [cell(db, m, "metrics") for m in
+                   db.execute("SELECT run_id, metrics FROM rounds WHERE run_id=? ORDER BY round", (row["run_id"],))]
+        runs.setdefault(key, []).append(Run(row["label"], row["partition"], row["seed"], cell(db, row, "params"),
+                                            cell(db, row, "summary"), history, run_dir_of(db, row["run_id"])))
     return Results(labels, partitions, runs, selections, spec.get("name", "sweep"), spec, failed)
 
 
@@ -145,24 +143,23 @@ def results_table(sweep_dir: str | Path, rounds: bool = False) -> list[dict]:
     as ``option/<name>``, and the summary's scalar values under their metric names. With
     ``rounds``: one row per finished run and round instead, with that round's scalar metrics."""
     db = open_sweep(sweep_dir)
-    spec_path = Path(sweep_dir) / "sweep.yaml"
     try:
-        spec = yaml.safe_load(spec_path.read_text()) if spec_path.is_file() else None
+        spec = read_record(sweep_dir) or None
         chosen = {key: r["params"] for key, r in selections_of(db, spec).items()}
         rows = []
         for row in db.execute("SELECT * FROM runs ORDER BY rowid"):
             base = {"run_id": row["run_id"], "label": row["label"], "method": row["method"],
                     "partition": row["partition"], "seed": row["seed"], "status": row["status"],
                     "selected": chosen.get((row["label"], row["partition"])) == row["params"],
-                    **{f"option/{k}": v for k, v in json.loads(row["params"]).items()}}
+                    **{f"option/{k}": v for k, v in cell(db, row, "params").items()}}
             if rounds:
                 if row["status"] == "done":
-                    rows += [{**base, **json.loads(m["metrics"])} for m in db.execute(
-                        "SELECT metrics FROM rounds WHERE run_id=? ORDER BY round", (row["run_id"],))]
+                    rows += [{**base, **cell(db, m, "metrics")} for m in db.execute(
+                        "SELECT run_id, metrics FROM rounds WHERE run_id=? ORDER BY round", (row["run_id"],))]
                 continue
-            summary = json.loads(row["summary"]) if row["summary"] else {}
+            summary = cell(db, row, "summary")
             scalars = {k: v for k, v in summary.items() if v is None or isinstance(v, (int, float, str))}
-            env = {f"env/{k}": v for k, v in json.loads(row["environment"] or "{}").items()}
+            env = {f"env/{k}": v for k, v in cell(db, row, "environment").items()}
             rows.append({**base, "error": row["error"], "run_dir": str(run_dir_of(db, row["run_id"])),
                          **{k: v for k, v in scalars.items() if k not in base}, **env})
         return rows

@@ -8,15 +8,17 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, conint, field_validator, model_validator
 
 from fedskew.algorithms.base import StrictOptions
 from fedskew.config import (
     ADDED_RUN_KEYS,
+    MAX_SEED,
     ConfigError,
     did_you_mean,
     former_architecture_keys,
@@ -81,19 +83,29 @@ class ResourcesSpec(_Strict):
     num_gpus: float = Field(0.0, ge=0, description="GPUs per run; 0.5 puts two runs on one GPU")
 
 
+class ReportSpec(_Strict):
+    """Options of ``fedskew report`` a sweep file may set."""
+
+    metric: str | None = Field(None, description="the metric of the main table (default: the selection's)")
+    baseline: str | None = Field(None, description="the method others are compared with (default fedavg)")
+
+
 class SweepSpec(_Strict):
     name: str = "sweep"
     base: dict[str, Any] = Field(default_factory=dict)
     methods: list[MethodSpec]
     partitions: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"default": {}})
-    seeds: list[int] = Field(default_factory=lambda: [0])
+    seeds: list[conint(ge=0, le=MAX_SEED)] = Field(default_factory=lambda: [0])
     selection: SelectionSpec = Field(default_factory=SelectionSpec)
-    report: dict[str, Any] = Field(default_factory=dict, description="options of fedskew report (metric, baseline)")
+    report: ReportSpec = Field(default_factory=ReportSpec, description="options of fedskew report (metric, "
+                                                                        "baseline)")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="per run, on Ray (--ray)")
 
     @field_validator("methods", mode="before")
     @classmethod
     def _names(cls, v):
+        if not isinstance(v, (list, type(None))):
+            return v  # (pydantic says what a list was expected to be)
         return [{"name": m} if isinstance(m, str) else m for m in (v or [])]
 
     @field_validator("methods")
@@ -108,13 +120,33 @@ class SweepSpec(_Strict):
         return v
 
 
+def read_record(sweep_dir: str | Path) -> dict:
+    """A sweep folder's ``sweep.yaml`` (the spec as run), read through the file boundary and validated
+    as a sweep: {} where there is none; one sentence naming the file and the key where it is not a
+    sweep (a crafted or damaged record)."""
+    from fedskew.files import FileProblem, read_yaml
+
+    path = Path(sweep_dir) / "sweep.yaml"
+    if not os.path.lexists(path):
+        return {}
+    data = read_yaml(path, "sweep record", own=True)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise FileProblem(f"sweep record '{path}' must hold a mapping of keys, not a {type(data).__name__}.")
+    try:
+        return load_spec(data).model_dump(mode="json")
+    except ConfigError as exc:
+        raise FileProblem(f"sweep record '{path}' is not a sweep as fedskew writes it: {exc}") from None
+
+
 def load_spec(data: dict | str | Path) -> SweepSpec:
     """A sweep spec from a mapping or a YAML file, with one-sentence errors."""
     if not isinstance(data, dict):
+        from fedskew.files import read_text
+
         path = Path(data)
-        if not path.is_file():
-            raise ConfigError(f"sweep file '{path}' does not exist.")
-        data = load_yaml(path.read_text(errors="replace"), f"sweep file '{path}'") or {}
+        data = load_yaml(read_text(path, "sweep file"), f"sweep file '{path}'") or {}
         if not isinstance(data, dict):
             raise ConfigError(f"sweep file '{path}' must hold a mapping of keys, not a {type(data).__name__}.")
     try:
@@ -213,7 +245,8 @@ def plan(spec: SweepSpec, chosen: dict[tuple[str, str], dict] | None = None) -> 
                 seeds = list(tune_seeds(spec))
                 if spec.selection.tune_seeds is not None and (chosen or {}).get((method.column, partition),
                                                                                {}).get("params") == params:
-                    seeds += [s for s in spec.seeds if s not in seeds]
+                    tuned = set(seeds)
+                    seeds += [s for s in spec.seeds if s not in tuned]
                 for seed in seeds:
                     cfg = run_config(spec, method, params, partition, seed)
                     code = method_code(method.name)  # a user's method: its module's source
@@ -231,12 +264,23 @@ def planned_points(spec: SweepSpec) -> set[tuple[str, str]]:
     return {(m.column, json.dumps(p, sort_keys=True)) for m in spec.methods for p in grid_points(m.options, m.trials)}
 
 
+def grid_size(options: dict[str, Any], trials: list[dict[str, Any]] | None = None) -> int:
+    """How many points :func:`grid_points` gives, counted without making them."""
+    if trials is not None:
+        return len(trials)
+    return math.prod(len(v) for v in options.values() if isinstance(v, list))
+
+
+MAX_RUNS = 10_000  # a sweep larger than this is refused unless the user says --yes: a typo in a grid is not a week
+
+
 def planned_count(spec: SweepSpec) -> int:
     """How many runs the sweep makes: :func:`plan`'s, plus (with ``selection.tune_seeds``) the
     selected point of every group on the other seeds."""
-    extra = len([s for s in spec.seeds if s not in tune_seeds(spec)]) * len(spec.methods) * len(spec.partitions)
-    # the length of plan(spec), counted without building and validating each run's config
-    points = sum(len(grid_points(m.options, m.trials)) for m in spec.methods)
+    tuned = set(tune_seeds(spec))
+    extra = len([s for s in spec.seeds if s not in tuned]) * len(spec.methods) * len(spec.partitions)
+    # the length of plan(spec), counted without building any run's config or grid point
+    points = sum(grid_size(m.options, m.trials) for m in spec.methods)
     return points * len(spec.partitions) * len(tune_seeds(spec)) + (extra if spec.selection.tune_seeds is not None
                                                                      else 0)
 
@@ -257,6 +301,6 @@ def default_jobs() -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-__all__ = ["ADDED_KEYS", "MethodSpec", "ResourcesSpec", "SelectionSpec", "SweepSpec", "default_jobs",
-           "default_sweep_dir", "grid_points", "load_spec", "plan", "planned_count", "planned_points", "rounds_per_run",
-           "run_config", "run_identity", "tune_seeds"]
+__all__ = ["ADDED_KEYS", "MethodSpec", "ReportSpec", "ResourcesSpec", "SelectionSpec", "SweepSpec", "default_jobs",
+           "default_sweep_dir", "grid_points", "load_spec", "plan", "planned_count", "planned_points", "read_record",
+           "rounds_per_run", "run_config", "run_identity", "tune_seeds"]

@@ -38,7 +38,10 @@ def connect(path: Path, read_only: bool = False) -> sqlite3.Connection:
     it without writing, as a read-only folder allows. A database that another process holds past
     :data:`LOCK_WAIT_S`, or a file that is not one, is one sentence."""
     from fedskew.config import ConfigError
+    from fedskew.files import open_file
 
+    if os.path.lexists(path):  # a link, a FIFO or a device where the store goes: one sentence, never a hang
+        open_file(path, "results database", own=True, limit=None).close()
     try:
         db = (sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=LOCK_WAIT_S) if read_only
               else sqlite3.connect(path, timeout=LOCK_WAIT_S))
@@ -55,6 +58,64 @@ def connect(path: Path, read_only: bool = False) -> sqlite3.Connection:
         with writing(db):
             db.execute("ALTER TABLE runs ADD COLUMN environment TEXT")
     return db
+
+
+def clean_metrics(record: dict) -> dict:
+    """A summary or a round's record as the tables read it: a metric (a key with a ``/``, such as
+    ``global/test_acc``) is a finite number or None (a diverged run's NaN, or an edited file's string
+    or list, is None: no value), ``rounds`` and ``seed`` an integer or None; other keys as they are."""
+    from fedskew.files import finite_or_none
+
+    out = {}
+    for key, value in record.items():
+        if "/" in str(key):
+            value = finite_or_none(value)
+            value = int(value) if value is not None and isinstance(record[key], int) else value
+        elif key in ("rounds", "seed", "round"):
+            value = value if isinstance(value, int) and not isinstance(value, bool) else None
+        out[str(key)] = value
+    return out
+
+
+def cell(db: sqlite3.Connection, row: sqlite3.Row, column: str) -> dict:
+    """A JSON column of a results-database row (``summary``, ``params``, ``config``, ``environment``,
+    ``metrics``) as a mapping, read as untrusted (the file may come from elsewhere): NaN and Infinity
+    as None, summaries and round records through :func:`clean_metrics`; a value that is not a JSON
+    mapping is one sentence naming the database, the run and the column."""
+    from fedskew.files import FileProblem
+
+    text = row[column]
+    if text is None:
+        return {}
+    run = f"run {row['run_id']}'s" if "run_id" in row.keys() else (
+        f"method {row['label']}'s" if "label" in row.keys() else "a")
+    try:
+        value = json.loads(text, parse_constant=lambda name: None) if isinstance(text, (str, bytes)) else text
+    except (ValueError, RecursionError):
+        value = text
+    if not isinstance(value, dict):
+        raise FileProblem(f"results database '{database_path(db)}': {run} {column} is not a JSON mapping (the file "
+                          f"was edited or damaged); run the sweep again in a new folder.")
+    return clean_metrics(value) if column in ("summary", "metrics") else value
+
+
+def database_path(db: sqlite3.Connection) -> str:
+    row = db.execute("PRAGMA database_list").fetchone()
+    return row[2] if row is not None and row[2] else "results.sqlite"
+
+
+def is_store(path: Path) -> bool:
+    """Whether ``path`` is a results database a sweep of fedskew wrote (a regular file with its
+    ``runs`` table), read without writing anything."""
+    from fedskew.config import ConfigError
+
+    if not Path(path).is_file() or Path(path).is_symlink():
+        return False
+    try:
+        connect(Path(path), read_only=True).close()
+    except (ConfigError, sqlite3.Error):
+        return False
+    return True
 
 
 def _unwritable(exc: sqlite3.DatabaseError) -> bool:

@@ -37,6 +37,7 @@ choice is recorded in ``selections`` and shown in the report.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from collections.abc import Callable
@@ -172,6 +173,7 @@ def run_sweep(spec: SweepSpec, sweep_dir: str | Path, jobs: int = 1,
     blocked = blocking_file(sweep_dir)
     if blocked is not None:
         raise ConfigError(f"sweep folder '{sweep_dir}' cannot be created: '{blocked}' is a file, not a folder.")
+    check_sweep_folder(sweep_dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     lock = FolderLock(sweep_dir, "sweep folder").acquire()  # one sweep process per folder, for its life
     try:
@@ -243,18 +245,65 @@ class _Recorder:
         return [r for r in runs if status.get(r["run_id"]) != "done"]
 
 
+SPEC_HEADER = "# the sweep as fedskew ran it (written by fedskew; edit a copy elsewhere)\n"
+
+
+def own_spec(path: Path):
+    """The spec a sweep folder's ``sweep.yaml`` records, when fedskew wrote it (its header, or, for a
+    folder of an earlier version, text that is exactly what fedskew writes); else None: a file of the
+    user's, which is never replaced."""
+    from fedskew.files import FileProblem, parse_yaml, read_text
+
+    try:
+        text = read_text(path, "sweep record", own=True)
+        data = parse_yaml(text, f"sweep record '{path}'")
+    except FileProblem:
+        return None
+    if not isinstance(data, dict):
+        return None
+    try:
+        written = yaml.safe_dump(data, sort_keys=False)
+    except yaml.YAMLError:
+        return None
+    return data if text.removeprefix(SPEC_HEADER) == written else None
+
+
+def check_sweep_folder(sweep_dir: Path) -> None:
+    """A sweep writes only into a new or empty folder or one a sweep of fedskew made (its results
+    database, or its lock and record alone after a crash at the start): a folder of the user's, with
+    the sweep file itself or a report of theirs in it, is one sentence and nothing in it changes."""
+    from fedskew.engine.durable import LOCK_NAME
+    from fedskew.experiments.store import is_store
+
+    if not sweep_dir.is_dir():
+        return
+    entries = sorted(p.name for p in sweep_dir.iterdir())
+    if not entries or is_store(sweep_dir / "results.sqlite"):
+        return
+    if set(entries) <= {LOCK_NAME, "sweep.yaml"} and (
+            "sweep.yaml" not in entries or own_spec(sweep_dir / "sweep.yaml") is not None):
+        return
+    raise ConfigError(f"sweep folder '{sweep_dir}' already holds files that no fedskew sweep wrote "
+                      f"({', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}), so nothing is written there; "
+                      f"give --out a new or empty folder.")
+
+
 def _write_spec(spec: SweepSpec, sweep_dir: Path) -> None:
-    """sweep.yaml: the spec as run (a changed spec keeps the finished runs it still plans)."""
+    """sweep.yaml: the spec as run (a changed spec keeps the finished runs it still plans); a
+    sweep.yaml that fedskew did not write is never replaced."""
     spec_file = sweep_dir / "sweep.yaml"
     spec_data = spec.model_dump(mode="json")
-    if spec_file.is_file():
-        previous = yaml.safe_load(spec_file.read_text())
+    if os.path.lexists(spec_file):
+        previous = own_spec(spec_file)
+        if previous is None:
+            raise ConfigError(f"'{spec_file}' is not the record fedskew writes of a sweep (a file of yours, or one "
+                              f"edited since), so it is not replaced; move it elsewhere or give --out another folder.")
         def what(d):
             return {k: v for k, v in (d or {}).items() if k != "resources"}  # (where runs run, not what)
         if what(previous) != what(spec_data):
             print(f"fedskew: the sweep in {sweep_dir} changes; finished runs whose configuration is unchanged "
                   f"are kept, the others are added.", flush=True)
-    atomic_write_text(yaml.safe_dump(spec_data, sort_keys=False), spec_file)
+    atomic_write_text(SPEC_HEADER + yaml.safe_dump(spec_data, sort_keys=False), spec_file)
 
 
 def _run_locked(spec: SweepSpec, sweep_dir: Path, runs: list[dict], jobs: int, on_event,
