@@ -285,6 +285,15 @@ def test_a_report_on_a_sweep_record_that_is_a_fifo_or_a_link_is_one_sentence(tmp
     said_once(*main(["report", sweep], tmp_path), expect="is a symbolic link")
 
 
+def test_a_partition_picture_linked_to_a_device_or_a_fifo_is_left_out_of_the_report(tmp_path, finished):
+    sweep = copy_of(finished, tmp_path)
+    for run, kind in zip(sorted((sweep / "runs").iterdir()), ("devzero", "fifo")):
+        _special(run / "partition.png", kind)
+    code, out, err = main(["report", sweep], tmp_path)
+    said_once(code, out, err)
+    assert code == 0 and "Partition:" not in (sweep / "report" / "report.md").read_text()
+
+
 def test_a_report_on_crafted_results_is_one_sentence_or_the_report(tmp_path, finished):
     """NaN and Infinity in a summary (a diverged run's, or an edited one) are no value; a summary or
     a grid point that is not a JSON mapping is one sentence naming the database and the run."""
@@ -609,3 +618,31 @@ def test_fuzz_a_config_file_through_print_config(data):
         else:
             _special(path, content)
         said_once(*main(["run", path, "--print-config"], Path(tmp)))
+
+
+CAMPAIGNS = {"a list": b"[1, 2]", "NaN": b'{"steps": NaN, "windows": []}', "a wrong field": b'{"steps": {"a": 1}}',
+             "an unknown field": b'{"steps": {}, "windows": [], "x": 1}', "non-UTF-8": b"\xff", "a FIFO": None}
+
+
+@pytest.mark.slow  # starts processes: left out of the fast subset
+def test_gpu_merge_ranks_on_a_malformed_campaign_root_is_one_sentence(tmp_path):
+    """`gpu_merge.py --ranks` read campaign.json and the steps' boards unchecked: a traceback."""
+    for case, content in CAMPAIGNS.items():
+        root = tmp_path / case.replace(" ", "-")
+        shutil.copytree(ROOT / "docs" / "gpu-campaign" / "map-part", root / "map-part")
+        if content is None:
+            os.mkfifo(root / "campaign.json")
+        else:
+            (root / "campaign.json").write_bytes(content)
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_merge.py"), "--ranks", "seed-papers",
+                               "--campaign-root", str(root)], capture_output=True, text=True, env=ENV, timeout=300)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, (case,
+                                                                                                       done.stderr)
+        assert "campaign record" in done.stderr, done.stderr
+    (root / "campaign.json").unlink()
+    (root / "map-part" / "leaderboard.md").unlink()
+    os.mkfifo(root / "map-part" / "leaderboard.md")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_merge.py"), "--ranks", "seed-papers",
+                           "--campaign-root", str(root)], capture_output=True, text=True, env=ENV, timeout=300)
+    # a board that is no regular file is no board: said in a line, no hang
+    assert done.returncode == 0 and "no campaign board" in done.stdout and not done.stderr, done.stderr

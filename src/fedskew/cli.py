@@ -560,23 +560,30 @@ def _csv(value: str | None) -> list[str] | None:
     return None if not value else [v.strip() for v in value.split(",") if v.strip()]
 
 
+def _bench_list(console: Console) -> int:
+    """``fedskew bench --list``: every suite with its runs, linked published values and time per scale."""
+    from fedskew.experiments import bench
+
+    table = Table("suite", "scale", "runs", "published linked", "time (estimate)", title="fedskew bench suites")
+    rows = bench.listing()
+    for row in rows:
+        table.add_row(row["suite"], row["scale"], str(row["runs"]), str(row["published"]), row["time"])
+    console.print(table)
+    for name in dict.fromkeys(row["suite"] for row in rows):
+        row = next(r for r in rows if r["suite"] == name)
+        console.print(f"{name} ({row['papers']}): {row['about']}", highlight=False)
+    console.print("`fedskew bench SUITE --scale smoke|lite|paper [--data DIR] [--jobs N | --ray ADDRESS]` runs a "
+                  "suite; `--report` rebuilds its leaderboard from the runs it has.", highlight=False)
+    return 0
+
+
 def cmd_bench(args, console: Console) -> int:
     from fedskew.config import ConfigError
     from fedskew.experiments import bench
     from fedskew.experiments.spec import load_spec
 
     if args.list or args.suite is None:
-        table = Table("suite", "scale", "runs", "published linked", "time (estimate)", title="fedskew bench suites")
-        rows = bench.listing()
-        for row in rows:
-            table.add_row(row["suite"], row["scale"], str(row["runs"]), str(row["published"]), row["time"])
-        console.print(table)
-        for name in dict.fromkeys(row["suite"] for row in rows):
-            row = next(r for r in rows if r["suite"] == name)
-            console.print(f"{name} ({row['papers']}): {row['about']}", highlight=False)
-        console.print("`fedskew bench SUITE --scale smoke|lite|paper [--data DIR] [--jobs N | --ray ADDRESS]` runs a "
-                      "suite; `--report` rebuilds its leaderboard from the runs it has.", highlight=False)
-        return 0 if args.list or args.suite is None else 2
+        return _bench_list(console)
     bench.check_suite(args.suite, args.scale or "smoke")  # the suite's name first
     if args.methods:
         from fedskew.algorithms import did_you_mean, registered
@@ -640,11 +647,7 @@ def cmd_bench(args, console: Console) -> int:
         if args.settings or args.parts or args.seeds:  # their names are checked as a run checks them
             bench.restrict(bench.sweeps(args.suite, args.scale, args.data, methods), args.suite, _csv(args.parts),
                            _csv(args.seeds), {}, _csv(args.settings))
-        parts = [folder / bench.part_folder(p, args.scale) for p in bench.SUITES[args.suite]["papers"]]
-        if not any((p / "results.sqlite").is_file() for p in parts):  # nothing to rank: no empty board is written
-            raise ConfigError(f"bench --report: '{folder}' holds no runs of suite '{args.suite}' at scale "
-                              f"'{args.scale}', so no leaderboard is written; `fedskew bench {args.suite} --scale "
-                              f"{args.scale} --out {folder}` runs them.")
+        bench.check_has_runs(folder, args.suite, args.scale)  # nothing to rank: no empty board is written
     command = f"fedskew bench {args.suite} --scale {args.scale}" + (f" --data {args.data}" if args.data else "") + \
         "".join(f" --import {m}" for m in getattr(args, "imports", None) or []) + \
         (f" --methods {','.join(methods)}" if methods else "") + \
@@ -736,7 +739,11 @@ def cmd_flower(args, console: Console) -> int:
                       f"above; no {summary_path} was written here (it is written on the SuperLink's machine).",
                       highlight=False)
         return 1
-    console.print(_results_table(json.loads(summary_path.read_text()), run_dir))
+    from fedskew.experiments.store import clean_metrics
+    from fedskew.files import read_json
+
+    summary = read_json(summary_path, "run summary", own=True)
+    console.print(_results_table(clean_metrics(summary) if isinstance(summary, dict) else {}, run_dir))
     return 0
 
 
@@ -746,6 +753,12 @@ YES_HELP = "run a sweep of more than 10,000 runs (refused without it: a typo in 
 PACK_HELP = ("runs on the vectorised executor that differ only in seed, partition, lr or float method options train "
              "as lanes of one program (docs/design.md, \"Runs as lanes\"): auto (on a CUDA device; default), off, or N "
              "runs a pack")
+
+
+def _import_and_yes(parser: argparse.ArgumentParser) -> None:
+    """--import and --yes, which every command that starts runs takes."""
+    parser.add_argument("--import", dest="imports", action="append", metavar="MODULE", help=IMPORT_HELP)
+    parser.add_argument("--yes", action="store_true", help=YES_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -763,8 +776,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="print the resolved config (every default, the method's options included) and exit")
     p_run.add_argument("--jobs", type=int, help="multirun (key=a,b): runs at once (default: min(2, cores))")
     p_run.add_argument("--pack", metavar="auto|off|N", help=PACK_HELP)
-    p_run.add_argument("--import", dest="imports", action="append", metavar="MODULE", help=IMPORT_HELP)
-    p_run.add_argument("--yes", action="store_true", help=YES_HELP)
+    _import_and_yes(p_run)
     p_res = sub.add_parser("resume", help="continue an interrupted run from its directory")
     p_res.add_argument("run_dir")
     p_res.add_argument("--import", dest="imports", action="append", metavar="MODULE",
@@ -785,8 +797,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_sw.add_argument("--jobs", type=int, help="runs at once, one torch thread each (default: min(2, cores))")
     p_sw.add_argument("--no-report", action="store_true", help="skip the report at the end")
     p_sw.add_argument("--pack", metavar="auto|off|N", help=PACK_HELP)
-    p_sw.add_argument("--import", dest="imports", action="append", metavar="MODULE", help=IMPORT_HELP)
-    p_sw.add_argument("--yes", action="store_true", help=YES_HELP)
+    _import_and_yes(p_sw)
     p_sw.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                       help="run on Ray: no address starts a local instance; auto, host:port or ray://host:10001 "
                            "joins a cluster (docs/scaling.md)")
@@ -816,8 +827,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_be.add_argument("--out", help="suite folder (default runs/bench-<suite>-<scale>); running again resumes it")
     p_be.add_argument("--jobs", type=int, help="runs at once, one torch thread each (default: min(2, cores))")
     p_be.add_argument("--pack", metavar="auto|off|N", help=PACK_HELP)
-    p_be.add_argument("--import", dest="imports", action="append", metavar="MODULE", help=IMPORT_HELP)
-    p_be.add_argument("--yes", action="store_true", help=YES_HELP)
+    _import_and_yes(p_be)
     p_be.add_argument("--ray", help="run on Ray (local, auto, host:port)")
     p_be.add_argument("--report", action="store_true", help="only rebuild the leaderboard from the runs there are")
     p_be.add_argument("--strict", action="store_true", help="refuse a leaderboard whose runs come from more than one "

@@ -94,7 +94,7 @@ def method_source(name: str) -> dict | None:
         return None
     import hashlib
 
-    # the file's digest: a resume imports the file again only while it is unchanged
+    # the file's digest: what the run was started with (a resume names the file; it never imports it)
     return {"module": _where(cls)[0], "file": str(Path(path).resolve()),
             "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
 

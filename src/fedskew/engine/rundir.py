@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+from pydantic import BaseModel, ConfigDict
 
 from fedskew import __version__
 from fedskew.config import ADDED_RUN_KEYS, ConfigError, RunConfig, former_architecture_keys, without_added
@@ -306,6 +307,17 @@ def read_checkpoint(path: Path | str, device: torch.device | str = "cpu") -> dic
     return ckpt
 
 
+class RunRecord(BaseModel):
+    """``run.json``: the run's identity, who wrote it, the token its checkpoints carry and, for a method
+    of the user's, the file it came from (said to the user, never imported)."""
+
+    model_config = ConfigDict(extra="ignore")
+    run: str
+    written_by: str | None = None
+    token: str | None = None
+    method_source: dict[str, str] | None = None
+
+
 _HEATMAPS: dict[str, bytes] = {}  # partition heatmaps drawn in this process (RunDir.write_partition)
 
 
@@ -342,8 +354,8 @@ class RunDir:
         """``run.json``: the run's identity (:func:`run_identity`), written when the run starts in
         this folder (or first resumes here), so that ``fedskew resume`` acts only on a folder a run of
         fedskew wrote; a copied config.yaml alone does not make a folder a run. For a
-        method of the user's, where its module is (``method_source``: module, file), so that a
-        resume imports it as the run did (``fedskew resume DIR`` needs no ``--import``)."""
+        method of the user's, where its module is (``method_source``: module, file, SHA-256), so that a
+        resume without ``--import`` can say what to pass (it never imports it itself)."""
         path = self.path / "run.json"
         if os.path.lexists(path) and (path.is_symlink() or not path.is_file()):
             raise ConfigError(f"'{path}' is not a file (a folder or a link stands where the run's record goes); "
@@ -357,14 +369,14 @@ class RunDir:
             atomic_write_text(json.dumps(record), path)
 
     def record(self) -> dict:
-        """``run.json``'s record ({} when absent or not fedskew's)."""
+        """``run.json``'s record ({} when absent or not of :class:`RunRecord`'s shape: not fedskew's)."""
         from fedskew.files import FileProblem, read_json
 
         try:
-            record = read_json(self.path / "run.json", "run record", own=True, limit=1 << 20)
+            record = read_json(self.path / "run.json", "run record", own=True, limit=1 << 20, model=RunRecord)
         except FileProblem:
             return {}
-        return record if isinstance(record, dict) else {}
+        return record.model_dump(exclude_none=True)
 
     def proves(self, identity: str) -> bool:
         """Whether this folder holds a run of ``identity`` that fedskew wrote: a checkpoint of it that

@@ -370,6 +370,14 @@ def claim_folder(folder: Path, name: str, scale: str, write: bool = True) -> Non
         pass
 
 
+def check_has_runs(folder: Path, name: str, scale: str) -> None:
+    """One sentence when a suite folder holds no results of any of its parts (``bench --report`` writes
+    no empty board, which would make the folder another suite's for every later bench)."""
+    if not any((Path(folder) / part_folder(p, scale) / "results.sqlite").is_file() for p in SUITES[name]["papers"]):
+        raise ConfigError(f"bench --report: '{folder}' holds no runs of suite '{name}' at scale '{scale}', so no "
+                          f"leaderboard is written; `fedskew bench {name} --scale {scale} --out {folder}` runs them.")
+
+
 def listing(data_root: str | None = None) -> list[dict]:
     """Every suite with its size per scale: parts, runs, the published entries its runs sit beside
     (:func:`linked_entries`) of the suite's papers' entries, and the time it takes (:func:`estimate`)."""

@@ -255,6 +255,17 @@ def rounds_section(res: Results, baseline: str | None, key: str = "global/test_a
                    f"the method's.", ["partition", "target (%)", *res.labels], rows)
 
 
+def _partition_picture(path: Path) -> bytes | None:
+    """A run's partition heatmap through the file boundary (a PNG of at most 16 MB), or None."""
+    from fedskew.files import FileProblem, read_bytes
+
+    try:
+        data = read_bytes(path, "partition picture", own=True, limit=16 << 20)
+    except FileProblem:
+        return None
+    return data if data.startswith(b"\x89PNG\r\n\x1a\n") else None
+
+
 def comm_section(res: Results) -> Section:
     rows = []
     for p in res.partitions:
@@ -338,9 +349,10 @@ def build_sections(res: Results, out: Path, metric: str, baseline: str | None) -
         if curve:
             sections.append(Section(f"Accuracy curves: {p}", image=curve))
         runs = next((r for c in res.labels for r in res.runs.get((c, p), [])), None)
-        if runs is not None and (runs.run_dir / "partition.png").is_file():
+        picture = _partition_picture(runs.run_dir / "partition.png") if runs is not None else None
+        if picture is not None:
             target = out / f"partition_{slug}.png"
-            atomic_write(lambda fh, src=runs.run_dir / "partition.png": fh.write(src.read_bytes()), target)
+            atomic_write(lambda fh, data=picture: fh.write(data), target)
             sections.append(Section(f"Partition: {p} (seed {runs.seed})", image=target))
         bars = plot_class_accuracy(res, p, out / f"classes_{slug}.png")
         if bars:
