@@ -646,3 +646,34 @@ def test_gpu_merge_ranks_on_a_malformed_campaign_root_is_one_sentence(tmp_path):
                            "--campaign-root", str(root)], capture_output=True, text=True, env=ENV, timeout=300)
     # a board that is no regular file is no board: said in a line, no hang
     assert done.returncode == 0 and "no campaign board" in done.stdout and not done.stderr, done.stderr
+
+
+def test_a_database_of_the_users_in_a_sweep_folder_is_never_given_fedskew_s_tables(tmp_path):
+    """`fedskew report DIR` on a folder whose results.sqlite was the user's own database added fedskew's
+    tables to it (8 KB to 32 KB) and wrote an empty report; a fedskew database without runs gave an
+    empty report with exit 0."""
+    (tmp_path / "mine").mkdir()
+    db = sqlite3.connect(tmp_path / "mine" / "results.sqlite")
+    db.execute("CREATE TABLE notes (text TEXT)")
+    db.execute("INSERT INTO notes VALUES ('mine')")
+    db.commit()
+    db.close()
+    before = digests(tmp_path / "mine")
+    said_once(*main(["report", tmp_path / "mine"], tmp_path), expect="is not a fedskew results database")
+    assert digests(tmp_path / "mine") == before
+    (tmp_path / "empty").mkdir()
+    from fedskew.experiments.store import connect
+
+    connect(tmp_path / "empty" / "results.sqlite").close()
+    said_once(*main(["report", tmp_path / "empty"], tmp_path), expect="holds no finished run")
+    assert not (tmp_path / "empty" / "report").exists()
+
+
+def test_a_run_folder_with_a_deep_metrics_line_or_a_summary_without_its_keys_is_one_sentence(tmp_path, finished):
+    run = a_run(copy_of(finished, tmp_path))
+    summary = (run / "summary.json").read_text()
+    (run / "summary.json").write_text('{"rounds": 2}')
+    said_once(*main(["resume", run], tmp_path), expect="field 'method'")
+    (run / "summary.json").write_text(summary)
+    (run / "metrics.jsonl").write_text("[" * 20_000 + "]" * 20_000 + "\n" + (run / "metrics.jsonl").read_text())
+    said_once(*main(["resume", run], tmp_path), expect="line 1 is not a round record")

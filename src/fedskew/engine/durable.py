@@ -266,7 +266,7 @@ def read_records(path: Path) -> list[dict]:
             rec = json.loads(line)
             if not isinstance(rec, dict) or not isinstance(rec.get("round"), int):
                 raise ValueError("not a round record")
-        except ValueError:
+        except (ValueError, RecursionError):
             if i == len(complete) - 1 and not torn:
                 break
             raise ConfigError(f"'{path}' line {i + 1} is not a round record (the file was edited or corrupted); "

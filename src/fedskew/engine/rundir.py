@@ -318,6 +318,17 @@ class RunRecord(BaseModel):
     method_source: dict[str, str] | None = None
 
 
+class RunSummary(BaseModel):
+    """``summary.json`` as a finished run's result is read back: what the run was and its metrics."""
+
+    model_config = ConfigDict(extra="allow")
+    method: str
+    dataset: str
+    partition: str
+    seed: int
+    rounds: int
+
+
 _HEATMAPS: dict[str, bytes] = {}  # partition heatmaps drawn in this process (RunDir.write_partition)
 
 

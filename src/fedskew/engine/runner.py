@@ -54,6 +54,7 @@ from fedskew.engine.rundir import (
     ClientStates,
     RunDir,
     RunResult,
+    RunSummary,
     StorageError,
     compact,
     default_run_dir,
@@ -62,7 +63,7 @@ from fedskew.engine.rundir import (
 )
 from fedskew.engine.tracking import Trackers, check_available
 from fedskew.engine.vectorized import VectorizedExecutor
-from fedskew.files import FileProblem, read_json
+from fedskew.files import read_json
 from fedskew.metrics import (
     client_means,
     communication,
@@ -294,10 +295,7 @@ class Experiment:
         ckpt = self._load_checkpoint(clients=False)
         if ckpt is None or ckpt["next_round"] != self.cfg.rounds:
             return None
-        summary = read_json(self.run_dir / "summary.json", "run summary", own=True)
-        if not isinstance(summary, dict):
-            raise FileProblem(f"run summary '{self.run_dir / 'summary.json'}' must hold a mapping of metrics, not a "
-                              f"{type(summary).__name__}.")
+        summary = read_json(self.run_dir / "summary.json", "run summary", own=True, model=RunSummary).model_dump()
         return self._result(summary, self.files.history_before(ckpt["next_round"]),
                             self.method.evaluation_state(ckpt["global_state"], ckpt["server_state"]))
 

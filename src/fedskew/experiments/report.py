@@ -20,6 +20,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedskew.config import ConfigError
 from fedskew.engine.durable import atomic_write, atomic_write_text
 from fedskew.experiments.plots import plot_class_accuracy, plot_curves, plot_fairness
 from fedskew.experiments.selection import Results, selected_runs
@@ -455,6 +456,9 @@ def write_report(sweep_dir: str | Path, out: str | Path | None = None, metric: s
         res = selected_runs(db, spec)
     finally:
         db.close()
+    if not res.runs and not res.failed:
+        raise ConfigError(f"sweep folder '{sweep_dir}' holds no finished run, so no report is written; run the sweep "
+                          f"first (`fedskew sweep {sweep_dir / 'sweep.yaml'} --out {sweep_dir}` continues it).")
     metric = metric or opts.get("metric") or default_metric(res)
     check_metric_and_baseline(res, metric, chosen_baseline)
     title = f"fedskew report: {res.name}"

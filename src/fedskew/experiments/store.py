@@ -42,6 +42,9 @@ def connect(path: Path, read_only: bool = False) -> sqlite3.Connection:
 
     if os.path.lexists(path):  # a link, a FIFO or a device where the store goes: one sentence, never a hang
         open_file(path, "results database", own=True, limit=None).close()
+        if not read_only and os.path.getsize(path) and not is_store(path):  # (a database of the user's: never
+            raise ConfigError(f"'{path}' is not a fedskew results database (it has no runs table); move it away "
+                              f"or use another sweep folder.")  # given fedskew's tables)
     try:
         db = (sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=LOCK_WAIT_S) if read_only
               else sqlite3.connect(path, timeout=LOCK_WAIT_S))
@@ -62,13 +65,17 @@ def connect(path: Path, read_only: bool = False) -> sqlite3.Connection:
 
 def clean_metrics(record: dict) -> dict:
     """A summary or a round's record as the tables read it: a metric (a key with a ``/``, such as
-    ``global/test_acc``) is a finite number or None (a diverged run's NaN, or an edited file's string
-    or list, is None: no value), ``rounds`` and ``seed`` an integer or None; other keys as they are."""
+    ``global/test_acc``) is a finite number, a list of them (per-client values) or None (a diverged
+    run's NaN, or an edited file's string or mapping, is no value; so is a non-finite entry of a list),
+    ``rounds`` and ``seed`` an integer or None; other keys as they are."""
     from fedskew.files import finite_or_none
 
     out = {}
     for key, value in record.items():
-        if "/" in str(key):
+        if "/" in str(key) and isinstance(value, list):
+            value = [finite_or_none(v) for v in value] if all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value) else None
+        elif "/" in str(key):
             value = finite_or_none(value)
             value = int(value) if value is not None and isinstance(record[key], int) else value
         elif key in ("rounds", "seed", "round"):
@@ -105,17 +112,24 @@ def database_path(db: sqlite3.Connection) -> str:
 
 
 def is_store(path: Path) -> bool:
-    """Whether ``path`` is a results database a sweep of fedskew wrote (a regular file with its
-    ``runs`` table), read without writing anything."""
-    from fedskew.config import ConfigError
-
+    """Whether ``path`` is a results database a sweep of fedskew wrote (a regular SQLite file with its
+    ``runs`` table; one that another process holds locked now, a sweep writing it, counts: that sweep's
+    folder lock then answers), read without writing anything."""
     if not Path(path).is_file() or Path(path).is_symlink():
         return False
     try:
-        connect(Path(path), read_only=True).close()
-    except (ConfigError, sqlite3.Error):
+        with open(path, "rb") as fh:
+            if fh.read(16) != b"SQLite format 3\x00":
+                return False
+        db = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=1.0)
+        try:
+            return db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='runs'").fetchone() is not None
+        finally:
+            db.close()
+    except sqlite3.OperationalError as exc:
+        return "locked" in str(exc) or "busy" in str(exc)
+    except (OSError, sqlite3.Error):
         return False
-    return True
 
 
 def _unwritable(exc: sqlite3.DatabaseError) -> bool:
