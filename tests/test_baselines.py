@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedskew.algorithms.drift import FedNova
+from fedskew.algorithms.methods.fednova import FedNova
 from fedskew.config import load_config
 from fedskew.engine.protocol import batch_schedule
 from fedskew.engine.rundir import read_checkpoint
@@ -278,7 +278,7 @@ def test_scaffold_and_feddyn_communication_and_state(tmp_path):
 
 
 def test_moon_contrastive_on_hand_vectors():
-    from fedskew.algorithms.representation import moon_contrastive
+    from fedskew.algorithms.methods.moon import moon_contrastive
 
     z = torch.tensor([[1.0, 0.0]])
     z_glob = torch.tensor([[1.0, 1.0]])   # cos = 1/sqrt(2)
@@ -317,7 +317,7 @@ def test_mmd_on_two_tiny_samples_by_hand():
 
 
 def test_fedaws_spreadout_value_and_direction():
-    from fedskew.algorithms.server_opt import spreadout
+    from fedskew.algorithms.methods.fedaws import spreadout
 
     w = torch.tensor([[1.0, 0.0], [1.0, 1.0], [-1.0, 0.0]])
     # cosine distances: d01 = (1 - 1/sqrt2)/2 = 0.1464, d02 = 1, d12 = (1 + 1/sqrt2)/2 = 0.8536
@@ -342,7 +342,7 @@ def test_projection_head_model():
 
 
 def test_fedproc_contrastive_by_hand_and_schedule(tmp_path):
-    from fedskew.algorithms.representation import proto_contrastive
+    from fedskew.algorithms.methods.fedproc import proto_contrastive
 
     protos = torch.tensor([[1.0, 0.0], [0.0, 1.0], [float("nan"), float("nan")]])
     z = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
@@ -458,7 +458,7 @@ def test_fedcross_buffers_follow_pflibs_cross_aggregation(buffers):
     pair and averages its parameters only: middleware model j carries the buffers of model
     min(j, partner_j) (``buffers=own``: its own); the parameters are alpha w_j + (1 - alpha) w_c."""
     from fedskew.algorithms.base import ClientReport, FederationInfo
-    from fedskew.algorithms.clustered import FedCross, FedCrossOptions, collaborator, layer_pair_similarity
+    from fedskew.algorithms.methods.fedcross import FedCross, FedCrossOptions, collaborator, layer_pair_similarity
 
     info = FederationInfo(num_clients=3, num_classes=2, class_counts=torch.ones(3, 2), rounds=4, clients_per_round=3,
                           seed=0, param_names=("w",))
@@ -483,7 +483,7 @@ def test_fedcross_buffers_follow_pflibs_cross_aggregation(buffers):
 
 
 def test_fedcross_similarity_pairs_tensors_as_pflib_does():
-    from fedskew.algorithms.clustered import collaborator, layer_pair_similarity
+    from fedskew.algorithms.methods.fedcross import collaborator, layer_pair_similarity
 
     x = [torch.tensor([1.0, 0.0]), torch.tensor([1.0]), torch.tensor([0.0, 2.0])]
     y = [torch.tensor([0.0, 1.0]), torch.tensor([1.0]), torch.tensor([1.0, 0.0])]

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from fedskew.algorithms import build_method
-from fedskew.algorithms.server_opt import FedAdam, FedYogi
+from fedskew.algorithms.methods.fedadam import FedAdam
+from fedskew.algorithms.methods.fedyogi import FedYogi
 from fedskew.algorithms.tensors import intra_class_loss
 from fedskew.config import load_config
 from fedskew.engine.local import load_state
@@ -65,7 +66,9 @@ def test_scaffold_correction_is_applied_outside_momentum(tmp_path, executor):
 
 def test_scaffold_and_feddc_controls_are_momentum_aware_by_default():
     """c_i+ divides by FedNova's a(tau, rho): tau at rho = 0 (the paper's plain SGD)."""
-    from fedskew.algorithms.drift import FedDCOptions, ScaffoldOptions, control_scale, effective_steps
+    from fedskew.algorithms.drift import control_scale, effective_steps
+    from fedskew.algorithms.methods.feddc import FedDCOptions
+    from fedskew.algorithms.methods.scaffold import ScaffoldOptions
     assert ScaffoldOptions().control_steps == "momentum" and FedDCOptions().control_steps == "fixed"
 
     class R:
@@ -147,7 +150,7 @@ def test_fedka_anchor_loss_is_zero_where_local_equals_global_with_batchnorm(tmp_
 
 
 def test_fedproto_prototypes_are_the_unweighted_mean_over_holders_by_default():
-    from fedskew.algorithms.personalized import FedProto
+    from fedskew.algorithms.methods.fedproto import FedProto
     method = FedProto(FedProto.Options())
     prev = torch.full((2, 2), float("nan"))
     uploads = [{"fedproto.mean": torch.tensor([[1.0, 1.0], [0.0, 0.0]]), "fedproto.count": torch.tensor([1.0, 0.0])},

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithms.neural_collapse import aggregate_memory_vectors, memory_features
+from fedskew.algorithms.methods.etf_gmv import aggregate_memory_vectors, memory_features
 from fedskew.config import ConfigError, ModelConfig, PartitionConfig, load_config
 from fedskew.data.partitions import PartitionError, partition_labels
 from fedskew.engine.runner import Experiment, run

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithms.fedka import anchor_indices, knowledge_anchor_loss, not_true_logits, ntd_loss
+from fedskew.algorithms.methods.fedka import anchor_indices, knowledge_anchor_loss
+from fedskew.algorithms.methods.fedntd import not_true_logits, ntd_loss
 from fedskew.config import load_config
 from fedskew.engine.runner import Experiment
 from fedskew.metrics import class_roles, forgetting_degree

@@ -253,7 +253,8 @@ def test_map_family_defaults_follow_the_paper():
         assert build_method(cfg.method).opt.alpha == 0.9
     assert load_config(None, ["method=map", "model.classifier_bias=true"]).model.classifier_bias is True
     assert load_config(None, ["method=fedavg"]).model.classifier_bias is True
-    from fedskew.algorithms.map import FedPHPOptions, MAPOptions
+    from fedskew.algorithms.methods.fedphp import FedPHPOptions
+    from fedskew.algorithms.methods.map import MAPOptions
     assert MAPOptions().schedule == "code" and FedPHPOptions().schedule == "fedphp"
     assert MAPOptions().kt == "kd" and MAPOptions().kt_lambda == 0.01
 

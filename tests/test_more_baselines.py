@@ -13,16 +13,17 @@ import torch.nn.functional as F
 
 from conftest import crash_after
 from fedskew.algorithms.base import ClientData, ClientReport
-from fedskew.algorithms.classifier import class_statistics, cosine_logits, pooled_statistics, sample_virtual
-from fedskew.algorithms.distillation import (
+from fedskew.algorithms.methods.ccvr import class_statistics, pooled_statistics, sample_virtual
+from fedskew.algorithms.methods.feddf import ensemble_distillation_loss
+from fedskew.algorithms.methods.fedgen import (
     GEN,
     FedGen,
     diversity_loss,
-    ensemble_distillation_loss,
     generate,
     generator_teacher_loss,
     init_generator,
 )
+from fedskew.algorithms.methods.fednh import cosine_logits
 from fedskew.algorithms.tensors import decorrelation_loss
 from fedskew.config import ConfigError, load_config
 from fedskew.engine.local import federated_state, load_state, module_forward
@@ -719,7 +720,7 @@ def test_fedfomo_counts_its_per_client_downloads(tmp_path):
 
 
 def test_fedpac_statistics_and_head_combination_by_hand():
-    from fedskew.algorithms.classifier import head_combination, pac_statistics
+    from fedskew.algorithms.methods.fedpac import head_combination, pac_statistics
 
     z = torch.tensor([[1.0, 2.0], [3.0, 0.0], [0.0, 1.0], [2.0, 2.0], [1.0, 1.0]], dtype=torch.float64)
     y = torch.tensor([0, 0, 1, 1, 1])
@@ -1064,7 +1065,7 @@ def test_fedvls_loss_and_gradient_equal_the_official_client():
 
 
 def test_fedvls_vacant_distillation_is_zero_without_vacant_classes():
-    from fedskew.algorithms.fedka import vacant_distillation
+    from fedskew.algorithms.methods.fedvls import vacant_distillation
 
     z = torch.randn(5, 4, requires_grad=True)
     value = vacant_distillation(z, torch.randn(5, 4), torch.zeros(4))
@@ -1142,7 +1143,7 @@ def cluster_model(exp, branch, weight, bias):
 
 def test_fedconcat_clusters_clients_by_label_distribution():
     """k-means on n_k,c / n_k: clients with the same classes share a cluster, whatever their sizes."""
-    from fedskew.algorithms.clustered import label_clusters
+    from fedskew.algorithms.methods.fedconcat import label_clusters
 
     counts = torch.zeros(6, 10)
     for k, (classes, n) in enumerate([((0, 1), 5), ((2, 3), 50), ((0, 1), 40), ((4, 5), 7), ((2, 3), 9), ((4, 5), 30)]):
@@ -2026,7 +2027,7 @@ def test_fedfed_distillation_round_equals_the_official_client(tmp_path):
 
 def test_fedfed_adaptive_weights_follow_the_official_client_properties():
     from fedskew.algorithms.base import FederationInfo
-    from fedskew.algorithms.distillation import FedFed
+    from fedskew.algorithms.methods.fedfed import FedFed
 
     counts = torch.tensor([[50, 50, 0], [90, 5, 5], [5, 5, 0], [40, 30, 30]])
     info = FederationInfo(4, 3, counts, 1, 4, 0, public_samples=(torch.zeros(3, 1, 8, 8), torch.arange(3)))
@@ -2038,7 +2039,7 @@ def test_fedfed_adaptive_weights_follow_the_official_client_properties():
 
 
 def test_fedfed_balanced_draw_by_hand():
-    from fedskew.algorithms.distillation import balanced_draw
+    from fedskew.algorithms.methods.fedfed import balanced_draw
 
     pool_y = torch.tensor([0] * 10 + [1] * 10 + [3] * 2)
     draw = balanced_draw(pool_y, 10, np.random.default_rng(0))
@@ -2203,7 +2204,7 @@ def test_cfl_clients_train_their_clusters_model(tmp_path):
 
 
 def test_pfedfda_head_is_the_shared_covariance_gaussian_classifier():
-    from fedskew.algorithms.classifier import FDA_EPS, lda_head
+    from fedskew.algorithms.methods.pfedfda import FDA_EPS, lda_head
 
     mu = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
     pi = torch.tensor([0.25, 0.75], dtype=torch.float64)
@@ -2223,7 +2224,7 @@ def test_pfedfda_head_is_the_shared_covariance_gaussian_classifier():
 
 
 def test_pfedfda_statistics_and_beta(tmp_path):
-    from fedskew.algorithms.classifier import FDA_EPS, gaussian_mle, lda_head
+    from fedskew.algorithms.methods.pfedfda import FDA_EPS, gaussian_mle, lda_head
 
     gen = torch.Generator().manual_seed(0)
     z = torch.randn(40, 3, generator=gen, dtype=torch.float64)
@@ -2265,7 +2266,7 @@ def test_pfedfda_statistics_and_beta(tmp_path):
 
 
 def test_pfedfda_trains_the_body_under_the_global_head_and_averages_the_statistics(tmp_path):
-    from fedskew.algorithms.classifier import gaussian_mle, lda_head
+    from fedskew.algorithms.methods.pfedfda import gaussian_mle, lda_head
     from test_personalized import ce, is_head, one_round, replay, stages
 
     exp, init, res, k, state = one_round(tmp_path, ["method=pfedfda"])

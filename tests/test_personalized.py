@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithms.meta import moreau_solve
-from fedskew.algorithms.personalized import calibrated_loss, nearest_prototype_head, prototype_regularizer
+from fedskew.algorithms.methods.fedlc import calibrated_loss
+from fedskew.algorithms.methods.fedproto import nearest_prototype_head, prototype_regularizer
+from fedskew.algorithms.methods.pfedme import moreau_solve
 from fedskew.algorithms.tensors import balanced_softmax_loss
 from fedskew.config import ConfigError, load_config
 from fedskew.engine.local import federated_state, load_state, module_forward
@@ -338,7 +339,7 @@ def test_perfedavg_personal_model_adapts_the_received_model(tmp_path):
 
 
 def test_fedgh_server_step_is_sgd_on_a_linear_head_over_the_prototypes():
-    from fedskew.algorithms.personalized import train_head
+    from fedskew.algorithms.methods.fedgh import train_head
 
     g = torch.Generator().manual_seed(0)
     protos, labels = torch.randn(7, 5, generator=g), torch.tensor([0, 2, 1, 2, 0, 1, 2])
@@ -361,7 +362,7 @@ def test_fedgh_round_trains_own_models_from_the_global_head_and_the_head_on_thei
     head the server trained in round 1; the uploads are the class means of the trained model's
     eval-mode features over the client's data; the new head is train_head over them in the seeded
     order."""
-    from fedskew.algorithms.personalized import train_head
+    from fedskew.algorithms.methods.fedgh import train_head
     from fedskew.algorithms.tensors import class_feature_means
     from fedskew.models.functional import frozen_fn
     from fedskew.streams import torch_seed
@@ -519,7 +520,7 @@ def fl_bench_project_clients(stats, endpoints):
 def test_floco_projection_equals_fl_benchs_and_lands_on_the_simplex():
     import numpy as np
 
-    from fedskew.algorithms.personalized import project_clients, simplex_projection
+    from fedskew.algorithms.methods.floco import project_clients, simplex_projection
 
     # a point already on the simplex of size 1 is its own projection; (1, 0.4, 0.2) moves down by
     # theta = (1 + 0.4 - 1) / 2 = 0.2 on its two largest entries, the third clipped at 0

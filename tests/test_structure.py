@@ -446,6 +446,34 @@ INFRASTRUCTURE = {"__init__", "base", "compose", "components", "tensors"}
 FAMILIES = {p.stem for p in (ROOT / "src/fedskew/algorithms").glob("*.py")} - INFRASTRUCTURE  # every other module
 
 
+def test_a_method_is_one_file():
+    """Every built-in method but FedAvg (the interface's default, in base.py) is the one @builtin class of
+    its own module, ``fedskew.algorithms.methods.<name>``, which names its family; a family module holds
+    shared pieces only."""
+    from fedskew.algorithms import BUILTIN, METHODS, family_of, source_file
+
+    problems = []
+    for name in BUILTIN - {"fedavg"}:
+        cls = METHODS[name]
+        module = name.replace("-", "_").replace(".", "_")
+        if cls.__module__ != f"fedskew.algorithms.methods.{module}" or "family" not in cls.__dict__:
+            problems.append(f"{name}: {cls.__module__}, family {cls.__dict__.get('family')}")
+        if source_file(cls) != f"src/fedskew/algorithms/methods/{module}.py":
+            problems.append(f"{name}: {source_file(cls)}")
+        if family_of(cls) not in FAMILIES | {"representation"}:
+            problems.append(f"{name}: family {family_of(cls)}")
+    for path in (ROOT / "src/fedskew/algorithms/methods").glob("*.py"):
+        builtins = path.read_text().count("\n@builtin\n")
+        if path.stem != "__init__" and builtins != 1:
+            problems.append(f"{path.name}: {builtins} @builtin classes")
+    for name in FAMILIES:
+        if "\n@builtin\n" in (ROOT / "src/fedskew/algorithms" / f"{name}.py").read_text():
+            problems.append(f"family module {name} defines a method")
+    assert not problems, problems
+    assert len(METHODS) == len(BUILTIN) and len(list((ROOT / "src/fedskew/algorithms/methods").glob("*.py"))) == \
+        len(BUILTIN)  # 73 method modules and __init__.py; FedAvg in base.py
+
+
 def test_method_families_do_not_import_each_other():
     """A family module imports the interface (base), the composition machinery (compose), the
     attachable pieces (components) and pure tensor functions (tensors), never another family."""
@@ -574,7 +602,7 @@ def test_ccvr_feedback_sends_the_calibrated_head(tmp_path):
 
 
 def test_fedpac_with_several_clients_combines_heads_and_not_without_collaboration(tmp_path):
-    from fedskew.algorithms.classifier import head_combination
+    from fedskew.algorithms.methods.fedpac import head_combination
 
     cfg = ONE + ["method=fedpac", "clients_per_round=3"]
     exp, init, res, _, _ = one_round(tmp_path, cfg, name="c")
@@ -622,7 +650,7 @@ def test_fedavg_options_are_strict():
 def test_fedskew_methods_is_a_function_beside_a_plain_package():
     code = ("import sys, types, fedskew, fedskew.algorithms; "
             "assert type(sys.modules['fedskew.algorithms']) is types.ModuleType; "
-            "import fedskew.algorithms.fedmr as m; assert m.FedMR.name == 'fedmr'; "
+            "import fedskew.algorithms.methods.fedmr as m; assert m.FedMR.name == 'fedmr'; "
             "print(sorted(fedskew.methods())[:3], fedskew.methods()['fedmr'].__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -177,18 +177,20 @@ def _communication(body: str) -> list[str]:
 
 
 def method_pages() -> dict[str, str]:
-    from fedskew.algorithms import METHODS, allowed_values, plain_text, search_space
+    from fedskew.algorithms import METHODS, allowed_values, family_of, plain_text, search_space, source_file
 
     notes = _notes_sections()
     families: dict[str, list[str]] = {}
     pages = {}
     for name, cls in METHODS.items():
-        family = cls.__module__.rsplit(".", 1)[-1]
+        family = family_of(cls)
         families.setdefault(family, []).append(name)
         doc = plain_text(inspect.getdoc(cls) or "")
         first, _, rest = doc.partition("\n\n")
         src = cls.source
         lines = [f"# `{name}`", "", " ".join(first.split()), ""]
+        if source_file(cls):
+            lines += [f"**Source:** `{source_file(cls)}` (the whole method: options, equations, class).", ""]
         if src is not None:
             arxiv = f", [arXiv {src.arxiv}](https://arxiv.org/abs/{src.arxiv.split(',')[0]})" if src.arxiv else ""
             lines += ["## Paper", "", f"{src.authors}, \"{src.title}\", {src.venue}"
@@ -217,8 +219,9 @@ def method_pages() -> dict[str, str]:
             lines += ["## Notes", "", "Details, choices and measurements: " + "; ".join(
                 f"[{t.replace('`', '')}](../../methods.md#{a})" for t, a, _ in cited) + ".", ""]
         pages[name] = "\n".join(lines) + "\n"
-    index = ["# Methods", "", f"The {len(METHODS)} registered methods, grouped by family (one module of "
-             "`fedskew.algorithms` each). Every page is generated from the method's class: its paper, the "
+    index = ["# Methods", "", f"The {len(METHODS)} registered methods, grouped by family; each is "
+             "one module, `fedskew.algorithms.methods.<name>` (FedAvg: `fedskew.algorithms.base`). "
+             "Every page is generated from the method's class: its paper, the "
              "equations it implements, its options with their defaults, and the official code its float64 port "
              "was checked against. `fedskew methods` prints the same list.", ""]
     for family, names in families.items():

@@ -283,7 +283,15 @@ def _describe(obj) -> str:
 
 
 def cmd_methods(args, console: Console) -> int:
-    from fedskew.algorithms import COMPONENTS, METHODS, allowed_values, options_reference, unknown_method
+    from fedskew.algorithms import (
+        BUILTIN,
+        COMPONENTS,
+        METHODS,
+        allowed_values,
+        family_of,
+        options_reference,
+        unknown_method,
+    )
     from fedskew.config import ConfigError
 
     if args.markdown:
@@ -308,7 +316,7 @@ def cmd_methods(args, console: Console) -> int:
         return 0
     families: dict[str, list[str]] = {}
     for name, cls in METHODS.items():
-        families.setdefault(FAMILIES.get(cls.__module__.rsplit(".", 1)[-1], "Your methods"), []).append(name)
+        families.setdefault(FAMILIES.get(family_of(cls) if name in BUILTIN else "", "Your methods"), []).append(name)
     width = max(len(n) for n in METHODS) + 2
     room = max(40, console.width - width - 4)
     for family in [*FAMILIES.values(), "Your methods"]:
@@ -323,7 +331,7 @@ def cmd_methods(args, console: Console) -> int:
     return 0
 
 
-# The method families (one module of fedskew.algorithms each), in the order `fedskew methods` lists them
+# The method families (a class's `family`: fedskew.algorithms.family_of), in the order `fedskew methods` lists them
 FAMILIES = {"base": "FedAvg", "fedmr": "FedMR", "map": "MAP (FedRS + FedPHP)",
             "neural_collapse": "Neural collapse (fixed ETF heads)", "fedka": "Forgetting (FedKA, FedNTD)",
             "drift": "Client drift and momentum", "server_opt": "Server optimisers and aggregation",

@@ -1,4 +1,6 @@
-"""Method registry: one module per method family; every method is a :class:`Method`.
+"""Method registry: one module per method (``fedskew.algorithms.methods.<name>``), grouped by family
+(the class's ``family``; the pieces a family's methods share are in ``fedskew.algorithms.<family>``);
+every method is a :class:`Method`.
 
 Methods added from outside the package (:func:`register_method`, ``fedskew.register_method``) join
 the same table, so every executor, sweep and report runs them; ``fedskew.methods()`` returns it.
@@ -25,13 +27,29 @@ from fedskew.algorithms.base import ClientReport, FederationInfo, Forward, Metho
 from fedskew.algorithms.components import COMPONENTS
 from fedskew.algorithms.compose import Composite
 
-# every module of the package: a family module registers its methods where it defines them (@builtin)
+# every module of the package: the methods package registers each method where its module defines it
+# (@builtin), in the order fedskew.algorithms.methods.ORDER gives
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
 METHODS: dict[str, type[Method]] = dict(_base.BUILTIN_METHODS)  # FedAvg first, then by family module
 BUILTIN = frozenset(METHODS)
 _BUILTIN_CLASSES = tuple(METHODS.values())
+
+
+def family_of(cls: type) -> str:
+    """A method's family: the ``family`` its class names itself (a built-in method's module is its own), else
+    its module's last part (``base`` for FedAvg, a user's module for theirs)."""
+    return cls.__dict__.get("family") or cls.__module__.rsplit(".", 1)[-1]
+
+
+def source_file(cls: type) -> str | None:
+    """The one source file of a built-in method, relative to the repository (``src/fedskew/...``)."""
+    module = sys.modules.get(cls.__module__)
+    path = getattr(module, "__file__", None)
+    if not path or not cls.__module__.startswith("fedskew."):
+        return None
+    return "src/" + str(Path(path).resolve().relative_to(Path(__file__).resolve().parents[1].parent)).replace("\\", "/")
 
 
 def registered() -> dict[str, type[Method]]:

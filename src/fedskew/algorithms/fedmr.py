@@ -12,38 +12,11 @@ Local objective L = CE + mu1 * L_intra + mu2 * L_inter (Eq. 6), as two component
 
 ``method=fedmr`` is FedAvg + both; any method takes either piece by configuration
 (``method.prototypes.mu2=1e-4``, ``method.decorrelation.mu1=0.01``), as in the paper's Table 8.
+
+Each method of the family is a module of its own in :mod:`fedskew.algorithms.methods` (its class names the
+family); this module holds the pieces several of them share.
 """
 
 from __future__ import annotations
 
-from fedskew.algorithms.base import FedAvgOptions, Source, builtin
-from fedskew.algorithms.components import DecorrelationOptions, IntraDecorrelation, PrototypeMargin, PrototypeOptions
-from fedskew.algorithms.compose import Composed, options_of
-
-
-class FedMROptions(PrototypeOptions, DecorrelationOptions, FedAvgOptions):  # fields: FedAvg's first
-    renamed = {"proto_share_fraction": "share_fraction"}
-
-
-@builtin
-class FedMR(Composed):
-    """FedAvg + IntraDecorrelation(mu1) + PrototypeMargin(mu2)."""
-
-    name = "fedmr"
-    Options = FedMROptions
-    source = Source(
-        authors="Fan, Yao, Zhang, Lyu, Zhang, Wang",
-        title="Federated Learning under Partially Class-Disjoint Data via Manifold Reshaping",
-        venue="TMLR",
-        year=2023,
-        arxiv="2405.18983",
-        implements="Eq. 3 (intra-class decorrelation), Eq. 4-5 (inter-class prototype margin), Eq. 6 (the local "
-                   "objective)",
-        code="MediaBrain-SJTU/FedMR")
-
-    def parts(self, opt):
-        return [IntraDecorrelation(options_of(DecorrelationOptions, opt)),
-                PrototypeMargin(options_of(PrototypeOptions, opt))]
-
-
-__all__ = ["FedMR", "FedMROptions"]
+__all__ = []

@@ -15,90 +15,11 @@ model. The paper's Algorithm 1 (E/2 epochs each) is ``schedule=paper``.
 FedPHP (its own paper and the MAP authors' ``algorithms/fedphp.py``) is one stage: all E epochs of
 (1 - lambda) CE + lambda KT from the HPM, that model is uploaded and updates the HPM
 (``schedule=fedphp``, FedPHP's default).
+
+Each method of the family is a module of its own in :mod:`fedskew.algorithms.methods` (its class names the
+family); this module holds the pieces several of them share.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field
-
-from fedskew.algorithms.base import FedAvgOptions, Source, builtin
-from fedskew.algorithms.components import BIAS_FREE, HPMOptions, InheritedPrivateModel, RestrictedSoftmax, RSOptions
-from fedskew.algorithms.compose import Composed, options_of
-
-
-class FedRSOptions(RSOptions, FedAvgOptions):
-    renamed = {}
-
-
-class FedPHPOptions(HPMOptions, FedAvgOptions):
-    schedule: Literal["code", "paper", "fedphp"] = Field(
-        "fedphp", description="fedphp: one stage with the KT term, uploaded (FedPHP, default); code/paper: MAP's "
-                              "two-stage schedules without restricted softmax")
-
-
-class MAPOptions(RSOptions, HPMOptions, FedAvgOptions):
-    renamed = {}
-
-
-@builtin
-class FedRS(Composed):
-    """FedAvg + restricted softmax."""
-
-    name = "fedrs"
-    Options = FedRSOptions
-    source = Source(
-        authors="Li, Zhan",
-        title="FedRS: Federated Learning with Restricted Softmax for Label Distribution Non-IID Data",
-        venue="KDD",
-        year=2021,
-        implements="MAP paper Eq. 8 (restricted softmax)",
-        code="lxcnju/FedRepo (the MAP authors' code)")
-    model_defaults = BIAS_FREE
-
-    def parts(self, opt):
-        return [RestrictedSoftmax(options_of(RSOptions, opt))]
-
-
-@builtin
-class FedPHP(Composed):
-    """FedPHP: all E epochs of (1 - lambda) CE + lambda KT from the HPM, uploaded; the HPM then
-    takes it with momentum and is the personalised model."""
-
-    name = "fedphp"
-    Options = FedPHPOptions
-    source = Source(
-        authors="Li, Zhan, Shao, Li, Song",
-        title="FedPHP: Federated Personalization with Inherited Private Models",
-        venue="ECML PKDD",
-        year=2021,
-        implements="MAP paper Eq. 9-10 (the inherited private model and its knowledge transfer)",
-        code="lxcnju/FedRepo (the MAP authors' code)")
-    model_defaults = BIAS_FREE
-
-    def parts(self, opt):
-        return [InheritedPrivateModel(options_of(HPMOptions, opt))]
-
-
-@builtin
-class MAP(Composed):
-    """FedAvg + restricted softmax on the uploaded model + the HPM personalisation stage
-    (authors' code schedule by default)."""
-
-    name = "map"
-    Options = MAPOptions
-    source = Source(
-        authors="Li, Song, Li, Li, Shao, Yang, Zhan",
-        title="MAP: Model Aggregation and Personalization in Federated Learning with Incomplete Classes",
-        venue="IEEE TKDE (the text in ../shared/papers)",
-        year=2024,
-        implements="Eq. 8 (RS on the uploaded model) with Eq. 9-10 (HPM personalisation), Algorithm 1",
-        code="lxcnju/FedRepo (the authors' code)")
-    model_defaults = BIAS_FREE
-
-    def parts(self, opt):
-        return [RestrictedSoftmax(options_of(RSOptions, opt)), InheritedPrivateModel(options_of(HPMOptions, opt))]
-
-
-__all__ = ["FedPHP", "FedRS", "MAP"]
+__all__ = []
