@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 import fedskew
-from fedskew.algorithms import METHODS
+from fedskew.algorithms import METHODS, family_of
 from fedskew.cli import split_multirun
 from fedskew.config import ConfigError, load_config
 from fedskew.experiments.report import build_table
@@ -401,7 +401,7 @@ def test_methods_command_lists_every_method_by_family_one_line_each(tmp_path):
         mine = [i for i, line in enumerate(lines) if re.match(rf"  {re.escape(name)} +\S", line)]
         assert len(mine) == 1, name
         heading = next(line for line in reversed(lines[:mine[0]]) if not line.startswith(" "))
-        assert heading == FAMILIES[cls.__module__.rsplit(".", 1)[-1]], (name, heading)
+        assert heading == FAMILIES[family_of(cls)], (name, heading)
     assert len(lines) == len(METHODS) + len(FAMILIES) + 1 and lines[-1].startswith(f"{len(METHODS)} methods.")
     # (not cut at 'Sec.')
     assert re.search(r"  localghbm +LocalGHBM \(Zaccone et al\., TMLR 2025, Sec\. 4, ", done.stdout)
