@@ -25,7 +25,7 @@ class DittoRS(Composed):
         authors="Li, Song, Li, Li, Shao, Yang, Zhan",
         title="MAP: Model Aggregation and Personalization in Federated Learning with Incomplete Classes (DittoRS, a "
               "Table II baseline)",
-        venue="IEEE TKDE (the text in ../shared/papers)",
+        venue="IEEE TKDE",
         year=2024,
         implements="Ditto's Algorithm 1 with MAP Eq. 8 (restricted softmax) on the global update",
         code="lxcnju/FedRepo")

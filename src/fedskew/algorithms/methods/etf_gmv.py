@@ -53,7 +53,7 @@ class EtfGmv(Method):
     source = Source(
         authors="Huang, Xie, Yang, Wang, Lin, Cai",
         title="Neural Collapse Inspired Federated Learning with Non-iid Data",
-        venue="arXiv preprint (its text in ../shared/papers names no venue)",
+        venue="arXiv preprint (its text names no venue)",
         year=2023,
         arxiv="2303.16066",
         implements="the fixed simplex-ETF head (Eq. 2) and the global memory vectors with warm-up (Eq. 6-8)",

@@ -23,7 +23,7 @@ class MAP(Composed):
     source = Source(
         authors="Li, Song, Li, Li, Shao, Yang, Zhan",
         title="MAP: Model Aggregation and Personalization in Federated Learning with Incomplete Classes",
-        venue="IEEE TKDE (the text in ../shared/papers)",
+        venue="IEEE TKDE",
         year=2024,
         implements="Eq. 8 (RS on the uploaded model) with Eq. 9-10 (HPM personalisation), Algorithm 1",
         code="lxcnju/FedRepo (the authors' code)")
