@@ -1,7 +1,7 @@
 """Every generic-FL baseline vs FedAvg on real Fashion-MNIST, pcdd P10C2, several seeds.
 
-    python benchmarks/baselines_fmnist.py --data ../shared/data
-    python benchmarks/baselines_fmnist.py --data ../shared/data --methods fedavg scaffold --rounds 50
+    python benchmarks/baselines_fmnist.py --data DATA_DIR
+    python benchmarks/baselines_fmnist.py --data DATA_DIR --methods fedavg scaffold --rounds 50
 
 All methods share one setting per seed (partition, client schedule, batch order); each uses its
 documented default options (docs/methods.md) unless given in METHOD_ARGS. Reported: last-round

@@ -7,7 +7,7 @@ client count, which set the bytes, are the same). Then, side by side in one proc
 the time of `RunDir.checkpoint` for a round's 20 changed clients, and of writing the same state
 whole (one file, every client inline). Prints bytes and seconds per checkpoint and their ratios.
 
-    python benchmarks/checkpoint_io.py [--rounds 8] [--repeats 3] [--data ../shared/data]
+    python benchmarks/checkpoint_io.py [--rounds 8] [--repeats 3] [--data DATA_DIR]
 """
 
 from __future__ import annotations

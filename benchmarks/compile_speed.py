@@ -7,7 +7,7 @@ printed beside, and the global models compared (max |difference|). The setting i
 label-skew suite's (MLP 200-200 on Fashion-MNIST, 10 of 20 clients a round, 20 rounds of E = 2,
 B = 64; ``--rounds`` shortens it), or README's digits default without ``--data``.
 
-    OMP_NUM_THREADS=1 python benchmarks/compile_speed.py --data ../shared/data   # CPU
+    OMP_NUM_THREADS=1 python benchmarks/compile_speed.py --data DATA_DIR   # CPU
     python benchmarks/compile_speed.py --device cuda --data DIR                  # a GPU window
 """
 

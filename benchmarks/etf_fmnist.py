@@ -2,8 +2,8 @@
 Fashion-MNIST with the neural-collapse paper's label_count split ("FMNIST-100-k"), k = 2 and 5
 (paper Tables 1-2 setting at CPU scale).
 
-    python benchmarks/etf_fmnist.py --data ../shared/data
-    python benchmarks/etf_fmnist.py --data ../shared/data --rounds 200 --samples-per-class 100
+    python benchmarks/etf_fmnist.py --data DATA_DIR
+    python benchmarks/etf_fmnist.py --data DATA_DIR --rounds 200 --samples-per-class 100
 
 Setting: 100 clients, 10% per round, each client k classes with n samples of each (label_count),
 SGD lr 0.03 momentum 0.9 weight decay 5e-4, batch 64, E = 2 (paper); MLP 784-200-200 (d = 200 >=

@@ -1,8 +1,8 @@
 """FedAvg, FedNTD and FedKA on real Fashion-MNIST, Dirichlet alpha 0.1, 10 clients, t-CNN (FedKA
 paper, Table 2 layout, at CPU scale), with the forgetting degree by class role.
 
-    python benchmarks/fedka_fmnist.py --data ../shared/data
-    python benchmarks/fedka_fmnist.py --data ../shared/data --rounds 100 --epochs 10 --subsample 1
+    python benchmarks/fedka_fmnist.py --data DATA_DIR
+    python benchmarks/fedka_fmnist.py --data DATA_DIR --rounds 100 --epochs 10 --subsample 1
 
 Setting (paper unless noted): 10 clients, all selected each round, Dirichlet alpha 0.1, t-CNN
 (3x3 kernels: the paper gives none), SGD lr 0.01 momentum 0.9 weight decay 1e-5, batch 128,

@@ -1,8 +1,8 @@
 """FedMR vs FedAvg on real Fashion-MNIST under pcdd P5C2 and P10C2 (FedMR paper, Table 1 setting
 at CPU scale).
 
-    python benchmarks/fedmr_fmnist.py --data ../shared/data            # the table, 3 seeds
-    python benchmarks/fedmr_fmnist.py --data ../shared/data --grid     # mu1 x mu2 grid on seed 0 first
+    python benchmarks/fedmr_fmnist.py --data DATA_DIR            # the table, 3 seeds
+    python benchmarks/fedmr_fmnist.py --data DATA_DIR --grid     # mu1 x mu2 grid on seed 0 first
 
 Every run goes through the library (``fedskew.engine.runner.run``) with the same settings for both
 methods (same partition, client schedule and batch order per seed). Reported: the last-round

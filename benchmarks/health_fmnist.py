@@ -1,6 +1,6 @@
 """Method health on real Fashion-MNIST: every registered method at its default options, P10C2.
 
-    python benchmarks/health_fmnist.py --data ../shared/data --jobs 2
+    python benchmarks/health_fmnist.py --data DATA_DIR --jobs 2
     python benchmarks/health_fmnist.py --methods fedavg fedmr --seeds 0
     python benchmarks/health_fmnist.py --methods ghbm fedhbm --set lr=0.1 momentum=0 weight_decay=1e-4 \
         --clients 20 --per-round 5

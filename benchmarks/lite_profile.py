@@ -10,7 +10,7 @@ server's own work, run files). The last lines add the suite's estimate: each met
 runs (7 settings x 5 runs), over ``--procs`` jobs; settings differ in cost (C-20-2's clients hold
 half the data), so the suite's measured time is the one to trust.
 
-    OMP_NUM_THREADS=1 python benchmarks/lite_profile.py --data ../shared/data [--methods fedavg,fedfed] [--procs 2]
+    OMP_NUM_THREADS=1 python benchmarks/lite_profile.py --data DATA_DIR [--methods fedavg,fedfed] [--procs 2]
 """
 
 from __future__ import annotations

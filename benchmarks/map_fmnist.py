@@ -3,9 +3,9 @@ FedROD, FedProto, FedLC, pFedMe, Per-FedAvg, FedPer, LG-FedAvg, APFL, FedALA, Fe
 generic ones of issue 22 (FedDecorr, CCVR, FedNH, FedDF, FedETF) on real Fashion-MNIST with the MAP partition (MAP
 paper, Tables I/II FaMnist columns, at CPU scale).
 
-    python benchmarks/map_fmnist.py --data ../shared/data
-    python benchmarks/map_fmnist.py --data ../shared/data --methods ditto fedrep fedproto
-    python benchmarks/map_fmnist.py --data ../shared/data --rounds 150 --subsample 1 --model lenet
+    python benchmarks/map_fmnist.py --data DATA_DIR
+    python benchmarks/map_fmnist.py --data DATA_DIR --methods ditto fedrep fedproto
+    python benchmarks/map_fmnist.py --data DATA_DIR --rounds 150 --subsample 1 --model lenet
 
 Setting (paper unless noted): ``random_classes`` partition (each client draws its number of classes
 from {2..10}), 100 clients, 20% per round, 20% of each client's data held out as its local test

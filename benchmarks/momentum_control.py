@@ -10,7 +10,7 @@ the suite's optimiser (``fedavg``) and with theirs (``fedavg-sgd``, the baseline
 wins/ties/losses). The spec is built from the suite's own (``bench.label_skew``), so the setting,
 partitions and trials are the suite's to the letter.
 
-    OMP_NUM_THREADS=1 python benchmarks/momentum_control.py --data ../shared/data --out DIR --jobs 2
+    OMP_NUM_THREADS=1 python benchmarks/momentum_control.py --data DATA_DIR --out DIR --jobs 2
 
 The sweep lies in ``DIR/label-skew-fmnist`` (resumable: run it again to finish it), and its board,
 the suite's (``DIR/leaderboard.md`` and ``.html``: the methods x settings tables with ranks and

@@ -1,6 +1,6 @@
 """Scale-out overheads, measured side by side on this machine (docs/scaling.md).
 
-    python benchmarks/scaling.py --data ../shared/data
+    python benchmarks/scaling.py --data DATA_DIR
 
 1. The same 12-run sweep (2 methods x 2 partitions x 3 seeds, digits) with ``--jobs 2`` and on Ray
    (a local instance started by the sweep, 1 CPU per run): wall time of each and the overhead per
