@@ -100,6 +100,23 @@ def test_a_folder_lock_is_exclusive_and_dies_with_its_process(tmp_path):
     FolderLock(tmp_path, "run directory").acquire().release()  # a killed holder leaves no stale lock
 
 
+def test_a_sweep_caught_creating_its_database_is_in_use_not_foreign(tmp_path):
+    """The moment between the first sweep's lock and its database's first commit: the second sweep hears
+    that the folder is in use (the probe writes nothing), not that its files are someone else's."""
+    from fedskew.experiments.sweep import check_sweep_folder
+
+    (tmp_path / "results.sqlite").write_bytes(b"")  # created, its schema not yet committed
+    (tmp_path / "results.sqlite-journal").write_bytes(b"\0" * 512)
+    with FolderLock(tmp_path, "sweep folder"):
+        before = (tmp_path / ".fedskew.lock").read_bytes()
+        with pytest.raises(ConfigError, match=rf"sweep folder '{tmp_path}' is in use by another fedskew process "
+                                              rf"\(pid {os.getpid()}\)"):
+            check_sweep_folder(tmp_path)
+        assert (tmp_path / ".fedskew.lock").read_bytes() == before
+    with pytest.raises(ConfigError, match="already holds files that no fedskew sweep wrote"):
+        check_sweep_folder(tmp_path)  # nobody holds it now: what is there is not a sweep's
+
+
 @pytest.mark.slow  # starts processes or runs sweeps: left out of the fast subset
 def test_two_runs_with_one_run_name_never_share_the_directory(tmp_path):
     first = cli_popen("run", *SMALL_ARGS, "rounds=5000", "out_dir=.", "run_name=same", cwd=tmp_path)

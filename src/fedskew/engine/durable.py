@@ -130,6 +130,27 @@ class FolderLock:
         os.pwrite(self.fd, str(os.getpid()).encode(), 0)
         return self
 
+    def check_free(self) -> None:
+        """One sentence when another process holds the lock now; reads and writes nothing (a folder
+        that is not fedskew's may be probed before anything is written into it)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return  # no lock file, or none of fedskew's: acquire() says which
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                raise ConfigError(f"{self.what} '{self.path.parent}' is in use by another fedskew process (pid "
+                                  f"{holder}); wait for it to finish or stop it, or choose another folder.") from None
+        finally:
+            os.close(fd)
+
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # closing the descriptor releases the flock

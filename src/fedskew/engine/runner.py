@@ -153,7 +153,7 @@ class Experiment:
             raise ConfigError(f"{key} '{self.run_dir if run_dir else cfg.out_dir}' cannot hold a run: '{blocked}' is a "
                               f"file, not a folder; choose another out_dir.")
         if self.run_dir.is_dir() and os.access(self.run_dir, os.W_OK) and (resume or not self._foreign()):
-            FolderLock(self.run_dir, "run directory").acquire().release()  # in use by a running process?
+            FolderLock(self.run_dir, "run directory").check_free()  # in use by a running process?
         if not resume:
             self._refuse_existing()
 

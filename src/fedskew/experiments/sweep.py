@@ -278,6 +278,8 @@ def check_sweep_folder(sweep_dir: Path) -> None:
     if not sweep_dir.is_dir():
         return
     entries = sorted(p.name for p in sweep_dir.iterdir())
+    if LOCK_NAME in entries:  # a sweep writing here now (its database perhaps not yet whole): that, first
+        FolderLock(sweep_dir, "sweep folder").check_free()
     if not entries or is_store(sweep_dir / "results.sqlite"):
         return
     if set(entries) <= {LOCK_NAME, "sweep.yaml"} and (
