@@ -75,7 +75,7 @@ def test_run_ids_survive_new_config_keys():
     one this run had before model.conditional_policy existed: a new key missing from
     spec.ADDED_KEYS changes it, and so does a changed default (then the new id is right: pin it)."""
     spec = load_spec({**TINY, "methods": ["fedavg"], "partitions": {"P6C3": TINY["partitions"]["P6C3"]},
-                      "seeds": [0]})
+                      "seeds": [0], "selection": {"split": "test"}})  # (no hold-out: the config the id was pinned for)
     assert [r["run_id"] for r in plan(spec)] == ["adbac09082b3"]
     cfg = plan(spec)[0]["config"]
     assert cfg["model"]["dropout"] == 0.0 and "dropout" not in run_identity(cfg)["model"]
@@ -116,7 +116,7 @@ def test_sweep_records_every_run_and_skips_finished_ones(tmp_path):
 
 
 def test_selection_picks_the_best_mean_over_seeds_and_records_it(tmp_path):
-    db = run_sweep(load_spec(TINY), tmp_path, jobs=1)
+    db = run_sweep(load_spec({**TINY, "selection": {"split": "test"}}), tmp_path, jobs=1)
     rows = db.execute("SELECT partition, params, summary FROM runs WHERE label='fedprox'").fetchall()
     for partition in ("P6C3", "Dir"):
         means = {}

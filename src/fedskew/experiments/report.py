@@ -314,12 +314,18 @@ def time_section(res: Results, metric: str) -> Section:
 
 
 def selection_section(res: Results) -> Section | None:
-    rows = [[p, c, sel["params"], sel["metric"], sel["split"], _pct(sel["value"])]
+    def split(name: str) -> str:
+        return "test set (test-set selection)" if name == "test" else f"{name} hold-out"
+
+    rows = [[p, c, sel["params"], sel["metric"], split(sel["split"]), _pct(sel["value"])]
             for p in res.partitions for c in res.labels if (sel := res.selections.get((c, p)))]
     if not rows:
         return None
+    on_test = any(r[4].startswith("test") for r in rows)
     return Section("Hyper-parameters chosen", "Per method and partition: the grid point with the best mean over "
-                   "seeds of the selection metric, and the split it was chosen on.",
+                   "seeds of the selection metric, and the split it was chosen on." + (
+                       " Test-set selection: the test set chose among the grid points, as the protocol being "
+                       "reproduced did, so these scores are not held-out estimates." if on_test else ""),
                    ["partition", "method", "options", "selection metric", "split", "value (%)"], rows)
 
 

@@ -56,7 +56,9 @@ class MethodSpec(_Strict):
 
 
 class SelectionSpec(_Strict):
-    split: Literal["test", "validation"] = "test"
+    split: Literal["validation", "test"] = Field(
+        "validation", description="validation: a stratified hold-out of the training data (validation_fraction) in "
+        "every run chooses; test: the test set chooses, as some papers' protocols did (named so in the report)")
     metric: str | None = Field(None, description="default: global/test_acc_mean_last10 (test) or "
                                                  "global/val_acc_mean_last10 (validation)")
     validation_fraction: float = Field(0.1, gt=0, lt=1)

@@ -14,7 +14,7 @@ A sweep file::
       P20C3: {name: pcdd, classes_per_client: 3}
       Dir0.5: {name: dirichlet, alpha: 0.5}
     seeds: [0, 1, 2]
-    selection: {split: test, metric: global/test_acc_mean_last10}  # or split: validation
+    selection: {split: validation}                 # the default; split: test for a paper's protocol
     resources: {num_cpus: 1, num_gpus: 0}          # per run, with --ray (docs/scaling.md)
 
 The sweep folder holds ``sweep.yaml`` (the spec as run), ``results.sqlite`` (the results store,
@@ -28,11 +28,12 @@ a key that names a run setting (``lr``, ``local_epochs``, ``momentum``, ...) set
 method option. ``selection.tune_seeds: [0]`` runs the grid on those seeds only, selects, then runs
 the selected point on every other seed (the selection reads the tuning seeds' runs only).
 
-Hyper-parameter selection (``selection.split``): ``test`` picks, per method and partition, the grid
-point with the best mean over seeds of ``selection.metric`` on the test set, as the papers did;
-``validation`` holds out ``selection.validation_fraction`` of the training set in every run
-(``dataset.validation_fraction``) and selects on ``global/val_acc_mean_last10``. Either way the
-choice is recorded in ``selections`` and shown in the report.
+Hyper-parameter selection (``selection.split``): ``validation`` (the default) holds out
+``selection.validation_fraction`` of the training set in every run (``dataset.validation_fraction``)
+and picks, per method and partition, the grid point with the best mean over seeds of
+``global/val_acc_mean_last10``; ``test`` picks on ``selection.metric`` over the test set, as some
+papers' protocols did, and the report names it test-set selection. Either way the choice is
+recorded in ``selections`` and shown in the report.
 """
 
 from __future__ import annotations

@@ -1,0 +1,50 @@
+"""Rebuild README's table, the first-sweep tutorial's and the front-page figure from a `fedskew sweep`.
+
+    fedskew sweep --out /tmp/front                # the default comparison, on a clean checkout
+    python benchmarks/front_page.py /tmp/front
+
+exports the sweep's runs to docs/evidence/sweep-digits.jsonl (fedskew.experiments.evidence), copies
+its curves figure to docs/images/sweep-digits-curves.png and rewrites every block of README.md and
+docs/ marked ``<!-- generated from docs/evidence/sweep-digits.jsonl ...: do not edit -->`` from the
+exported runs. tests/test_evidence.py rebuilds the blocks from the committed file and compares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from fedskew.engine.durable import atomic_write_text
+from fedskew.experiments.evidence import BLOCK, export_runs, refresh
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = "docs/evidence/sweep-digits.jsonl"
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    """Every page that holds a generated block."""
+    found = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    return [p for p in found if "generated" not in p.relative_to(root).parts and BLOCK.search(p.read_text())]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sweep_dir", help="the folder `fedskew sweep --out` wrote")
+    args = p.parse_args()
+    sweep = Path(args.sweep_dir)
+    rows = export_runs(sweep, ROOT / SOURCE)
+    print(f"{len(rows)} runs -> {SOURCE}")
+    curves = sweep / "report" / "curves_p0.png"
+    if curves.is_file():
+        shutil.copyfile(curves, ROOT / "docs" / "images" / "sweep-digits-curves.png")
+    for page in pages():
+        text = page.read_text()
+        new = refresh(text, ROOT)
+        if new != text:
+            atomic_write_text(new, page)
+            print(f"rewrote {page.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
