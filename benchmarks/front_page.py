@@ -1,7 +1,9 @@
-"""Rebuild README's table, the first-sweep tutorial's and the front-page figure from a `fedskew sweep`.
+"""Rebuild README's table, the tutorials' tables and the front-page figure from the sweeps they quote.
 
     fedskew sweep --out /tmp/front                # the default comparison, on a clean checkout
     python benchmarks/front_page.py /tmp/front
+    python examples/custom_method.py              # the own-method tutorial's sweep
+    python benchmarks/front_page.py runs/sweep-logitnorm-vs-fedavg --as docs/evidence/own-method.jsonl
 
 exports the sweep's runs to docs/evidence/sweep-digits.jsonl (fedskew.experiments.evidence), copies
 its curves figure to docs/images/sweep-digits-curves.png and rewrites every block of README.md and
@@ -31,12 +33,13 @@ def pages(root: Path = ROOT) -> list[Path]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep_dir", help="the folder `fedskew sweep --out` wrote")
+    p.add_argument("--as", dest="source", default=SOURCE, help=f"the export it becomes (default {SOURCE})")
     args = p.parse_args()
     sweep = Path(args.sweep_dir)
-    rows = export_runs(sweep, ROOT / SOURCE)
-    print(f"{len(rows)} runs -> {SOURCE}")
+    rows = export_runs(sweep, ROOT / args.source)
+    print(f"{len(rows)} runs -> {args.source}")
     curves = sweep / "report" / "curves_p0.png"
-    if curves.is_file():
+    if curves.is_file() and args.source == SOURCE:
         shutil.copyfile(curves, ROOT / "docs" / "images" / "sweep-digits-curves.png")
     for page in pages():
         text = page.read_text()

@@ -68,6 +68,16 @@ def labels_of(rows: list[dict]) -> list[str]:
     return list(dict.fromkeys(r["label"] for r in rows))
 
 
+def _header(rows: list[dict], label: str, partition: str, names: dict[str, str]) -> str:
+    """A column's name, with the options its selection chose where the method had a grid."""
+    grid = {k for r in rows if r["label"] == label and r["partition"] == partition for k in r if k.startswith("option/")}
+    chosen = next((r for r in rows if r["label"] == label and r["partition"] == partition and r.get("selected")), {})
+    varied = [k for k in sorted(grid) if len({json.dumps(r.get(k)) for r in rows
+                                              if r["label"] == label and r["partition"] == partition}) > 1]
+    said = ", ".join(f"{k.split('/', 1)[1]} {chosen.get(k)}" for k in varied)
+    return names.get(label, label) + (f" ({said})" if said else "")
+
+
 def front_table(rows: list[dict], metrics: list[tuple[str, str]], names: dict[str, str] | None = None,
                 partition: str | None = None) -> str:
     """A markdown table of one partition: a row per ``(metric, title)``, a column per method (its
@@ -77,7 +87,7 @@ def front_table(rows: list[dict], metrics: list[tuple[str, str]], names: dict[st
     labels = labels_of(rows)
     partition = partition or rows[0]["partition"]
     dataset = next((r.get("dataset") for r in rows if r.get("dataset")), None)
-    lines = [f"| {partition} on {dataset} (%) | " + " | ".join(names.get(c, c) for c in labels) + " |",
+    lines = [f"| {partition} on {dataset} (%) | " + " | ".join(_header(rows, c, partition, names) for c in labels) + " |",
              "|---|" + "---|" * len(labels)]
     for key, title in metrics:
         values = {c: v for (p, c), v in cells(rows, key).items() if p == partition}
@@ -120,7 +130,7 @@ KINDS = {"table": front_table, "bold": bold_sentence}
 FRONT_METRICS = [("global/test_acc_mean_last10", "global, mean of the last 10 rounds"),
                  ("personal/final_acc_after", "personalised, every client after one local pass")]
 FRONT_NAMES = {"fedavg": "FedAvg", "fedmr": "FedMR", "map": "MAP", "etf_gmv": "ETF+GMV", "fedka": "FedKA",
-               "fedprox": "FedProx"}
+               "fedprox": "FedProx", "logitnorm": "LogitNorm"}
 
 
 def render_block(source: str, args: str, root: Path) -> str:
