@@ -58,3 +58,46 @@ def test_a_damaged_export_is_one_sentence(tmp_path, line, said):
     with pytest.raises(ConfigError, match=said) as info:
         read_runs(path)
     assert "line 2" in str(info.value) and "\n" not in str(info.value)
+
+
+# -- committed boards recompute from their shipped runs -------------------------------------------------
+
+from ship_board import MANIFEST, manifest_of, unpack  # noqa: E402
+
+
+def shipped_boards() -> list[tuple[Path, Path]]:
+    """(folder of a board's runs, the board's page): docs/leaderboards/NAME/ beside NAME.md, and a
+    GPU-campaign step's folder with its leaderboard.md inside."""
+    out = [(d, d.parent / f"{d.name}.md") for d in sorted((ROOT / "docs" / "leaderboards").iterdir())
+           if (d / "bench.yaml").is_file()]
+    out += [(d, d / "leaderboard.md") for d in sorted((ROOT / "docs" / "gpu-campaign").iterdir())
+            if (d / "bench.yaml").is_file()]
+    return out
+
+
+def test_the_committed_boards_ship_their_runs():
+    shipped = {page.name for _, page in shipped_boards()}
+    assert {"niid-bench-lite.md", "leaderboard.md"} <= shipped
+
+
+@pytest.mark.parametrize("folder, page", shipped_boards(), ids=lambda p: p.name if p.name != "leaderboard.md" else
+                         p.parent.name)
+def test_every_cell_of_a_committed_board_recomputes_from_its_runs(tmp_path, folder, page):
+    import yaml
+
+    from fedskew.experiments.bench import write_leaderboard
+
+    committed = page.read_text()
+    meta = yaml.safe_load((folder / "bench.yaml").read_text())
+    shipped = yaml.safe_load((folder / MANIFEST).read_text()) if (folder / MANIFEST).is_file() else {}
+    named = manifest_of(committed)
+    suite = unpack(folder, tmp_path / "suite")
+    for stale in ("leaderboard.md", "leaderboard.html", MANIFEST):
+        (suite / stale).unlink(missing_ok=True)
+    default_title = f"fedskew bench {meta['suite']} ({meta['scale']})"
+    md, _, _, _ = write_leaderboard(meta["suite"], meta["scale"], named["command"], suite,
+                                    title=None if named["title"] == default_title else named["title"])
+    rebuilt = md.read_text()
+    if shipped.get("folder"):
+        rebuilt = rebuilt.replace(str(suite), shipped["folder"])
+    assert rebuilt == committed, f"{page.relative_to(ROOT)} is not what its runs give: rebuild it from {folder.name}"
