@@ -8,7 +8,7 @@ label-skew suite's (MLP 200-200 on Fashion-MNIST, 10 of 20 clients a round, 20 r
 B = 64; ``--rounds`` shortens it), or README's digits default without ``--data``.
 
     OMP_NUM_THREADS=1 python benchmarks/compile_speed.py --data DATA_DIR   # CPU
-    python benchmarks/compile_speed.py --device cuda --data DIR                  # a GPU window
+    python benchmarks/compile_speed.py --device cuda --data DIR                  # on a GPU
 """
 
 from __future__ import annotations

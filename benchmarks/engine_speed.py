@@ -264,6 +264,21 @@ def engines_table(args):
         print(f"{model:6s} {clients:7d} " + " ".join(f"{c:14.2f}" for c in cells) + f" {m['bound']:6.2f}")
     print("bound = sum of client steps / steps of the longest client: the seq/vec ratio a vectorised program with "
           "zero per-step overhead could reach (it runs as many steps as the longest client).")
+    if args.json:
+        from common import write_result
+
+        engines = [e for e in ["bare", "sequential", "sequential-cl", "grouped", "padded", "flower"]
+                   if any(m.get(e) for _, _, m in rows)]
+        shown = [c for c in cols if any(m.get(c[1]) and m.get(c[2]) for _, _, m in rows)]
+        write_result(args.json, "engine-speed", "Engine speed: seconds per round and ratios between executors",
+                     ["model", "clients", *[f"{e} (s)" for e in engines], *[c[0] for c in shown], "bound"],
+                     [[model, clients, *[m.get(e) for e in engines],
+                       *[(m[a] / m[b]) if m.get(a) and m.get(b) else None for _, a, b in shown], m["bound"]]
+                      for model, clients, m in rows],
+                     f"{args.dataset}, pcdd (3 classes a client), every client every round, E = {args.epochs}, "
+                     f"B = {args.batch}, precision {args.precision}; the median of {args.rounds} rounds. A ratio a/b "
+                     f"above 1: b is faster. bound: the seq/vectorised ratio a program with no per-step overhead "
+                     f"could reach (the sum of client steps over the longest client's).", args.device)
 
 
 # -- paper scale -------------------------------------------------------------------------------------
@@ -384,6 +399,8 @@ def main():
     parser.add_argument("--paper", nargs="+", choices=sorted(PAPER), help="time one paper-scale round of each")
     parser.add_argument("--paper-fraction", type=float, default=1.0)
     parser.add_argument("--memory", action="store_true", help="stacked state of 100 stateful clients by chunk size")
+    parser.add_argument("--json", help="also write the table to this JSON file (benchmarks/results/, for "
+                                       "docs/performance.md)")
     args = parser.parse_args()
     if args.flower:
         args.engines = [*args.engines, "flower"]

@@ -35,6 +35,7 @@ COMMANDS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", help="also write the figures to this JSON file (for docs/performance.md)")
     args = parser.parse_args()
     times = {name: [] for name in COMMANDS}
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
@@ -51,6 +52,15 @@ def main() -> None:
     for name, ts in times.items():
         m = statistics.median(ts)
         print(f"| `{name}` | {m:.2f} | {m / base:.2f} x | {m / frozen:.2f} x |")
+    if args.json:
+        from common import write_result
+
+        write_result(args.json, "command-line", "How fast the command line answers",
+                     ["command", "median (s)", "/ import torch", "/ import torch; gc.freeze()"],
+                     [[name, statistics.median(ts), statistics.median(ts) / base, statistics.median(ts) / frozen]
+                      for name, ts in times.items()],
+                     f"each command {args.repeats} times, interleaved, the median; the target: a typo and "
+                     f"`fedskew bench --list` within 1.2 x a bare `import torch; gc.freeze()`.")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,15 @@
-"""Merge what a GPU window brought back into the repository (the window: benchmarks/gpu_window.py).
+"""Merge what a time-limited GPU job brought back into the repository (the job: benchmarks/gpu_window.py).
 
     python benchmarks/gpu_merge.py FILES_AT [--campaign-root docs/gpu-campaign]
     python benchmarks/gpu_merge.py --ranks seed-papers     # the campaign against the lite board again
 
-FILES_AT holds ``window.json`` and, when the window reached its campaign step, ``campaign.tar.gz``;
+FILES_AT holds ``window.json`` and, when the job reached its campaign step, ``campaign.tar.gz``;
 ``gpu-tests.txt``, ``speed.txt`` and ``campaign.txt`` are copied to ``docs/gpu-runs/`` under the
-window's date, minute and card.
+job's date, minute and card.
 The campaign step's bench folder (results database, each run's config, summary, metrics and
 identity; no data or weights) replaces ``CAMPAIGN_ROOT/<step>/`` when it holds every finished run
 that folder held, ``campaign.json`` records the step (complete only with its runs there, else
-partial) and the window, and the step's leaderboard is rebuilt from the merged runs. Then the
+partial) and the job, and the step's leaderboard is rebuilt from the merged runs. Then the
 suite's paper-scale boards (its steps' leaderboards, joined) are set beside its committed lite
 board: ``CAMPAIGN_ROOT/<suite>-paper-vs-lite.md``, Kendall's tau-b per ranked table and setting.
 
@@ -17,7 +17,7 @@ What came back is untrusted input: ``window.json`` is parsed into a schema; the 
 extracted with the standard library's ``data`` filter, regular files only, under a size budget per
 member and in total, modes 0644; the copied logs must be regular files (not links) within the same
 budget; every check runs before anything is written, and ``campaign.json`` is written once,
-atomically. Refused in one sentence, nothing written: files of a window run at another commit than
+atomically. Refused in one sentence, nothing written: files of a job run at another commit than
 this checkout's, a campaign step that is not in the plan, a bench folder of another suite than the
 step's, one that lacks finished runs the campaign folder holds, and anything malformed.
 """
@@ -104,7 +104,7 @@ def read_window(files_at: Path) -> Window:
     except (ValueError, UnicodeDecodeError) as exc:
         raise Refused(f"window.json is not valid JSON ({str(exc)[:120]}); nothing is merged.") from None
     if not isinstance(data, dict):
-        raise Refused(f"window.json holds a {type(data).__name__}, not the window's record (a mapping); nothing is "
+        raise Refused(f"window.json holds a {type(data).__name__}, not the job's record (a mapping); nothing is "
                       f"merged.")
     try:
         return Window.model_validate(data)
@@ -158,12 +158,12 @@ def merge(files_at: Path, root: Path, commit: str | None = None) -> str:
     commit = commit or head_commit()
     ran = record.commit
     if not (ran.startswith(commit) or commit.startswith(ran)):  # (full or short hashes)
-        raise Refused(f"the window ran commit {ran!r} and this checkout is {commit!r}: its runs are not this code's, "
-                      f"so nothing is merged (check out that commit, or run a new window).")
+        raise Refused(f"the job ran commit {ran!r} and this checkout is {commit!r}: its runs are not this code's, "
+                      f"so nothing is merged (check out that commit, or run a new job).")
     plan = {s["step"]: s for s in CAMPAIGN + TEST_PLAN}
     step = record.campaign_step
     if step is not None and step not in plan:
-        raise Refused(f"the window ran campaign step {step!r}, which is not in the plan "
+        raise Refused(f"the job ran campaign step {step!r}, which is not in the plan "
                       f"({', '.join(plan)}); nothing is merged.")
     tarball = files_at / "campaign.tar.gz"
     has_archive = step is not None and _regular(tarball, "campaign.tar.gz")
@@ -171,7 +171,7 @@ def merge(files_at: Path, root: Path, commit: str | None = None) -> str:
     state = campaign_state(root)
     earlier = [w for w in state["windows"] if w.get("started") == record.started and w.get("commit") == ran]
     if earlier and (not has_archive or any(w.get("archive", True) for w in earlier)):
-        raise Refused(f"the window of {record.started} ({ran}) is merged already; nothing is merged again.")
+        raise Refused(f"the job of {record.started} ({ran}) is merged already; nothing is merged again.")
     state["windows"] = [w for w in state["windows"] if w not in earlier]
     state["windows"].append({"started": record.started, "card": record.card, "commit": ran,
                              "seconds": record.seconds, "campaign_step": step, "archive": has_archive})
@@ -180,7 +180,7 @@ def merge(files_at: Path, root: Path, commit: str | None = None) -> str:
             state.setdefault("measured", {})[s.name] = {"started": record.started, "card": record.card, "commit": ran}
     card = "".join(c if c.isalnum() else "-" for c in record.card)[:40]
     stamp = f"{record.started[:10]}-{record.started[11:16].replace(':', '')}-{card}".strip("-") or "window"
-    summary = [f"window on {record.card} ({record.seconds} s)"]
+    summary = [f"job on {record.card} ({record.seconds} s)"]
     with tempfile.TemporaryDirectory() as tmp:
         got = Path(tmp)
         if has_archive:
@@ -202,7 +202,7 @@ def merge(files_at: Path, root: Path, commit: str | None = None) -> str:
                 lost = done_runs(db) - done_runs(got / db.parent.name / "results.sqlite")
                 if lost:
                     raise Refused(f"campaign.tar.gz lacks {len(lost)} finished runs that {db} holds; nothing is "
-                                  f"merged (was the window seeded from another campaign folder?).")
+                                  f"merged (was the job seeded from another campaign folder?).")
             runs = finished(got)
             # complete: the window says so and the runs are there; anything less is partial
             status = "complete" if record.campaign_complete and runs > 0 else "partial"
@@ -272,7 +272,7 @@ def rank_report(root: Path, suite: str, boards: Path = LITE_BOARDS) -> Path | No
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("files_at", type=Path, nargs="?", help="the folder the window's files came back to")
+    p.add_argument("files_at", type=Path, nargs="?", help="the folder the job's files came back to")
     p.add_argument("--campaign-root", type=Path, default=CAMPAIGN_ROOT)
     p.add_argument("--ranks", metavar="SUITE", choices=sorted({s["bench"][0] for s in CAMPAIGN}),
                    help="merge nothing: write the suite's paper-scale campaign against its lite board again "
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.files_at is None:
-        p.error("give FILES_AT (the folder the window's files came back to), or --ranks SUITE")
+        p.error("give FILES_AT (the folder the job's files came back to), or --ranks SUITE")
     try:
         print(merge(args.files_at, args.campaign_root))
     except (Refused, ConfigError) as exc:

@@ -1,8 +1,8 @@
-"""One GPU window (issue 53): the prepared command a session runs first whenever it is lent a GPU.
+"""One time-limited GPU job of a long campaign: what fits in ``--budget`` seconds, the rest left for the next.
 
-A window is 15 minutes of device time, the machine's start included, drawn by chance, and one
-device call runs at most 10 minutes; this script is sized to finish inside 9 (``--budget 540``),
-each step under its own time limit:
+docs/gpu-campaign/README.md says how a campaign runs in such jobs. A job is sized to finish inside
+its budget (default 540 s, for a machine held 15 minutes whose commands run at most 10), each step
+under its own time limit:
 
 1. side by side: CUDA correctness, ``python -m pytest -m gpu`` (tests/test_gpu.py) in a thread ->
    ``gpu-tests.txt``; and the next step of the campaign (:data:`CAMPAIGN`, by cost) that the
@@ -15,20 +15,20 @@ each step under its own time limit:
    call: the engine table at 10 and 100 clients, runs as lanes, the compiled step against the eager
    one (benchmarks/compile_speed.py: ``compile``'s CUDA default waits on it), one FedMR ResNet-18
    round, and where a paper-scale MAP round's time goes (benchmarks/gpu_profile.py) -> ``speed.txt``.
-   A step an earlier window brought back whole is left out (:func:`default_steps`).
+   A step an earlier job brought back whole is left out (:func:`default_steps`).
 
 It writes ``window.json`` (card, torch, commit, each step's exit status and seconds) beside them:
-at most 6 files, within the device tool's limits. ``benchmarks/gpu_merge.py FILES_AT``, run here
-after the window, checks them and merges them into ``docs/gpu-campaign/``, so the next window, on any
-machine, goes on where this one stopped. Runs cut at the limit restart in the next window (their
-checkpoints are weights: not in the repository).
+at most 6 files. ``benchmarks/gpu_merge.py FILES_AT``, run at home after the job, checks them and
+merges them into ``docs/gpu-campaign/``, so the next job, on any machine, goes on where this one
+stopped. Runs cut at the limit restart in the next job (their checkpoints are weights: not in the
+repository).
 
-Here, once a session (the device machine's Python 3.12 lacks pydantic; the data must travel)::
+At home, before (a bare GPU machine's Python 3.12 may lack pydantic; the data must travel)::
 
-    python benchmarks/gpu_window.py --prepare        # .whl/ and .gpu-data/ (ignored), then prints the commands
+    python benchmarks/gpu_window.py --prepare --data DATA_DIR   # .whl/ and .gpu-data/ (ignored), then the commands
 
-There, through the device tool's ``run`` with ``carry: [".whl", ".gpu-data"]``: the printed command,
-then at once the second one (``--steps campaign``) with the device time left.
+On the GPU machine, with ``.whl/`` and ``.gpu-data/`` beside the code: the printed command, then,
+on the same machine, the second one (``--steps campaign``) with the time left.
 Without a CUDA device it refuses in one sentence (``--allow-cpu`` runs the mechanism on the CPU: the
 tests of tests/test_gpu_window.py).
 """
@@ -76,7 +76,7 @@ KEEP = (".sqlite", ".yaml", ".json", ".jsonl", ".md", ".html")  # what a campaig
 
 
 class CampaignRecord(BaseModel):
-    """campaign.json: each step's status, each merged window, the speed steps measured."""
+    """campaign.json: each step's status, each merged job, the speed steps measured."""
 
     model_config = ConfigDict(extra="forbid")
     steps: dict[str, dict[str, Any]] = {}
@@ -180,9 +180,9 @@ def seed(work: Path, root: Path, step: str) -> None:
 
 def work_folder(keep: Path | None, root: Path, step: str) -> Path:
     """The campaign step's bench folder on this machine. Without ``keep``: a new folder seeded from
-    the campaign folder, removed once packed. With ``keep`` (the device commands pass it): the
+    the campaign folder, removed once packed. With ``keep`` (the printed commands pass it): the
     folder an earlier call on this machine left there, when it holds every run the campaign folder
-    holds finished, so that a second call of one window goes on from the first's finished runs and
+    holds finished, so that a second job on the machine goes on from the first's finished runs and
     resumes its cut ones from their checkpoints; else a new one seeded from the campaign folder."""
     if keep is None:
         work = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu-window-{os.getpid()}" / step
@@ -196,7 +196,7 @@ def work_folder(keep: Path | None, root: Path, step: str) -> Path:
 
 
 # The speed steps: (arguments after the interpreter, seconds at most). Each runs alone (nothing else
-# on the card) and, once a window has brought it back whole, is left out of later windows
+# on the card) and, once a job has brought it back whole, is left out of later jobs
 # (campaign.json's "measured"; --steps names it to measure it again).
 SPEED = {
     "speed-engine": (["benchmarks/engine_speed.py", "--device", "cuda", "--precision", "fp32", "--clients", "10", "100",
@@ -204,11 +204,11 @@ SPEED = {
                       "--rounds", "3"], 80),
     "speed-lanes": (["benchmarks/lanes_speed.py", "--device", "cuda", "--runs", "20", "--rounds", "5",
                      "--repeats", "1"], 40),
-    # compile=on against the eager step (item 2): its CUDA default waits on this number. The first
-    # window cut it at 51 s, in its first compilation.
+    # compile=on against the eager step: its CUDA default waits on this number (51 s was too short for
+    # its first compilation).
     "speed-compile": (["benchmarks/compile_speed.py", "--device", "cuda", "--rounds", "5"], 180),
     # FedMR Table 1's cost on this card (ResNet-18, a tenth of each client's data, projected; the
-    # first window cut a quarter's two rounds at 58 s), and channels_last's gain on it (whose auto
+    # 58 s cut a quarter's two rounds), and channels_last's gain on it (whose auto
     # waits on this number): the plan leaves FedMR out while a run costs GPU-hours
     "speed-fedmr-round": (["benchmarks/engine_speed.py", "--device", "cuda", "--paper", "fedmr", "--paper-fraction",
                            "0.1", "--engines", "bare", "sequential", "sequential-cl", "padded", "--rounds", "1"], 150),
@@ -220,7 +220,7 @@ STEPS = ("gpu-tests", *SPEED, "campaign")
 
 
 def default_steps(root: Path) -> list[str]:
-    """Every step but the speed steps an earlier window measured whole."""
+    """Every step but the speed steps an earlier job measured whole."""
     measured = campaign_state(root).get("measured", {})
     return [s for s in STEPS if s not in measured]
 
@@ -229,7 +229,7 @@ def window(out: Path, data: str | None, budget: float, plan: list[dict], root: P
            campaign_limit: float | None = None, stop_after: int | None = None, steps=STEPS,
            keep: Path | None = None) -> int:
     """In the order the campaign needs them: the CUDA tests in a thread beside the next campaign step
-    (the tests use a sliver of the card: the first window ran them alone for 157 s, and 9 of its 12
+    (the tests use a sliver of the card: alone they took 157 s on an H200, and 9 of a step's 12
     campaign runs finished only in a second call), with the time left once the speed steps' limits
     are set aside; then the speed steps, each alone on the card."""
     import threading
@@ -238,8 +238,8 @@ def window(out: Path, data: str | None, budget: float, plan: list[dict], root: P
 
     start = time.monotonic()
     if not torch.cuda.is_available() and not allow_cpu:
-        print("gpu_window: torch sees no CUDA device here, so no window runs (it is the first command of a session "
-              "lent a GPU; --allow-cpu runs the mechanism on the CPU for its tests).", file=sys.stderr)
+        print("gpu_window: torch sees no CUDA device here, so no GPU job runs (run it on a machine with a GPU; "
+              "--allow-cpu runs the mechanism on the CPU for its tests).", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -249,14 +249,14 @@ def window(out: Path, data: str | None, budget: float, plan: list[dict], root: P
               "device": device, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "steps": []}
     speed = {name: value for name, value in SPEED.items() if name in steps} if device == "cuda" else {}
     # the speed steps' time, set aside for after the campaign step: their limits, at most half the budget
-    # (the campaign step comes first; a speed step cut or not reached is measured by the next window)
+    # (the campaign step comes first; a speed step cut or not reached is measured by the next job)
     reserve = min(sum(limit for _, limit in speed.values()), budget / 2)
     left = lambda: budget - (time.monotonic() - start) - reserve  # noqa: E731  (the campaign's and tests' time)
     py = sys.executable
     tests, tests_done = {}, None
     if "gpu-tests" in steps:  # (on the CPU, with --allow-cpu, its tests skip: the mechanism's test)
         # 4 test processes (the host has 16 cores): the registry-wide case adds 148 small runs to the
-        # 17 checks that took 157 s in one process in the first window
+        # 17 checks that took 157 s in one process on an H200
         cmd = [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-n", "4" if device == "cuda" else "0",
                "tests/test_gpu.py"]
         tests_done = threading.Thread(target=lambda: tests.update(run_step(cmd, left() - 45, out / "gpu-tests.txt",
@@ -297,22 +297,22 @@ def window(out: Path, data: str | None, budget: float, plan: list[dict], root: P
     return 0
 
 
-def prepare() -> int:
-    """Here, before the window: the wheels the device's Python 3.12 lacks, Fashion-MNIST beside the
-    code (both ignored by git, carried by the device tool), then the command to run there."""
+def prepare(data: str | None = None) -> int:
+    """At home, before the job: the wheels a bare GPU machine's Python 3.12 lacks, Fashion-MNIST from
+    ``data`` beside the code (both ignored by git, to be copied with it), then the commands to run there."""
     from fedskew.engine.rundir import git_commit
 
     commit = git_commit()
     if not commit or commit.endswith("+dirty"):
-        print(f"gpu_window: the checkout is {commit or 'not a git commit'}; commit first, so that the window's runs "
+        print(f"gpu_window: the checkout is {commit or 'not a git commit'}; commit first, so that the job's runs "
               "are one commit's and its files merge.", file=sys.stderr)
         return 2
-    # the device copy carries untracked files too, so a window could run code no commit holds
+    # a copy of the working tree carries untracked files too, so a job could run code no commit holds
     untracked = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=all"],
                                capture_output=True, text=True).stdout.splitlines()
     if untracked:
         print(f"gpu_window: the checkout holds {len(untracked)} file(s) git does not track and does not ignore "
-              f"(first: {untracked[0][3:]}); the device copy would carry them, so commit, remove or ignore them "
+              f"(first: {untracked[0][3:]}); a copy of the tree would carry them, so commit, remove or ignore them "
               f"first.", file=sys.stderr)
         return 2
     exclude = ROOT / ".git" / "info" / "exclude"
@@ -324,45 +324,49 @@ def prepare() -> int:
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
                     "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(ROOT / ".whl"),
                     *WHEELS], check=True)
-    source = ROOT.parent / "shared" / "data" / "fashion-mnist"
+    source = Path(data or os.environ.get("FEDSKEW_DATA", "data")) / "fashion-mnist"
+    if not any(source.glob("*.gz")):
+        print(f"gpu_window: no Fashion-MNIST files in '{source}'; give --data DATA_DIR (the folder holding "
+              f"fashion-mnist/).", file=sys.stderr)
+        return 2
     (ROOT / ".gpu-data" / "fashion-mnist").mkdir(parents=True, exist_ok=True)
     for f in source.glob("*.gz"):
         shutil.copy(f, ROOT / ".gpu-data" / "fashion-mnist" / f.name)
     setup = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
              f".whl/*.whl && export PYTHONPATH=/tmp/site || exit; FEDSKEW_GIT_COMMIT={commit} python3 "
              "benchmarks/gpu_window.py --out $OUT --data .gpu-data --keep-work /tmp/fedskew-window")
-    print("device tool run, carry [\".whl\", \".gpu-data\"], timeout_s 600:\n" + setup + "\n\n"
-          "then, at once (the machine is warm; the first call holds it about 590 s of the 900), carry the same, "
-          "timeout_s 260 (the campaign goes on; merge each call's files, the first's first):\n" + setup +
-          " --steps campaign --budget 230")
+    print("on the GPU machine, with .whl/ and .gpu-data/ beside the code, a command limit of 600 s:\n" + setup +
+          "\n\nthen, on the same machine, with the time left (the campaign goes on; merge each command's files, "
+          "the first's first), a limit of 260 s:\n" + setup + " --steps campaign --budget 230")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prepare", action="store_true", help="here: wheels and data for the device, then the command")
-    p.add_argument("--out", type=Path, help="where the window writes what comes back ($OUT there)")
+    p.add_argument("--prepare", action="store_true", help="at home: wheels and data for the GPU machine, then the "
+                                                          "commands")
+    p.add_argument("--out", type=Path, help="where the job writes what comes back")
     p.add_argument("--data", help="the data folder (Fashion-MNIST's IDX files)")
-    p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole window (default 540: 9 min of "
-                                                               "the device tool's 10-minute call)")
+    p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole job (default 540: 9 min of "
+                                                               "a 10-minute command limit)")
     p.add_argument("--campaign-root", type=Path, default=CAMPAIGN_ROOT)
     p.add_argument("--plan", choices=["campaign", "test"], default="campaign")
     p.add_argument("--allow-cpu", action="store_true", help="run the mechanism without CUDA (tests)")
     p.add_argument("--campaign-limit", type=float, help="seconds for the campaign step (default: what is left)")
     p.add_argument("--stop-after", type=int, help="stop the campaign step after this many more finished runs "
-                                                  "(sizing a step; the tests' window that stops mid-run)")
+                                                  "(sizing a step; the tests' job that stops mid-run)")
     p.add_argument("--keep-work", type=Path, help="keep the campaign's bench folder under this folder, and go on "
-                                                  "from it in a later call on this machine (the device commands)")
+                                                  "from it in a later call on this machine (the printed commands)")
     p.add_argument("--steps", help=f"the steps to run, comma-separated, of {','.join(STEPS)} (default: all but the "
-                                   "speed steps an earlier window measured whole)")
+                                   "speed steps an earlier job measured whole)")
     args = p.parse_args(argv)
     steps = args.steps.split(",") if args.steps else default_steps(args.campaign_root)
     if unknown := [s for s in steps if s not in STEPS]:
         p.error(f"--steps: {','.join(unknown)} is not a step; the steps are {','.join(STEPS)}")
     if args.prepare:
-        return prepare()
+        return prepare(args.data)
     if args.out is None:
-        p.error("--out is required (the folder whose files come back: $OUT on the device)")
+        p.error("--out is required (the folder whose files come back)")
     return window(args.out, args.data, args.budget, TEST_PLAN if args.plan == "test" else CAMPAIGN,
                   args.campaign_root, args.allow_cpu, args.campaign_limit, args.stop_after, steps,
                   args.keep_work.resolve() if args.keep_work else None)  # (the bench runs in the repository)

@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--data", help="folder with Fashion-MNIST (simplecnn)")
     parser.add_argument("--sequential", action="store_true", help="also time the runs on the sequential executor")
+    parser.add_argument("--json", help="also write the figures to this JSON file (for docs/performance.md)")
     parser.add_argument("extra", nargs="*", help="more key=value overrides")
     args = parser.parse_args()
     cfgs = configs(args)
@@ -97,6 +98,13 @@ def main() -> None:
         print(f"  {k:>10}: {v:7.2f} s   ({med['alone'] / v:5.2f} x alone)")
     print(f"  packed vs alone: max |global difference| {diff:.2e}; pack made {pack.calls} stacked calls "
           f"(merged: {pack.merge})")
+    if args.json:
+        from common import write_result
+
+        write_result(args.json, "lanes", "Runs as lanes: a sweep's runs trained alone and packed into one program",
+                     ["how", "seconds", "x alone"], [[k, v, med["alone"] / v] for k, v in med.items()],
+                     f"setting {args.setting}: {args.runs} runs x {args.rounds} rounds, the median of {args.repeats}; "
+                     f"packed vs alone: max |global difference| {diff:.2e}.", args.device)
 
 
 if __name__ == "__main__":

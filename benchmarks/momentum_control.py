@@ -21,6 +21,7 @@ choices); docs/leaderboards/momentum-control-lite.md is that board.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import fedskew
@@ -42,7 +43,8 @@ def spec(data: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="../shared/data")
+    p.add_argument("--data", default=os.environ.get("FEDSKEW_DATA", "data"),
+                   help="folder holding Fashion-MNIST (default $FEDSKEW_DATA, else ./data)")
     p.add_argument("--out", default="runs/momentum-control")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--report", action="store_true", help="only rebuild the board from the runs there are")

@@ -137,7 +137,8 @@ def transport() -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="../shared/data", help="folder holding Fashion-MNIST's IDX files")
+    p.add_argument("--data", default=os.environ.get("FEDSKEW_DATA", "data"),
+                   help="folder holding Fashion-MNIST's IDX files (default $FEDSKEW_DATA, else ./data)")
     p.add_argument("--rounds", type=int, default=4, help="rounds of the 100-client run (the first is not timed)")
     p.add_argument("--epochs", type=int, nargs="+", default=[1, 5], help="local epochs of the 100-client runs")
     p.add_argument("--out", default=None)

@@ -280,9 +280,9 @@ def test_the_prose_checker_catches_a_wrong_rank_and_a_wrong_number():
 
 
 def test_the_leaderboard_prose_agrees_with_the_tables_it_cites():
-    """docs/leaderboard.md cites the generated leaderboards between `<!-- NAME: begin -->` and
-    `<!-- NAME: end -->`; every number, rank or position its prose gives a method there must be
-    the one docs/leaderboards/NAME.md shows."""
+    """README cites the generated leaderboards between `<!-- NAME: begin -->` and `<!-- NAME: end -->`
+    (docs/leaderboard.md is generated whole); every number, rank or position its prose gives a
+    method there must be the one docs/leaderboards/NAME.md shows."""
     from fedskew.experiments.published import load
 
     registry = {}  # a published number of the registry, cited beside its method
@@ -290,8 +290,9 @@ def test_the_leaderboard_prose_agrees_with_the_tables_it_cites():
         registry.setdefault(_key(e.method), []).extend(v for v in (e.value, e.spread) if v is not None)
     registry_table = {"kind": "published", "settings": [],
                       "rows": {k: {"cells": {"registry": tuple(v)}, "avg": None} for k, v in registry.items()}}
-    doc = (ROOT / "docs/leaderboard.md").read_text()
+    doc = (ROOT / "README.md").read_text()
     problems = []
+    assert re.search(r"<!-- ([\w-]+): begin -->", doc)
     for name, body in re.findall(r"<!-- ([\w-]+): begin -->(.*?)<!-- \1: end -->", doc, re.S):
         tables = md_tables((ROOT / "docs/leaderboards" / f"{name}.md").read_text())
         assert tables, name
@@ -356,7 +357,7 @@ def test_the_count_check_catches_a_wrong_count():
 
 
 def test_the_leaderboard_prose_counts_wins_and_losses_as_the_boards_summaries_do():
-    doc = (ROOT / "docs/leaderboard.md").read_text()
+    doc = (ROOT / "README.md").read_text()
     problems, checked = [], 0
     for name, body in re.findall(r"<!-- ([\w-]+): begin -->(.*?)<!-- \1: end -->", doc, re.S):
         counts = board_counts((ROOT / "docs/leaderboards" / f"{name}.md").read_text())
@@ -453,10 +454,10 @@ def test_every_source_with_an_arxiv_paper_names_its_id():
 
 def test_the_published_entries_no_preset_runs_are_listed_as_the_code_counts_them():
     """Issue 54, item 9: `bench --list` printed every entry of a suite's papers as if it were linked;
-    docs/leaderboard.md lists the 105 that no suite at any scale sits beside, from the code."""
+    docs/reproductions.md lists the 105 that no suite at any scale sits beside, from the code."""
     from fedskew.experiments.bench import linked_entries, listing, unlinked_table
 
-    text = (ROOT / "docs/leaderboard.md").read_text()
+    text = (ROOT / "docs/reproductions.md").read_text()
     begin, end = "<!-- generated unlinked-entries begin -->\n", "<!-- generated unlinked-entries end -->"
     assert text[text.index(begin) + len(begin):text.index(end)] == unlinked_table()
     rows = {(r["suite"], r["scale"]): r for r in listing()}
@@ -474,10 +475,6 @@ def test_the_readme_s_suite_run_counts_are_the_code_s():
     rows = {(r["suite"], r["scale"]): r["runs"] for r in listing()}
     readme = (ROOT / "README.md").read_text()
     assert f"--jobs 2   # {rows['label-skew', 'lite']:,} runs;" in readme
-    board = (ROOT / "docs/leaderboard.md").read_text()
-    assert (f"{rows['seed-papers', 'paper']} runs for seed-papers, {rows['niid-bench', 'paper']} for niid-bench,\n"
-            f"  {rows['label-skew', 'paper']:,} for label-skew") in board
-    assert f"{rows['label-skew', 'lite']:,} runs, {len(METHODS)} methods x 7" in board
 
 
 def inline_table(text: str) -> dict:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -101,3 +102,36 @@ def test_every_cell_of_a_committed_board_recomputes_from_its_runs(tmp_path, fold
     if shipped.get("folder"):
         rebuilt = rebuilt.replace(str(suite), shipped["folder"])
     assert rebuilt == committed, f"{page.relative_to(ROOT)} is not what its runs give: rebuild it from {folder.name}"
+
+
+# -- the evidence pages are what their generator writes from the committed results ---------------------
+
+import evidence_pages  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(evidence_pages.PAGES))
+def test_an_evidence_page_is_what_its_generator_writes(name):
+    committed = (ROOT / "docs" / name).read_text()
+    assert committed == evidence_pages.PAGES[name](), f"docs/{name} differs: run python benchmarks/evidence_pages.py"
+
+
+def test_the_reproductions_page_gives_each_published_cell_its_verdict():
+    """Every row of the page is a row of a committed board's published table, with the verdict its
+    delta and the 'within' column give; the counts of the summary add up."""
+    boards = [evidence_pages.read_board(p) for p in evidence_pages.board_pages()]
+    rows = {(r["source"], r["method"], r["ours"]): r for b in boards for t in b["tables"] for r in t["rows"]}
+    page = (ROOT / "docs" / "reproductions.md").read_text()
+    seen = 0
+    for line in page.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 7 and cells[1].startswith("`"):
+            row = rows[(cells[0], cells[1].strip("`"), cells[3])]
+            assert cells[2] == row["published"] and cells[5] == row["delta"]
+            delta = float(row["delta"])
+            expected = ("within the published spread" if row["within"] == "yes" else
+                        ("above" if delta > 0 else "below") + (", outside the spread" if row["within"] == "no" else ""))
+            assert cells[6] == expected
+            seen += 1
+    assert seen > 0
+    summed = sum(int(m) for m in re.findall(r"\| (\d+) \(\d+ within", page))
+    assert summed == seen

@@ -37,7 +37,7 @@ def test_a_window_without_cuda_is_one_sentence(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
     done = window(tmp_path, tmp_path / "out", tmp_path / "root")
-    assert done.returncode == 2 and "torch sees no CUDA device here, so no window runs" in done.stderr
+    assert done.returncode == 2 and "torch sees no CUDA device here, so no GPU job runs" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
 
 
@@ -83,7 +83,7 @@ def test_the_merge_refuses_another_commit_s_another_plan_s_or_a_lesser_campaign_
     files.mkdir()
     (files / "window.json").write_text(json.dumps({"commit": "0123456789ab", "campaign_step": None}))
     done = merge(files, root)
-    assert done.returncode == 2 and "the window ran commit '0123456789ab' and this checkout is" in done.stderr
+    assert done.returncode == 2 and "the job ran commit '0123456789ab' and this checkout is" in done.stderr
     (files / "window.json").write_text(json.dumps({"commit": head_commit(), "campaign_step": "nope"}))
     done = merge(files, root)
     assert done.returncode == 2 and "campaign step 'nope', which is not in the plan" in done.stderr

@@ -30,8 +30,8 @@ LOSS_BLOWUP = 50  # the largest train loss of a run, in first rounds' losses
 # Methods checked on a second seed too: a default that trained on one seed and diverged on another
 LONG_CHECK = {"pfedhn"}
 # Methods whose global model is a by-product of their personalised model, not what they deliver:
-# held to the personalised floor, the global accuracy still reported (docs/benchmarks.md, "Method
-# health", gives the number).
+# held to the personalised floor, the global accuracy still reported (benchmarks/health_fmnist.py
+# measures it).
 BY_PRODUCT = {"flda": "the global model trains only through each client's gate (the MAP code's form)"}
 GROUPS = 8  # tests the registry is cut into (a method registered later joins one)
 

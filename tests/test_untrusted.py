@@ -88,7 +88,7 @@ def test_a_started_field_cannot_name_a_path(window, tmp_path, started):
 
 @pytest.mark.parametrize("text, said", [
     ("{not json", "window.json is not valid JSON"),
-    ("[1, 2]", "window.json holds a list, not the window's record"),
+    ("[1, 2]", "window.json holds a list, not the job's record"),
     (None, "window.json's 'steps.0.name'"),  # a step without a name
     ("steps-list", "window.json's 'steps.0'"),  # a list for a step
 ])

@@ -291,7 +291,7 @@ PARITY = [pytest.param(c, marks=() if i in FAST else pytest.mark.slow, id=f"case
 
 @pytest.mark.parametrize("extra", PARITY)
 def test_vectorized_matches_sequential(tmp_path, extra):
-    # FedMR's paper form amplifies GEMM rounding (docs/benchmarks.md); FedDF's server Adam divides
+    # FedMR's paper form amplifies GEMM rounding (docs/methods.md, FedMR); FedDF's server Adam divides
     # near-zero gradients by their own size, so rounding-level differences move weights by ~1e-5;
     # pFedFDA's generative head (logits up to ~40) here puts a first-layer ReLU input within
     # round-off of 0 in its second epoch: one unit's weight and bias then differ by the same ~5e-5

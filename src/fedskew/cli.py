@@ -1017,7 +1017,7 @@ def _main(argv: list[str] | None) -> int:
 
     # torch's import leaves about half a million objects that live as long as the process; frozen, the
     # garbage collector's full passes stop scanning them, Python's last one at exit included (a listing or
-    # a typo answers about 0.45 s sooner: docs/benchmarks.md, "How fast the command line answers")
+    # a typo answers about 0.45 s sooner: benchmarks/feedback_speed.py, docs/performance.md)
     gc.freeze()
     _one_line_warnings()
     # piped output (a log file, CI) gets 120 columns rather than rich's 80, so result tables do not wrap

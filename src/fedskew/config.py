@@ -266,10 +266,11 @@ class RunConfig(_Strict):
         "fp32", description="training forward's compute dtype (fp32 master weights; fp16 with dynamic loss scaling)")
     compile: Literal["off", "on", "auto"] = Field(
         "auto", description="vectorized: torch.compile of the stacked loss (forward and backward; CUDA graphs on "
-                            "CUDA); auto is off until a measurement shows it pays (CPU: slower, docs/benchmarks.md)")
+                            "CUDA); auto is off until a measurement shows it pays (CPU: slower, "
+                            "benchmarks/compile_speed.py)")
     channels_last: Literal["off", "on", "auto"] = Field(
         "auto", description="sequential: convolutions and image batches in the channels-last layout (NHWC); auto "
-                            "is off until a GPU window measures it (docs/benchmarks.md)")
+                            "is off until a GPU measurement shows it pays (benchmarks/engine_speed.py)")
     pad_batches: bool = Field(True, description="vectorized: pad a step's batches to one size (one call per step) "
                                                 "where the method declares it exact and the model has no BatchNorm")
     final_personalization: bool = Field(True, description="train every client once from the final model")

@@ -11,9 +11,9 @@ Pseudo-gradient Delta = sum_k p_k theta_k - x (FedAvg weights p_k). Then
 No bias correction (Reddi et al.); v starts at tau^2 (their v_{-1} >= tau^2), m at 0. This is not torch.optim.Adam. With
 tau = 1e-3 the first adaptive step is about eta_g * sign(Delta) per coordinate (|step| <= eta_g (1 - b1) / sqrt(1 - b2)
 = eta_g), so eta_g = 1 moves every weight by about 1 and diverges at once; Reddi et al. tune eta_g in 1e-3..1e-1.
-Default 0.01: on Fashion-MNIST P10C2 (docs/benchmarks.md) 0.1 stays at chance and 0.01 trains above FedAvg. Only
-trainable parameters are optimised; BatchNorm statistics take the weighted mean. Communication as FedAvg; the server
-keeps m (and v).
+Default 0.01: on Fashion-MNIST P10C2 (benchmarks/baselines_fmnist.py) 0.1 stays at chance and 0.01 trains above
+FedAvg. Only trainable parameters are optimised; BatchNorm statistics take the weighted mean. Communication as FedAvg;
+the server keeps m (and v).
 
 Each method of the family is a module of its own in :mod:`fedskew.algorithms.methods` (its class names the
 family); this module holds the pieces several of them share.

@@ -75,7 +75,7 @@ def environment(device: torch.device) -> dict:
     """What a result depends on beyond its config: library versions, the torch thread count (CPU
     kernels sum in another order with another count: the last digits move), the device and, in a
     git checkout of fedskew, the commit (``+dirty`` with uncommitted changes; ``FEDSKEW_GIT_COMMIT``
-    stands for it where the code is a copy without its .git, as on a lent GPU machine)."""
+    stands for it where the code is a copy without its .git, as on a GPU machine the code was copied to)."""
     import platform
 
     env = {"fedskew": __version__, "python": platform.python_version(), "torch": str(torch.__version__),

@@ -511,7 +511,7 @@ class Experiment:
 
 def local_settings(cfg) -> LocalSettings:
     """How the clients of a run (``cfg`` a RunConfig) train locally. ``channels_last``'s ``auto`` is
-    off, as ``compile``'s is: the layout awaits a GPU window's measurement of FedMR's ResNet-18 round
+    off, as ``compile``'s is: the layout awaits a GPU measurement of FedMR's ResNet-18 round
     (benchmarks/engine_speed.py's ``sequential-cl`` engine)."""
     return LocalSettings(cfg.local_epochs, cfg.batch_size, cfg.momentum, cfg.weight_decay, cfg.grad_clip, cfg.seed,
                          4 if cfg.dataset.augment else 0, cfg.precision, cfg.optimizer, tuple(cfg.adam_betas),
@@ -521,8 +521,8 @@ def local_settings(cfg) -> LocalSettings:
 def compile_step(cfg) -> bool:
     """Whether the vectorised step runs through torch.compile: ``compile = on``; ``auto`` is off
     everywhere until a measurement shows that it pays (on this project's CPU a warm compiled lite
-    run took 1.16 x the eager one's time, after a compile of about 90 s: docs/benchmarks.md; on
-    CUDA it awaits a GPU window)."""
+    run took 1.16 x the eager one's time, after a compile of about 90 s: benchmarks/compile_speed.py;
+    on CUDA it is not measured yet)."""
     return cfg.compile == "on"
 
 

@@ -70,10 +70,10 @@ def labels_of(rows: list[dict]) -> list[str]:
 
 def _header(rows: list[dict], label: str, partition: str, names: dict[str, str]) -> str:
     """A column's name, with the options its selection chose where the method had a grid."""
-    grid = {k for r in rows if r["label"] == label and r["partition"] == partition for k in r if k.startswith("option/")}
-    chosen = next((r for r in rows if r["label"] == label and r["partition"] == partition and r.get("selected")), {})
-    varied = [k for k in sorted(grid) if len({json.dumps(r.get(k)) for r in rows
-                                              if r["label"] == label and r["partition"] == partition}) > 1]
+    mine = [r for r in rows if r["label"] == label and r["partition"] == partition]
+    chosen = next((r for r in mine if r.get("selected")), {})
+    grid = sorted({k for r in mine for k in r if k.startswith("option/")})
+    varied = [k for k in grid if len({json.dumps(r.get(k)) for r in mine}) > 1]
     said = ", ".join(f"{k.split('/', 1)[1]} {chosen.get(k)}" for k in varied)
     return names.get(label, label) + (f" ({said})" if said else "")
 
@@ -87,7 +87,8 @@ def front_table(rows: list[dict], metrics: list[tuple[str, str]], names: dict[st
     labels = labels_of(rows)
     partition = partition or rows[0]["partition"]
     dataset = next((r.get("dataset") for r in rows if r.get("dataset")), None)
-    lines = [f"| {partition} on {dataset} (%) | " + " | ".join(_header(rows, c, partition, names) for c in labels) + " |",
+    heads = [_header(rows, c, partition, names) for c in labels]
+    lines = [f"| {partition} on {dataset} (%) | " + " | ".join(heads) + " |",
              "|---|" + "---|" * len(labels)]
     for key, title in metrics:
         values = {c: v for (p, c), v in cells(rows, key).items() if p == partition}
@@ -126,6 +127,19 @@ def environment(rows: list[dict]) -> str:
             f"{r.get('env/cpu', '?')}, {r.get('env/torch_threads', '?')} torch thread(s)")
 
 
+def measured(path: Path, kind: str) -> str:
+    """A sentence from a benchmark's record (benchmarks/common.py's ``write_result``): ``suite-time``
+    gives the suite's wall times with the machine and date they were measured on."""
+    from fedskew.files import read_json
+
+    record = read_json(path, "benchmark record")
+    if kind != "suite-time":
+        raise ValueError(f"generated block from {path}: unknown kind '{kind}' (suite-time)")
+    times = {row[0]: row[1] for row in record["rows"]}
+    return (f"the full suite took {times.get('full suite', '?')} and the fast subset {times.get('fast subset', '?')} "
+            f"(minutes:seconds) on {record['hardware']}, {record['date']}\n")
+
+
 KINDS = {"table": front_table, "bold": bold_sentence}
 FRONT_METRICS = [("global/test_acc_mean_last10", "global, mean of the last 10 rounds"),
                  ("personal/final_acc_after", "personalised, every client after one local pass")]
@@ -138,6 +152,8 @@ def render_block(source: str, args: str, root: Path) -> str:
     ``bold`` or ``environment``; ``metrics=front``)."""
     words = args.split()
     kind = words[0] if words else "table"
+    if source.endswith(".json"):
+        return measured(root / source, kind)
     rows = read_runs(root / source)
     if kind == "environment":
         return environment(rows) + "\n"

@@ -37,7 +37,7 @@ _ROUNDS = None  # in a worker: the queue on which it tells the sweep process (ru
 def releases_device_memory(entry: Callable) -> Callable:
     """A worker entry point that, once its runs' tensors are gone, hands the CUDA caching
     allocator's free blocks back to the device. Several workers share one GPU: an idle worker
-    kept what its last pack had cached (33 GiB each in a GPU window), and the next pack in another
+    kept what its last pack had cached (33 GiB each, seen on an H200), and the next pack in another
     worker ran out of memory however few lanes it stacked."""
 
     @functools.wraps(entry)

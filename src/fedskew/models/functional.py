@@ -153,7 +153,7 @@ def fp32_norms(model: nn.Module) -> None:
     ``torch.func.vmap`` with per-client (stacked) BatchNorm weights, a bf16 input with fp32 weights
     and statistics fails on CPU ("expected scalar type BFloat16 but found Float") and comes out
     fp32 on CUDA (the next bf16 convolution then fails), so the vectorised executor fell back to
-    sequential for every BatchNorm model in bf16 (seen on an H200, docs/benchmarks.md). Both
+    sequential for every BatchNorm model in bf16 (seen on an H200). Both
     executors take this path, so they normalise alike; the statistics are fp32 either way."""
     for m in model.modules():
         if isinstance(m, _NORMS) and not getattr(m, "_fedskew_fp32_norm", False):

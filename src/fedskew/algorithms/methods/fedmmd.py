@@ -13,7 +13,7 @@ from fedskew.algorithms.tensors import mmd2
 class FedMMDOptions(FedAvgOptions):
     search = {'lam': [0.001, 0.01, 0.1]}  # the bench's search space (fedskew bench)
     # 0.01: at 0.1 FedMMD ended near chance on 2 of 3 seeds of Fashion-MNIST P10C2 (21.65 vs 43.99
-    # at 0.01, seed 0; docs/benchmarks.md "Method health")
+    # at 0.01, seed 0; benchmarks/health_fmnist.py)
     lam: float = Field(0.01, ge=0, description="weight of the MMD term")
 
 

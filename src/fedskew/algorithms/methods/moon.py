@@ -23,7 +23,7 @@ class MoonOptions(FedAvgOptions):
     search = {'mu': [0.1, 1.0, 5.0], 'temperature': [0.5, 1.0]}  # the bench's search space (fedskew bench)
     # mu = 1 (the MOON paper's CIFAR-100 / Tiny-ImageNet value): at its CIFAR-10 value 5 MOON ended
     # near chance on 1 of 3 seeds of Fashion-MNIST P10C2 (27.20 mean of last 5 vs 39.59 at mu = 1,
-    # seed 0; docs/benchmarks.md "Method health")
+    # seed 0; benchmarks/health_fmnist.py)
     mu: float = Field(1.0, ge=0, description="weight of the contrastive term (paper: 5 CIFAR-10, 1 CIFAR-100)")
     temperature: float = Field(0.5, gt=0, description="tau of the model-contrastive loss")
 
