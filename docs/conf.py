@@ -53,8 +53,8 @@ html_theme = "furo"
 html_title = f"fedskew {release}"
 html_static_path = ["_static"]
 html_favicon = "_static/favicon.svg"
-html_css_files = ["vendor/gridjs/mermaid.min.css", "fedskew.css"]
-html_js_files = ["vendor/gridjs/gridjs.umd.js", "boards.js"]
+html_css_files = ["fedskew.css"]
+html_js_files = ["boards.js"]
 html_theme_options = {
     "source_repository": "https://github.com/fedskew/fedskew/",
     "source_branch": "main",

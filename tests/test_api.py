@@ -384,3 +384,12 @@ def test_dependencies_point_one_way():
                 problems.append(f"fedskew/{rel} imports fedskew.{used}")
     assert not problems, problems
     assert package_imports(ROOT / "src/fedskew/flower/client.py") == set()  # the deployment ClientApp: torch-free
+
+
+def test_run_prints_a_line_a_round_when_asked(tmp_path, capsys):
+    seen = []
+    fedskew.run(rounds=2, out_dir=str(tmp_path), progress=True, on_round=seen.append)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("round ")]
+    assert [ln.split()[1] for ln in lines] == ["1/2", "2/2"] and len(seen) == 2
+    fedskew.run(rounds=1, out_dir=str(tmp_path), progress=False)
+    assert "round " not in capsys.readouterr().out

@@ -163,35 +163,69 @@ def test_the_search_finds_a_method_s_page_by_its_name(browser):
     assert not errors
 
 
-def _column(page, grid: int, col: int) -> list[float]:
-    cells = page.evaluate(f"Array.from(document.querySelectorAll('.fedskew-grid')[{grid}]"
-                          f".querySelectorAll('tbody tr')).map(tr => tr.children[{col}].innerText)")
+def _column(page, table: int, col: int) -> list[str]:
+    return page.evaluate(f"Array.from(document.querySelectorAll('table.fedskew-sortable')[{table}]"
+                         f".querySelectorAll('tbody tr')).filter(tr => !tr.hidden)"
+                         f".map(tr => tr.children[{col}].innerText.trim())")
+
+
+def _numbers(cells: list[str]) -> list[float]:
     return [float(m.group(0)) for c in cells if (m := re.match(r"-?\d+(\.\d+)?", c.strip()))]
 
 
-def test_a_leaderboard_column_sorts_and_the_filter_keeps_one_method(browser):
+def test_a_leaderboard_column_sorts_with_words_last_and_the_filter_keeps_one_method(browser):
     chromium, base = browser
     page, errors, _ = _open(chromium, base + "leaderboards/label-skew-lite.html")
-    page.wait_for_selector(".fedskew-grid tbody tr")
-    before = _column(page, 0, 1)
+    page.wait_for_selector("table.fedskew-sortable")
+    heads = page.evaluate("Array.from(document.querySelectorAll('table.fedskew-sortable')[0]"
+                          ".querySelectorAll('thead th')).map(th => th.innerText.trim())")
+    assert heads[:3] == ["method", "avg rank", "W/T/L vs fedavg"], heads  # what a reader came for, first
+    col = heads.index("#C=1")
+    before = _numbers(_column(page, 0, col))
     assert before != sorted(before)  # (the board's order is by average rank, not by #C=1)
-    header = page.locator(".fedskew-grid").first.locator("th").nth(1)
-    orders = []
-    for _ in range(2):  # one click sorts one way, the next the other
-        last = _column(page, 0, 1)
-        header.click()
-        for _ in range(100):  # (Grid.js re-renders asynchronously)
-            now = _column(page, 0, 1)
-            if now != last:
-                break
-            page.wait_for_timeout(100)
-        orders.append(now)
-    assert sorted(before) in orders and sorted(before, reverse=True) in orders, orders
-    page.locator(".fedskew-grid").first.locator("input").fill("localghbm")
-    page.wait_for_function("document.querySelectorAll('.fedskew-grid')[0].querySelectorAll('tbody tr').length === 1",
-                           timeout=10_000)
+    header = page.locator("table.fedskew-sortable").first.locator("th").nth(col)
+    header.locator("button").click()
+    assert header.get_attribute("aria-sort") == "descending"
+    assert _numbers(_column(page, 0, col)) == sorted(before, reverse=True)
+    header.locator("button").click()
+    assert header.get_attribute("aria-sort") == "ascending"
+    assert _numbers(_column(page, 0, col)) == sorted(before)
+    # the personalised table holds `none` cells (methods without personal models): last, either way
+    tables = page.evaluate("document.querySelectorAll('table.fedskew-sortable').length")
+    with_none = next(t for t in range(tables) if any(c == "none" for c in _column(page, t, 3)))
+    other = page.locator("table.fedskew-sortable").nth(with_none).locator("th").nth(3)
+    for _ in range(2):
+        other.locator("button").click()
+        cells = _column(page, with_none, 3)
+        words = [i for i, c in enumerate(cells) if not re.match(r"\**-?\d", c)]
+        assert words and words == list(range(len(cells) - len(words), len(cells))), (other.get_attribute("aria-sort"),
+                                                                                     cells[:3], cells[-3:])
+    page.locator("input.fedskew-filter").first.fill("localghbm")
+    assert _column(page, 0, 0) == ["localghbm"]
     page.close()
     assert not errors
+
+
+def _right_edge(page, selector: str) -> float:
+    return page.evaluate(f"(() => {{ const r = document.querySelector({selector!r}).getBoundingClientRect(); "
+                         f"return r.left + Math.min(r.width, 40); }})()")
+
+
+def test_what_a_reader_came_for_is_on_screen_at_phone_and_desktop_widths(browser):
+    """At 1280 px a board's avg rank and W/T/L columns are in view without scrolling sideways; at
+    390 px a config key's meaning is (the table reads as one card a row)."""
+    chromium, base = browser
+    page, errors, _ = _open(chromium, base + "leaderboards/label-skew-lite.html", 1280, 900)
+    page.wait_for_selector("table.fedskew-sortable")
+    for n in (2, 3):  # the avg rank and W/T/L headers, moved after the method's
+        assert _right_edge(page, f"table.fedskew-sortable thead th:nth-child({n})") < 1280
+    page.close()
+    page, errors2, _ = _open(chromium, base + "generated/config.html", 390, 844)
+    cell = "table.fedskew-cards tbody tr td[data-label='meaning']"
+    page.wait_for_selector(cell)
+    assert _right_edge(page, cell) < 390
+    page.close()
+    assert not errors and not errors2
 
 
 def test_screenshots_of_the_home_page_and_a_leaderboard_at_desktop_and_phone_widths(browser, site):

@@ -553,3 +553,32 @@ def test_sweep_progress_counts_rounds_by_hand(monkeypatch):
     assert snap["eta_s"] == pytest.approx(10 / (12 / 20))  # 16.7 s; counting the start-up: 10 / (13 / 120) = 92 s
     assert progress_line({**snap, "elapsed_s": 75, "eta_s": 3725}) == \
         "3/4 runs (0 running, 0 failed), 30/40 rounds; 1:15 elapsed, ETA 1:02:05"
+
+
+@pytest.mark.parametrize("word, said", [
+    ("swep", "'swep' is not a command (did you mean 'sweep'?); the commands: run, resume,"),
+    ("methdos", "(did you mean 'methods'?)"),
+    ("xyz", "'xyz' is not a command; the commands:"),
+])
+def test_a_misspelt_command_gets_the_nearest_one(capsys, word, said):
+    from fedskew.cli import main
+
+    assert main([word, "rounds=1"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1 and "usage:" not in err
+
+
+def test_the_time_table_names_fedmr_lite_only_when_it_ran():
+    from fedskew.experiments.report import time_section
+    from fedskew.experiments.selection import Results, Run
+
+    def results(params, spec):
+        run = Run("fedmr", "P", 0, params, {"method": "fedmr", "time/round_s_mean": 1.0,
+                                            "global/test_acc_mean_last10": 0.5}, [], Path("."))
+        return Results(["fedmr"], ["P"], {("fedmr", "P"): [run]}, {}, "s", spec, {})
+
+    metric = "global/test_acc_mean_last10"
+    assert "FedMR-Lite" not in time_section(results({}, {"methods": ["fedmr"]}), metric).text
+    assert "FedMR-Lite" in time_section(results({"lite_n": 8}, {"methods": ["fedmr"]}), metric).text
+    assert "FedMR-Lite" in time_section(results({}, {"methods": [{"name": "fedmr", "options": {"lite_n": 8}}]}),
+                                        metric).text

@@ -14,7 +14,7 @@ At every build (``builder-inited``) this writes ``docs/generated/`` (ignored by 
 
 At ``source-read`` a board page (``leaderboards/*.md`` and the GPU campaign's boards) gets a header
 naming its commit, scale, hardware and time, its figures, and a marker that makes its tables
-sortable and filterable (``_static/boards.js`` with the vendored Grid.js).
+sortable and filterable (``_static/boards.js``).
 """
 
 from __future__ import annotations
@@ -410,8 +410,9 @@ def board_header(docname: str, text: str) -> str:
     scale = re.search(r"Scale: ([^:]+):", note)
     measured = re.search(r"Measured with (.*?); CPU results|Measured with (.*?)\.(?: |$)", note)
     hours = re.search(r"Wall-clock time.*?: (.*?)\.\n", text)
-    lines = ["", ":::{container} fedskew-board", "Sort any column by clicking its header; the box above each table "
-             "filters its rows by method.", ":::", ""]
+    lines = ["", ":::{container} fedskew-board", "Sort any column by selecting its header (cells without a number sort "
+             "last); the box above each table filters its rows by method; a diagram opens full size when selected.",
+             ":::", ""]
     facts = []
     if scale:
         facts.append(f"**Scale:** {scale.group(1)}")
@@ -429,12 +430,14 @@ def board_header(docname: str, text: str) -> str:
         png = out / f"{slug}-cd-{i}.png"
         said = cd_diagram(t, png)
         if not said:
-            figures += [f"**{t['title']}**: no critical-difference diagram; {len(t['settings'])} settings are too few "
-                        "blocks for a Friedman test (five at least).", ""]
+            n = len(t["settings"])
+            figures += [f"**{t['title']}**: no critical-difference diagram; {n} setting{'s are' if n != 1 else ' is'} "
+                        "too few blocks for a Friedman test (five at least).", ""]
         else:
             figures += [f"**Critical-difference diagram: {t['title']}.** {said} Methods joined by a bar are not "
                         "significantly different; lower average rank is better.", "",
-                        f"![critical-difference diagram]({_rel(docname)}generated/boards/{png.name})", ""]
+                        f"[![critical-difference diagram; select it for the full-size image]"
+                        f"({_rel(docname)}generated/boards/{png.name})]({_rel(docname)}generated/boards/{png.name})", ""]
     published = [t for t in tables if t["kind"] == "published"]
     if published:
         png = out / f"{slug}-published.png"

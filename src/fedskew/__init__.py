@@ -119,17 +119,32 @@ def load_config(config: Mapping | str | Path | RunConfig | None = None, /,
 
 def run(config: Mapping | str | Path | RunConfig | None = None, /,
         overrides: Mapping[str, Any] | list[str] | None = None, *,
-        on_round: Callable[[dict], None] | None = None, **options: Any) -> RunResult:
+        on_round: Callable[[dict], None] | None = None, progress: bool | None = None, **options: Any) -> RunResult:
     """Run one federated experiment and return its :class:`RunResult` (summary, per-round history,
     final global state and model, run directory).
 
     ``config``: None (the defaults), a mapping, a YAML file or a :class:`RunConfig`; keyword
     ``options`` and ``overrides`` set keys on top (see :func:`load_config`). ``on_round`` is called with
-    each round's record. The run directory is ``out_dir/run_name`` (default
-    ``runs/<method>-<dataset>-<partition>-s<seed>-<time>``), as with ``fedskew run``."""
+    each round's record. ``progress``: print a line per round (round, loss, global accuracy, seconds);
+    None (the default) prints them when standard output is a terminal, as ``fedskew run`` does. The
+    run directory is ``out_dir/run_name`` (default ``runs/<method>-<dataset>-<partition>-s<seed>-<time>``),
+    as with ``fedskew run``."""
+    import sys
+
     from fedskew.engine.runner import Experiment
 
-    return Experiment(load_config(config, overrides, **options)).run(on_round)
+    cfg = load_config(config, overrides, **options)
+    if progress or (progress is None and sys.stdout.isatty()):
+        callback = on_round
+
+        def on_round(rec: dict) -> None:
+            acc = rec.get("global/test_acc")
+            print(f"round {rec['round'] + 1}/{cfg.rounds}  train/loss {rec['train/loss']:.4f}" +
+                  (f"  global/test_acc {acc:.4f}" if acc is not None else "") +
+                  f"  time/round_s {rec['time/round_s']:.2f}", flush=True)
+            if callback is not None:
+                callback(rec)
+    return Experiment(cfg).run(on_round)
 
 
 def resume(run_dir: str | Path, *, on_round: Callable[[dict], None] | None = None, **changes: Any) -> RunResult:
@@ -284,8 +299,9 @@ def load_results(sweep_dir: str | Path, *, rounds: bool = False, frame: bool | N
     """A sweep's results as a table, one row per planned run: ``run_id``, ``label``, ``method``,
     ``partition``, ``seed``, ``status``, ``selected`` (the grid point the selection chose),
     ``error``, ``run_dir``, ``option/<name>`` per grid option, and every scalar of the run's
-    summary (``global/test_acc_mean_last10``, ``personal/final_acc_after``, ...). ``rounds=True``:
-    one row per finished run and round, with that round's metrics instead.
+    summary (``global/test_acc_mean_last10``, ``personal/final_acc_after``, ...). Accuracies are
+    fractions, as stored (0.8537 is the 85.37 % the tables print). ``rounds=True``: one row per
+    finished run and round, with that round's metrics instead.
 
     A pandas DataFrame when pandas is installed (``frame=None``), else a list of dicts;
     ``frame=True``/``False`` asks for one of them."""

@@ -1001,7 +1001,27 @@ def _config_flag(argv: list[str], unknown: list[str]) -> str | None:
     return None
 
 
+COMMANDS = ("run", "resume", "partition", "methods", "sweep", "report", "reproduce", "bench", "flower")
+
+
+def _unknown_command(argv: list[str]) -> str | None:
+    """The sentence for a first word that is no command (argparse lists the choices, and suggests
+    none before Python 3.14)."""
+    import difflib
+
+    word = next((a for a in argv if not a.startswith("-")), None)
+    if word is None or word in COMMANDS or "=" in word or argv.index(word) > 0:
+        return None
+    near = difflib.get_close_matches(word, COMMANDS, n=1, cutoff=0.6)
+    hint = f" (did you mean '{near[0]}'?)" if near else ""
+    return f"'{word}' is not a command{hint}; the commands: {', '.join(COMMANDS)} (`fedskew --help` says what each does)."
+
+
 def _main(argv: list[str] | None) -> int:
+    said = _unknown_command(list(sys.argv[1:] if argv is None else argv))
+    if said:
+        print(f"fedskew: error: {said}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:

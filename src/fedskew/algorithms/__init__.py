@@ -198,9 +198,13 @@ def _validate(schema: type[BaseModel], data: dict, where: str, what: str) -> Bas
         err = exc.errors()[0]
         key = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
-            allowed = sorted(schema.model_fields) + (sorted(COMPONENTS) if where == "method" else [])
-            hint = did_you_mean(key, allowed)
-            raise ValueError(f"{where}.{key} is not an option of {what}{hint}; allowed: {allowed}") from None
+            options = sorted(schema.model_fields)
+            hint = did_you_mean(key, options + (sorted(COMPONENTS) if where == "method" else []))
+            said = f"its options: {', '.join(options) or 'none'}"
+            if where == "method":  # (a component attaches to any method: method.<component>.<option>=...)
+                said += (f"; or a component attached to it, as {where}.<component>.<option>=..., one of "
+                         f"{', '.join(sorted(COMPONENTS))} (fedskew.algorithms.components says what each adds)")
+            raise ValueError(f"{where}.{key} is not an option of {what}{hint}; {said}") from None
         if not key:  # a check across options (model_validator)
             raise ValueError(f"{where} options of {what}: {err['msg'].removeprefix('Value error, ')}") from None
         raise ValueError(f"{where}.{key} = {err.get('input')!r} is not allowed: {err['msg']}") from None

@@ -836,7 +836,7 @@ def board_summary(board: Board, baseline: str | None, record: dict[str, list[int
         took = f"{board.wall_s / 3600:.1f} h" if board.wall_s >= 3600 else f"{board.wall_s / 60:.1f} min"
         # on a line of its own, marked: the one line of a board that differs between an interrupted
         # and resumed bench and an uninterrupted one, so a comparison can skip it
-        text += f"\n\n{TIME_LINE} {board.runs:,} finished runs trained for {took} in all."
+        text += f"\n\n{TIME_LINE} the {board.runs:,} finished runs of {board.part} trained for {took} in all."
     return text
 
 
@@ -911,8 +911,9 @@ def measured_where(name: str, scale: str, folder: Path, methods: list[str] | Non
     seen = Counter((r.get("env/git_commit", "no git commit"), r.get("env/torch", "?"),
                     r.get("env/device_name") or r.get("env/cpu") or r.get("env/device", "?"),
                     r.get("env/torch_threads", "?")) for r in done_rows(name, folder, methods))
-    return "; ".join(f"fedskew {commit}, torch {torch}, {device}, {threads} torch thread(s) ({n:,} runs)"
-                     for (commit, torch, device, threads), n in seen.most_common())
+    return "; ".join(f"fedskew {commit}, torch {torch}, {device}, {threads} torch thread(s) ({n:,} finished "
+                     f"run{'s' if n != 1 else ''} of the suite)" for (commit, torch, device, threads), n in
+                     seen.most_common())
 
 
 def done_rows(name: str, folder: Path, methods: list[str] | None = None):

@@ -306,8 +306,12 @@ def time_section(res: Results, metric: str) -> Section:
                 acc, sd, n = mean_std([r.summary.get(metric) for r in runs])
                 shown = "none" if acc is None else f"{scale * acc:.2f}" + (f" +- {scale * sd:.2f}" if n > 1 else "")
                 rows.append([p, c, "-" if t is None else f"{t:.3f}", shown])
+    import json
+
+    uses_lite = '"lite_n"' in json.dumps(res.spec or {}) or any(
+        r.params.get("lite_n") is not None for runs in res.runs.values() for r in runs)  # (FedMR-Lite ran here)
     lite = " (FedMR-Lite: FedMR with its inter-class loss on n samples of each batch, option lite_n)" \
-        if any(r.summary.get("method") == "fedmr" for runs in res.runs.values() for r in runs) else ""
+        if uses_lite else ""
     return Section(f"Time per round and {metric}", "Wall time per round (each run's median round, then the mean over "
                    "seeds; same machine, same sweep) next to the main metric: the cost/accuracy trade-off" + lite + ".",
                    ["partition", "method", "time per round (s)", f"{metric}{unit}"], rows)
