@@ -62,6 +62,24 @@ class Step(BaseModel):
     cut: bool = False
 
 
+class Result(BaseModel):
+    """A benchmark's record (benchmarks/common.py's write_result), as a job brought it back."""
+
+    model_config = ConfigDict(extra="forbid")
+    benchmark: str = Field(pattern=r"^[a-z][a-z0-9-]{0,40}$")
+    title: str = Field(max_length=200)
+    command: str = Field(max_length=1000)
+    date: str = Field(pattern=r"^\d{4}-\d{2}-\d{2}$")
+    commit: str = Field(max_length=64, pattern=r"^[0-9a-f]+(\+dirty)?$|^unknown$")
+    hardware: str = Field(max_length=200)
+    torch: str = Field(max_length=60)
+    threads: int = Field(ge=0, le=10_000)
+    columns: list[str] = Field(max_length=40)
+    rows: list[list[str | int | float | None]] = Field(max_length=400)
+    notes: str = Field("", max_length=4000)
+    source: str | None = Field(None, max_length=300)
+
+
 class Window(BaseModel):
     """window.json as benchmarks/gpu_window.py writes it (extra keys are kept, not trusted)."""
 
@@ -74,6 +92,7 @@ class Window(BaseModel):
     campaign_step: str | None = Field(None, max_length=100)
     campaign_complete: bool = False
     steps: list[Step] = Field(default_factory=list)
+    results: dict[str, Result] = Field(default_factory=dict, max_length=20)
 
 
 def head_commit() -> str:
@@ -216,6 +235,12 @@ def merge(files_at: Path, root: Path, commit: str | None = None) -> str:
         from fedskew.engine.durable import atomic_write_text
 
         atomic_write_text(json.dumps(state, indent=2) + "\n", root / "campaign.json")
+        results_dir = ROOT / "benchmarks" / "results" if root == CAMPAIGN_ROOT else root / "results"
+        for result in record.results.values():  # each benchmark's figure on this card: docs/performance.md
+            results_dir.mkdir(parents=True, exist_ok=True)
+            target = results_dir / f"{result.benchmark}-{card.lower()}.json"
+            atomic_write_text(json.dumps(result.model_dump(exclude_none=True), indent=1) + "\n", target)
+            summary.append(f"{result.benchmark} -> {target}")
         runs_dir = root.parent / "gpu-runs"
         for name in logs:
             runs_dir.mkdir(parents=True, exist_ok=True)

@@ -217,6 +217,7 @@ SPEED = {
     "speed-profile": (["benchmarks/gpu_profile.py", "--device", "cuda", "--rounds", "3", "--profiled", "2"], 150),
 }
 STEPS = ("gpu-tests", *SPEED, "campaign")
+WRITES_JSON = ("speed-engine", "speed-lanes")  # the speed steps whose script writes a --json record
 
 
 def default_steps(root: Path) -> list[str]:
@@ -289,8 +290,13 @@ def window(out: Path, data: str | None, budget: float, plan: list[dict], root: P
         reads_data = name in ("speed-compile", "speed-fedmr-round", "speed-profile")
         extra = ["--data", data] if data and reads_data else []
         time_left = budget - (time.monotonic() - start) - 15
-        record["steps"].append({"name": name, **run_step([py, *args, *extra], min(limit, time_left),
+        result_file = out / f"{name}.json"  # (engine and lanes write their figures for docs/performance.md)
+        writes = ["--json", str(result_file)] if name in WRITES_JSON else []
+        record["steps"].append({"name": name, **run_step([py, *args, *extra, *writes], min(limit, time_left),
                                                          out / "speed.txt", env, ROOT)})
+        if result_file.is_file():  # folded into window.json: what comes back stays a few files
+            record.setdefault("results", {})[name] = json.loads(result_file.read_text())
+            result_file.unlink()
     record["seconds"] = round(time.monotonic() - start, 1)
     (out / "window.json").write_text(json.dumps(record, indent=2))
     print(json.dumps({k: record[k] for k in ("card", "campaign_step", "seconds")}))

@@ -610,3 +610,45 @@ def test_mixture_logits_are_the_log_of_the_mixed_probabilities():
     z = torch.tensor([[1.0, 0.0, 0.0, 2.0]])  # learner 0: (1, 0), learner 1: (0, 2)
     p = 0.25 * torch.softmax(torch.tensor([1.0, 0.0]), 0) + 0.75 * torch.softmax(torch.tensor([0.0, 2.0]), 0)
     torch.testing.assert_close(head(z)[0].exp(), p)
+
+
+def _fedrepo_spread_steps(ws: torch.Tensor, margin: float, steps: int, lr: float) -> torch.Tensor:
+    """A float64 port of lxcnju/FedRepo's FedAwS server step (algorithms/fedaws.py, SpreadModel and
+    update_global_classifier, at 617ee015): an nn.Parameter of the classifier rows, torch.optim.SGD
+    with momentum 0.9 built afresh, the loss over all C x C entries with the diagonal masked to 0."""
+    param = torch.nn.Parameter(ws.clone())
+    optimizer = torch.optim.SGD([param], lr=lr, momentum=0.9)
+    for _ in range(steps):
+        ws_norm = torch.nn.functional.normalize(param, dim=1)
+        cos_dis = 0.5 * (1.0 - torch.mm(ws_norm, ws_norm.transpose(0, 1)))
+        d_mat = torch.diag(torch.ones(param.shape[0], dtype=param.dtype))
+        cos_dis = cos_dis * (1.0 - d_mat)
+        indx = ((margin - cos_dis) > 0.0).to(param.dtype)
+        loss = (((margin - cos_dis) * indx) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return param.detach()
+
+
+@pytest.mark.parametrize("margin, steps, lr", [(0.8, 30, 0.1), (0.5, 50, 0.01)])  # FedRepo's two searched points
+def test_fedaws_fedrepo_form_matches_a_float64_port_of_its_code(margin, steps, lr):
+    from fedskew.algorithms.methods.fedaws import FedAwSOptions, server_steps
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(10, 16, generator=gen, dtype=torch.float64)
+    ours = server_steps(w, FedAwSOptions(form="fedrepo", margin=margin, server_steps=steps, server_lr=lr))
+    port = _fedrepo_spread_steps(w, margin, steps, lr)
+    assert (ours - port).abs().max().item() < 1e-12
+    # the paper's form differs: plain steps on the off-diagonal mean
+    paper = server_steps(w, FedAwSOptions(form="paper", margin=margin, server_steps=steps, server_lr=lr))
+    assert (paper - port).abs().max().item() > 1e-6
+
+
+def test_fedaws_diagonal_form_is_the_off_diagonal_loss_rescaled_plus_a_constant():
+    from fedskew.algorithms.methods.fedaws import spreadout
+
+    w = torch.randn(7, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    c, m = 7, 0.6
+    assert spreadout(w, m, diagonal=True).item() == pytest.approx(
+        (spreadout(w, m).item() * c * (c - 1) + c * m * m) / (c * c), rel=1e-12)

@@ -129,7 +129,7 @@ def test_selection_by_validation_ignores_the_test_scores(tmp_path):
         db.execute("UPDATE runs SET summary=? WHERE run_id=?", (json.dumps(s), run_id))
     db.commit()
     assert select(db, spec)[("fedprox", "P6C3")]["params"] == {"mu": 0.001}
-    assert select(db, load_spec(TINY))[("fedprox", "P6C3")]["params"] == {"mu": 0.1}
+    assert select(db, load_spec({**TINY, "selection": {"split": "test"}}))[("fedprox", "P6C3")]["params"] == {"mu": 0.1}
     with pytest.raises(ConfigError, match="selection.metric 'global/test_acc_mean_last10' reads test data"):
         load_spec({**TINY, "selection": {"split": "validation", "metric": "global/test_acc_mean_last10"}})
 

@@ -276,3 +276,32 @@ def test_a_results_database_cannot_point_a_report_outside_its_folder(tmp_path):
     done = subprocess.run([sys.executable, "-m", "fedskew.cli", "report", str(folder)], capture_output=True,
                           text=True, env=ENV, cwd=tmp_path, timeout=300)
     refused(done, "which is not a sweep's (12 hexadecimal digits)")
+
+
+RESULT = {"benchmark": "engine-speed", "title": "Engine speed", "command": "python benchmarks/engine_speed.py",
+          "date": "2026-11-28", "commit": "0123456789ab", "hardware": "NVIDIA H200", "torch": "2.11.0+cu130",
+          "threads": 16, "columns": ["model", "seq/padded"], "rows": [["mlp", 29.26]], "notes": ""}
+
+
+def test_a_job_s_benchmark_records_land_as_the_performance_page_reads_them(window, tmp_path):
+    files, root, record = window
+    (files / "window.json").write_text(json.dumps({**record, "campaign_step": None,
+                                                   "results": {"speed-engine": RESULT}}))
+    done = merge(files, root)
+    assert done.returncode == 0, done.stderr
+    landed = root / "results" / "engine-speed-nvidia-h200.json"
+    assert json.loads(landed.read_text()) == RESULT
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"benchmark": "../../evil"}, "window.json's 'results.speed-engine.benchmark'"),
+    ({"rows": "not a list"}, "window.json's 'results.speed-engine.rows'"),
+    ({"extra": 1}, "window.json's 'results.speed-engine.extra'"),
+])
+def test_a_hostile_benchmark_record_is_one_sentence_and_nothing_lands(window, tmp_path, change, said):
+    files, root, record = window
+    (files / "window.json").write_text(json.dumps({**record, "campaign_step": None,
+                                                   "results": {"speed-engine": {**RESULT, **change}}}))
+    before = digests(tmp_path)
+    refused(merge(files, root), said)
+    assert digests(tmp_path) == before

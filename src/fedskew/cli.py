@@ -1014,7 +1014,8 @@ def _unknown_command(argv: list[str]) -> str | None:
         return None
     near = difflib.get_close_matches(word, COMMANDS, n=1, cutoff=0.6)
     hint = f" (did you mean '{near[0]}'?)" if near else ""
-    return f"'{word}' is not a command{hint}; the commands: {', '.join(COMMANDS)} (`fedskew --help` says what each does)."
+    return (f"'{word}' is not a command{hint}; the commands: {', '.join(COMMANDS)} (`fedskew --help` says what each "
+            f"does).")
 
 
 def _main(argv: list[str] | None) -> int:

@@ -43,7 +43,11 @@ MAP_METHODS = ["fedavg", "fedprox", "scaffold", "fedrs", "fedphp", "map",
                "ditto", "fedrep", "fedbabu", "fedrod", "perfedavg", "fedlc",
                {"name": "pfedme", "config": {"momentum": 0.0}},
                {"name": "fedproto", "config": {"model.classifier_bias": True}},
-               "fedmmd", "fednova", "fedaws", "moon", "feddyn", "flda", "dittors"]
+               "fedmmd", "fednova",
+               # MAP's FedAwS cells come from its authors' code (lxcnju/FedRepo): its form, at the first of the two
+               # points it searched (a grid here would hold a validation split out of every run of the part)
+               {"name": "fedaws", "options": {"form": "fedrepo", "margin": 0.8, "server_steps": 30, "server_lr": 0.1}},
+               "moon", "feddyn", "flda", "dittors"]
 ETF_METHODS = ["fedavg", {"name": "fedavg", "label": "fedavg-etf", "config": {"model.classifier": "etf"}},
                "etf_gmv",
                {"name": "scaffold", "label": "scaffold-etf", "config": {"model.classifier": "etf"}}]
