@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -321,8 +322,14 @@ def selection_section(res: Results) -> Section | None:
     def split(name: str) -> str:
         return "test set (test-set selection)" if name == "test" else f"{name} hold-out"
 
+    def chose(sel: dict) -> bool:  # (a method with one point chose nothing)
+        try:
+            return len(json.loads(sel.get("means") or "{}")) > 1
+        except (TypeError, ValueError):
+            return True
+
     rows = [[p, c, sel["params"], sel["metric"], split(sel["split"]), _pct(sel["value"])]
-            for p in res.partitions for c in res.labels if (sel := res.selections.get((c, p)))]
+            for p in res.partitions for c in res.labels if (sel := res.selections.get((c, p))) and chose(sel)]
     if not rows:
         return None
     on_test = any(r[4].startswith("test") for r in rows)

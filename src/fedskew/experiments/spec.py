@@ -56,9 +56,10 @@ class MethodSpec(_Strict):
 
 
 class SelectionSpec(_Strict):
-    split: Literal["validation", "test"] = Field(
-        "validation", description="validation: a stratified hold-out of the training data (validation_fraction) in "
-        "every run chooses; test: the test set chooses, as some papers' protocols did (named so in the report)")
+    split: Literal["validation", "test"] | None = Field(
+        None, description="validation: a stratified hold-out of the training data (validation_fraction) in every "
+        "run chooses; test: the test set chooses, as some papers' protocols did (named so in the report); default: "
+        "validation when a method has more than one point to choose from, else no hold-out (nothing is chosen)")
     metric: str | None = Field(None, description="default: global/test_acc_mean_last10 (test) or "
                                                  "global/val_acc_mean_last10 (validation)")
     validation_fraction: float = Field(0.1, gt=0, lt=1)
@@ -109,6 +110,19 @@ class SweepSpec(_Strict):
         if not isinstance(v, (list, type(None))):
             return v  # (pydantic says what a list was expected to be)
         return [{"name": m} if isinstance(m, str) else m for m in (v or [])]
+
+    @model_validator(mode="after")
+    def _default_split(self):
+        """No ``selection.split``: a validation hold-out when the sweep chooses among points, else none
+        (a sweep with one point per method chooses nothing, and a hold-out would only take data away)."""
+        if self.selection.split is None:
+            chooses = any(len(grid_points(m.options, m.trials)) > 1 for m in self.methods)
+            self.selection.split = "validation" if chooses else "test"
+            if chooses and self.selection.metric and not self.selection.metric.startswith("global/val_"):
+                raise ValueError(f"selection.metric '{self.selection.metric}' reads test data; a sweep that chooses "
+                                 f"among points selects on a validation hold-out (a global/val_* metric), or says "
+                                 f"selection.split: test")
+        return self
 
     @field_validator("methods")
     @classmethod

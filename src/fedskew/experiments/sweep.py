@@ -28,7 +28,8 @@ a key that names a run setting (``lr``, ``local_epochs``, ``momentum``, ...) set
 method option. ``selection.tune_seeds: [0]`` runs the grid on those seeds only, selects, then runs
 the selected point on every other seed (the selection reads the tuning seeds' runs only).
 
-Hyper-parameter selection (``selection.split``): ``validation`` (the default) holds out
+Hyper-parameter selection (``selection.split``): ``validation`` (the default when a method has
+more than one point; a sweep with one point per method holds nothing out) holds out
 ``selection.validation_fraction`` of the training set in every run (``dataset.validation_fraction``)
 and picks, per method and partition, the grid point with the best mean over seeds of
 ``global/val_acc_mean_last10``; ``test`` picks on ``selection.metric`` over the test set, as some
