@@ -186,7 +186,9 @@ def performance_page() -> str:
             lines += [f"**{r['hardware']}**, torch {r['torch']}, {r['threads']} thread(s), {r['date']}, commit "
                       f"`{r['commit']}`:", "", "```bash", r["command"], "```", ""]
             if r.get("source"):
-                lines += [f"(read from the command's output, [{Path(r['source']).name}]({r['source']}))", ""]
+                link = Path(r["source"]).relative_to("docs").as_posix() if r["source"].startswith("docs/") else \
+                    r["source"]
+                lines += [f"(read from the command's output, [{Path(r['source']).name}]({link}))", ""]
             lines += ["| " + " | ".join(r["columns"]) + " |", "|" + "---|" * len(r["columns"])]
             lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in r["rows"]]
             lines += ["", r["notes"], ""] if r.get("notes") else [""]

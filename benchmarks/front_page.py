@@ -41,9 +41,14 @@ def main() -> None:
     curves = sweep / "report" / "curves_p0.png"
     if curves.is_file() and args.source == SOURCE:
         shutil.copyfile(curves, ROOT / "docs" / "images" / "sweep-digits-curves.png")
+    rewrite(args.source)
+
+
+def rewrite(source: str) -> None:
+    """Rebuild every block of README and docs/ whose source is ``source``."""
     for page in pages():
         text = page.read_text()
-        new = refresh(text, ROOT)
+        new = refresh(text, ROOT, only=source)
         if new != text:
             atomic_write_text(new, page)
             print(f"rewrote {page.relative_to(ROOT)}")

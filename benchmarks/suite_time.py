@@ -50,6 +50,9 @@ def main() -> None:
                      ["run", "wall time (m:ss)", "seconds", "pytest's count", "result"], rows,
                      "Two pytest workers (`-n 2`, pyproject's options), one after the other on an otherwise idle "
                      "machine; two runs of one tree on one machine differ by up to two minutes.")
+        from front_page import rewrite
+
+        rewrite(str(Path(args.json).resolve().relative_to(ROOT)))  # README's and CONTRIBUTING's times
 
 
 if __name__ == "__main__":

@@ -434,10 +434,10 @@ def board_header(docname: str, text: str) -> str:
             figures += [f"**{t['title']}**: no critical-difference diagram; {n} setting{'s are' if n != 1 else ' is'} "
                         "too few blocks for a Friedman test (five at least).", ""]
         else:
+            image = f"{_rel(docname)}generated/boards/{png.name}"
             figures += [f"**Critical-difference diagram: {t['title']}.** {said} Methods joined by a bar are not "
                         "significantly different; lower average rank is better.", "",
-                        f"[![critical-difference diagram; select it for the full-size image]"
-                        f"({_rel(docname)}generated/boards/{png.name})]({_rel(docname)}generated/boards/{png.name})", ""]
+                        f"[![critical-difference diagram; select it for the full-size image]({image})]({image})", ""]
     published = [t for t in tables if t["kind"] == "published"]
     if published:
         png = out / f"{slug}-published.png"

@@ -162,9 +162,15 @@ def render_block(source: str, args: str, root: Path) -> str:
     return KINDS[kind](rows, FRONT_METRICS, FRONT_NAMES)
 
 
-def refresh(text: str, root: Path) -> str:
-    """``text`` with every generated block rebuilt from its source (paths relative to ``root``)."""
-    return BLOCK.sub(lambda m: m.group(1) + render_block(m.group("source"), m.group("args"), root) + m.group(5), text)
+def refresh(text: str, root: Path, only: str | None = None) -> str:
+    """``text`` with every generated block rebuilt from its source (paths relative to ``root``);
+    ``only``: the blocks of that source alone."""
+    def block(m: re.Match) -> str:
+        if only is not None and m.group("source") != only:
+            return m.group(0)
+        return m.group(1) + render_block(m.group("source"), m.group("args"), root) + m.group(5)
+
+    return BLOCK.sub(block, text)
 
 
 __all__ = ["bold_sentence", "cells", "environment", "export_runs", "front_table", "read_runs", "refresh"]
