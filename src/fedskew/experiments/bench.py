@@ -490,7 +490,7 @@ def linked_entries(name: str, scale: str, entries: list[Entry] | None = None,
 
 def unlinked_table() -> str:
     """Markdown: the registry's entries that no suite links at any scale, counted by file and why
-    (docs/leaderboard.md holds it between its ``generated unlinked-entries`` markers;
+    (docs/reproductions.md holds it between its ``generated unlinked-entries`` markers;
     tests/test_docs.py checks it)."""
     import warnings
 
