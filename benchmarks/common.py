@@ -84,6 +84,8 @@ def write_result(path, benchmark: str, title: str, columns: list[str], rows: lis
     for i, a in enumerate(argv[:-1]):  # (where the data lay on the measuring machine is no one else's path)
         if a == "--data":
             argv[i + 1] = "DATA_DIR"
+        if a == "--json":
+            argv[i + 1] = f"{RESULTS}/{Path(argv[i + 1]).name}"
     record = {"benchmark": benchmark, "title": title,
               "command": "python " + " ".join(shlex.quote(a) for a in ["benchmarks/" + Path(sys.argv[0]).name,
                                                                        *argv]),
