@@ -656,7 +656,8 @@ def cmd_bench(args, console: Console) -> int:
             bench.restrict(bench.sweeps(args.suite, args.scale, args.data, methods), args.suite, _csv(args.parts),
                            _csv(args.seeds), {}, _csv(args.settings))
         bench.check_has_runs(folder, args.suite, args.scale)  # nothing to rank: no empty board is written
-    command = f"fedskew bench {args.suite} --scale {args.scale}" + (f" --data {args.data}" if args.data else "") + \
+    # the board names the data folder DATA_DIR: where the data lay on the machine that built it is no reader's path
+    command = f"fedskew bench {args.suite} --scale {args.scale}" + (" --data DATA_DIR" if args.data else "") + \
         "".join(f" --import {m}" for m in getattr(args, "imports", None) or []) + \
         (f" --methods {','.join(methods)}" if methods else "") + \
         "".join(f" --{k} {shlex.quote(v)}" for k, v in (("parts", args.parts), ("seeds", args.seeds),
