@@ -132,9 +132,11 @@ def measured(path: Path, kind: str) -> str:
     gives the suite's wall times with the machine and date they were measured on."""
     from fedskew.files import read_json
 
-    record = read_json(path, "benchmark record")
     if kind != "suite-time":
         raise ValueError(f"generated block from {path}: unknown kind '{kind}' (suite-time)")
+    if not path.exists():
+        return "not measured yet (benchmarks/suite_time.py measures it)\n"
+    record = read_json(path, "benchmark record")
     times = {row[0]: row[1] for row in record["rows"]}
     return (f"the full suite took {times.get('full suite', '?')} and the fast subset {times.get('fast subset', '?')} "
             f"(minutes:seconds) on {record['hardware']}, {record['date']}\n")
