@@ -191,7 +191,8 @@ def test_a_registered_method_runs_on_both_executors_and_in_a_sweep(tmp_path, use
     # a sweep with spawned workers, which find the method through its module (on sys.path here)
     monkeypatch.syspath_prepend(str(tmp_path))
     spec = {"name": "user", "base": {k: v for k, v in base.items() if k != "out_dir"},
-            "methods": [{"name": "shrink", "options": {"beta": [0.7, 1.0]}}, "fedavg"], "seeds": [0]}
+            "methods": [{"name": "shrink", "options": {"beta": [0.7, 1.0]}}, "fedavg"], "seeds": [0],
+            "selection": {"split": "test"}}  # (no hold-out: the sweep's run is the run above)
     events = []
     sweep_dir = fedskew.sweep(spec, jobs=2, out=tmp_path / "sweep", on_event=lambda kind, r: events.append(kind))
     assert events.count("done") == 3

@@ -324,7 +324,7 @@ def selection_section(res: Results) -> Section | None:
 
     def chose(sel: dict) -> bool:  # (a method with one point chose nothing)
         try:
-            return len(json.loads(sel.get("means") or "{}")) > 1
+            return len(json.loads(sel.get("candidates") or sel.get("means") or "{}")) > 1  # (stored / computed)
         except (TypeError, ValueError):
             return True
 
