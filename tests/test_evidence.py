@@ -151,3 +151,31 @@ def test_the_map_preset_is_what_the_changelog_and_the_tutorial_say():
     for page in ("CHANGELOG.md", "docs/tutorials/reproduce-a-row.md"):
         text = " ".join((ROOT / page).read_text().split())
         assert "runs 21 methods in the setting of MAP's" in text and "19 of" in text and "all 21" not in text
+
+
+def test_fuzz_an_exported_runs_file(tmp_path):
+    """The reader of a committed export (docs/evidence/*.jsonl) goes through the file boundary: any
+    bytes, any JSON line, are the runs or one sentence naming the file, never a traceback."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    line = st.one_of(st.binary(max_size=200).map(lambda b: b.decode("latin-1")),
+                     st.recursive(st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=10),
+                                  lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c,
+                                                                                      max_size=5),
+                                  max_leaves=20).map(json.dumps))
+
+    @settings(max_examples=60, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(lines=st.lists(line, max_size=4))
+    def check(lines):
+        path = tmp_path / "runs.jsonl"
+        path.write_text("\n".join(lines), encoding="utf-8", errors="surrogateescape")
+        try:
+            rows = read_runs(path)
+        except ConfigError as exc:
+            assert "runs.jsonl" in str(exc) and "\n" not in str(exc)
+            return
+        assert all(isinstance(r, dict) and {"label", "partition", "seed", "status"} <= set(r) for r in rows)
+
+    check()
