@@ -7,7 +7,8 @@ was once fine on one seed only (pFedHN's old default trained on seed 0 and diver
 and 1, as one pack of the vectorised executor (each run equal to its run alone: tests/test_lanes.py,
 tests/test_vectorized.py). Its train loss must never rise past 50 times its first round's (a diverged run), and it must
 end well above chance (10 classes: 0.10): the mean of the last 5 global test accuracies >= 0.5, or, for a method without
-a global model, the personalised accuracy >= 0.5 (also for FLDA, whose global model only trains through the mixture).
+a global model, the personalised accuracy >= 0.5 (also for FLDA, whose global model only trains through the mixture;
+FedLoGe's global model is held to 0.3 and its personalised one to 0.5: LOWER_GLOBAL says why).
 Measured at these defaults on seed 0: FedAvg 0.78, the weakest method (Floco) 0.52; a collapsed default sits at 0.10, a
 diverged one raises. Several methods train in one test (a group).
 
@@ -33,6 +34,13 @@ LONG_CHECK = {"pfedhn"}
 # held to the personalised floor, the global accuracy still reported (benchmarks/health_fmnist.py
 # measures it).
 BY_PRODUCT = {"flda": "the global model trains only through each client's gate (the MAP code's form)"}
+# Methods whose global model ends below FLOOR at the official defaults on this setting, with the
+# reason and its own floor; the personalised model is held to FLOOR as well. Each is said on the
+# method's page and measured in benchmarks/health_fmnist.py.
+LOWER_GLOBAL = {"fedloge": (0.3, "its body trains only through the static sparse ETF classifier, whose class "
+                                 "vectors have the official norm 0.1: on the MLP's features (norm about 2.4) its "
+                                 "logits stay within 0.3 and the body learns slowly; the generic model ends at "
+                                 "0.38, the personalised one at 0.75 (method.etf_norm=1: 0.75 and 0.86)")}
 GROUPS = 8  # tests the registry is cut into (a method registered later joins one)
 
 
@@ -69,7 +77,11 @@ def check_health(name, seed, result):
         )
     elif getattr(METHODS[name], "has_global_model", True):
         accs = [h["global/test_acc"] for h in result.history[-5:]]
-        assert sum(accs) / len(accs) >= FLOOR, f"{name} seed {seed}: global accuracy {accs} near chance at its defaults"
+        floor = LOWER_GLOBAL[name][0] if name in LOWER_GLOBAL else FLOOR
+        assert sum(accs) / len(accs) >= floor, f"{name} seed {seed}: global accuracy {accs} near chance at its defaults"
+        if name in LOWER_GLOBAL:
+            assert last["personal/acc_after"] >= FLOOR, (
+                f"{name} seed {seed}: personalised accuracy {last['personal/acc_after']}")
     else:
         assert last["global/test_acc"] is None
         assert last["personal/acc_after"] >= FLOOR, (

@@ -844,7 +844,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_be.add_argument("--methods", help="only these methods (comma-separated names)")
     p_be.add_argument("--beside", metavar="BOARD.md",
                       help="put a committed board's rows beside this board's, ranked again with them "
-                           "(docs/leaderboards/label-skew-lite.md: your method among the 74 without running them), "
+                           "(docs/leaderboards/label-skew-lite.md: your method among the methods it ranks, "
+                           "without running them), "
                            "and say how far the two rank the methods both ran alike (Kendall's tau-b)")
     p_be.add_argument("--parts", help="only these parts of the suite (comma-separated; `fedskew bench --list` names "
                                       "them), e.g. map")

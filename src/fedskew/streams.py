@@ -85,8 +85,8 @@ def dropout_generator(seed: int, round_idx: int, client_id: int, stage: int) -> 
 
 
 @contextlib.contextmanager
-def seeded_torch(seed: int, name: str = "model_init"):
+def seeded_torch(seed: int, name: str = "model_init", *ints: int):
     """Run a block with the global torch RNG seeded from a stream; the outer state is restored."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(torch_seed(seed, name))
+        torch.manual_seed(torch_seed(seed, name, *ints))
         yield

@@ -91,6 +91,9 @@ class FederationInfo:
     fixed_state: dict = field(default_factory=dict, compare=False, repr=False)
     # floats in the model's trainable tensors (a method that allocates in proportion checks it first)
     param_numel: int = 0
+    # ``j -> state``: a further independent initialisation of the run's model, j = 1, 2, ... (the
+    # configured model drawn again from stream ``method_models``, j): IFCA's cluster models
+    model_draw: Callable | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -404,7 +407,9 @@ class Method:
     # FedAvg weights (``method.disco``) refuses it. tests/test_health.py checks every declaration.
     fedavg_weighted = True
     # sharpness-aware local steps (Component ``sam``: its options rho, adaptive, eta), read by the
-    # executors for the uploaded model's training; None: plain SGD
+    # executors for the uploaded model's training; None: plain SGD. An object with ``ascent`` (a loss
+    # of local_loss's signature) takes eps from that loss's gradient by its ``perturbation(params,
+    # grads, payload)`` instead (FedSOL), every tensor with a leading client dimension
     sam = None
     # False: the vectorised executor trains this method one client after another (randomness inside
     # the loss that vmap cannot draw as the sequential executor does: FedCP's Gumbel noise)

@@ -253,13 +253,23 @@ class SequentialExecutor(Executor):
 
     @staticmethod
     def _sam_gradient(loss_fn, fwd, params, updated, x, y, payload, client_state, sam) -> None:
-        """Replace the gradients of ``updated`` (at w) by those at w + eps (SAM / ASAM)."""
+        """Replace the gradients of ``updated`` (at w) by those at w + eps (SAM / ASAM; eps from
+        ``sam.ascent``'s gradient by ``sam.perturbation`` where the method gives them: FedSOL)."""
         names = [k for k, p in params.items() if any(p is u for u in updated)]
+        ascent = getattr(sam, "ascent", None)
+        if ascent is not None:  # eps from another loss's gradient at w (FedSOL's proximal loss)
+            a_loss, _ = ascent(fwd, params, x, y, payload, client_state)
+            a_grads = torch.autograd.grad(a_loss, [params[k] for k in names], allow_unused=True,
+                                          materialize_grads=True)
         with torch.no_grad():
             saved = {k: params[k].detach().clone() for k in names}
-            grads = {k: (params[k].grad if params[k].grad is not None else torch.zeros_like(params[k]))[None]
-                     for k in names}
-            eps = sam_perturbation({k: saved[k][None] for k in names}, grads, sam.rho, sam.adaptive, sam.eta)
+            if ascent is None:
+                grads = {k: (params[k].grad if params[k].grad is not None else torch.zeros_like(params[k]))[None]
+                         for k in names}
+                eps = sam_perturbation({k: saved[k][None] for k in names}, grads, sam.rho, sam.adaptive, sam.eta)
+            else:
+                eps = sam.perturbation({k: saved[k][None] for k in names}, {k: g[None] for k, g in zip(names, a_grads)},
+                                       {k: v[None] for k, v in payload.items()})
             for k in names:
                 params[k].add_(eps[k][0])
                 params[k].grad = None

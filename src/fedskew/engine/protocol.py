@@ -123,8 +123,11 @@ def stage_schedules(settings: LocalSettings, method: Method, round_idx: int, cli
     return batches[:steps_a], batches[steps_a:steps_a + steps_b], lr_b
 
 
-def stage_loss(method: Method, stage: Stage) -> Callable:
-    """The loss a stage trains: ``Method.local_loss`` (the uploaded model) or ``personal_loss``."""
+def stage_loss(method: Method, stage: Stage | Literal["ascent"]) -> Callable:
+    """The loss a stage trains: ``Method.local_loss`` (the uploaded model) or ``personal_loss``;
+    ``ascent``: the loss whose gradient gives a sharpness-aware step's eps (``Method.sam.ascent``)."""
+    if stage == "ascent":
+        return method.sam.ascent
     return method.local_loss if stage == "upload" else method.personal_loss
 
 

@@ -123,8 +123,9 @@ class Experiment:
             public_samples=public_samples(self.fed, cfg.seed, self.device), local_epochs=cfg.local_epochs,
             batch_size=cfg.batch_size, norm_names=norm_names(self.model), model_call=model_caller(self.model),
             public_pool=public_pool(self.fed, cfg.seed, self.device),
-            fixed_state={k: v for k, v in self.model.state_dict().items() if k in self.model.fixed_keys},
-            param_numel=sum(p.numel() for p in self.model.parameters()))
+            fixed_state={k: v.clone() for k, v in self.model.state_dict().items() if k in self.model.fixed_keys},
+            param_numel=sum(p.numel() for p in self.model.parameters()),
+            model_draw=functools.partial(self._draw_model, configured))
         try:
             self.method = build_method(cfg.method, self.info)
         except ValueError as exc:  # a method's own check of the federation or model (one sentence)
@@ -193,6 +194,12 @@ class Experiment:
     def worker(self) -> bool:
         """A rank > 0 of a distributed run: it trains shards for rank 0 and returns no result."""
         return self.group is not None and self.group.rank > 0
+
+    def _draw_model(self, configured: Callable, j: int) -> dict:
+        """FederationInfo.model_draw: the run's model built again from stream ``method_models``, j."""
+        with seeded_torch(self.cfg.seed, "method_models", j):
+            model = build_method_model(self.cfg.method, self.cfg.model.classifier, configured(), configured)
+        return {k: v.to(self.device) for k, v in federated_state(model).items()}
 
     def run(self, on_round: Callable[[dict], None] | None = None) -> RunResult | None:
         """Execute (or resume) the run; the run directory is locked for this process meanwhile."""

@@ -519,8 +519,9 @@ class VectorizedExecutor(Executor):
                 c = pick(cstates)
                 pay = pick(payload) if lane_payload else payload
                 opts = None if options is None else {h: pick(v) for h, v in options.items()}
-                masks = [None, None] if gens is None else self._dropout_masks(
-                    gens, members, col[members] * slots, longest * slots, 1 if sam is None else 2)
+                masks = [None, None, None] if gens is None else self._dropout_masks(
+                    gens, members, col[members] * slots, longest * slots,
+                    1 if sam is None else 3 if getattr(sam, "ascent", None) is not None else 2)
                 ragged = int(col[members].min()) < longest
                 if ragged:  # padded rows weigh 0
                     weights = (positions[:longest] < n[:, None]) / n[:, None].to(self._dtype)
@@ -545,13 +546,16 @@ class VectorizedExecutor(Executor):
                                             [leaves[k] for k in updated], allow_unused=True, materialize_grads=True)
                 # Each lane's loss depends only on its own row of the stack, so the gradient of
                 # the sum is every lane's own gradient.
-                if sam is not None:  # SAM / ASAM: the gradient at w + eps, each lane its own eps
-                    eps = sam_perturbation({k: leaves[k].detach() for k in updated}, dict(zip(updated, grads)),
-                                           sam.rho, sam.adaptive, sam.eta)
+                if sam is not None:  # SAM / ASAM / FedSOL: the gradient at w + eps, each lane its own eps
+                    ascent = None if getattr(sam, "ascent", None) is None else (
+                        self.losses("ascent", lane_payload, ragged, options is not None, gens is not None),
+                        (buf, x, y, pay, c, weights if ragged else None, opts))
+                    eps, descent_masks = self._sam_eps(sam, leaves, updated, grads, masks, ascent, pay, lane_payload)
                     ascended = {k: (v.detach() + eps[k]).requires_grad_(True) if k in eps else v
                                 for k, v in leaves.items()}
-                    grads = torch.autograd.grad(losses_at(ascended, masks[1])[0].sum(), [ascended[k] for k in updated],
-                                                allow_unused=True, materialize_grads=True)
+                    grads = torch.autograd.grad(losses_at(ascended, descent_masks)[0].sum(),
+                                                [ascended[k] for k in updated], allow_unused=True,
+                                                materialize_grads=True)
                 ok = None
                 if sc is not None:
                     grads, ok = unscale(grads, sc)
@@ -566,6 +570,20 @@ class VectorizedExecutor(Executor):
                             put(d, new, a, b, gi)
                 put(sums, {k: v.detach() for k, v in tracked.items()}, a, b, gi, add=True)
         return {**params, **{k: v for k, v in buffers.items() if v.is_floating_point()}}, sums, steps
+
+    @staticmethod
+    def _sam_eps(sam, leaves, updated, grads, masks, ascent, payload, lane_payload):
+        """A sharpness-aware step's eps of every lane and the dropout masks of its descent pass: from the
+        stage loss's ``grads`` (SAM / ASAM), or from the gradient of ``ascent`` (the vmapped
+        ``sam.ascent`` and the step's other arguments) by ``sam.perturbation`` (FedSOL)."""
+        w = {k: leaves[k].detach() for k in updated}
+        if ascent is None:
+            return sam_perturbation(w, dict(zip(updated, grads)), sam.rho, sam.adaptive, sam.eta), masks[1]
+        loss, args = ascent
+        a_grads = torch.autograd.grad(loss(leaves, *args, masks[1])[0].sum(), [leaves[k] for k in updated],
+                                      allow_unused=True, materialize_grads=True)
+        anchor = payload if lane_payload else {k: v[None] for k, v in payload.items()}
+        return sam.perturbation(w, dict(zip(updated, a_grads)), anchor), masks[2]
 
     def _flat_schedules(self, lane_rows: list, schedules: list[list[np.ndarray]], pairs: list | None):
         """Batch schedules exactly as the sequential executor's, flattened: the samples of lane i at

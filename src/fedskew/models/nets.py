@@ -8,6 +8,7 @@ can select the head or the body by name (FedRep, FedROD, FedBABU, ETF heads).
 
 from __future__ import annotations
 
+import copy
 import math
 from contextvars import ContextVar
 
@@ -272,6 +273,110 @@ def cnnbn(input_shape, num_classes, bias=True, width=32) -> SkewNet:
                          nn.MaxPool2d(2), nn.Flatten(),
                          nn.Linear(2 * width * h * w, 128), nn.ReLU())
     return SkewNet(body, 128, num_classes, bias)
+
+
+class FixedLinear(nn.Module):
+    """A linear head whose weight [C, d] and bias [C] are buffers, never trained (FedLoGe's SSE-C)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("bias", bias)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return F.linear(z, self.weight, self.bias)
+
+
+def flat_units(module: nn.Module) -> list[nn.Module]:
+    """A sequential backbone's layers in order, nested nn.Sequential containers opened (a ResNet's
+    stage of residual blocks); None when the backbone is not sequential."""
+    if not isinstance(module, nn.Sequential):
+        return None
+    units = []
+    for child in module.children():
+        units += flat_units(child) if isinstance(child, nn.Sequential) else [child]
+    return units
+
+
+PARAMETRIC = (nn.Linear, nn.modules.conv._ConvNd)
+ACTIVATIONS = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.SiLU)
+
+
+def level_blocks(units: list[nn.Module]) -> list[list[int]]:
+    """The backbone's units cut into blocks (FedMLB's levels): a linear or convolutional layer after an
+    activation starts a block (an MLP's hidden layers, a CNN's conv stages with their pooling); so does
+    a residual block after the stem or one whose shortcut projects (a ResNet's stages); pooling,
+    flattening and dropout join the block before."""
+    blocks: list[list[int]] = []
+    activated = residual = False
+    for i, unit in enumerate(units):
+        params = any(True for _ in unit.parameters())
+        is_residual = params and not isinstance(unit, PARAMETRIC) and not isinstance(
+            unit, nn.modules.batchnorm._NormBase) and not isinstance(unit, (nn.GroupNorm, nn.LayerNorm))
+        projects = is_residual and any(True for _ in getattr(unit, "shortcut", nn.Sequential()).parameters())
+        start = not blocks or (isinstance(unit, PARAMETRIC) and activated) or (
+            is_residual and (not residual or projects))
+        if start:
+            blocks.append([])
+            activated = residual = False
+        blocks[-1].append(i)
+        activated |= isinstance(unit, ACTIVATIONS) or is_residual
+        residual |= is_residual
+    return blocks
+
+
+def as_buffers(module: nn.Module) -> nn.Module:
+    """``module`` with every parameter turned into a buffer of the same name (a frozen copy)."""
+    for m in module.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            delattr(m, name)
+            m.register_buffer(name, p.detach().clone())
+    return module
+
+
+class BranchedNet(SkewNet):
+    """FedMLB's architecture (Kim, Kim and Han, ICML 2022): the model, its sequential backbone cut
+    into blocks (:func:`level_blocks`), and ``received``, a frozen copy of the model (buffers) that
+    holds the model the client received. In train mode the logits are [B, (1 + S) C]: the model's,
+    then for each backbone block k the hybrid pathway's, the model's blocks up to k followed by the
+    received model's later blocks and classifier (eval mode); in eval mode the model's alone."""
+
+    def __init__(self, model: SkewNet):
+        nn.Module.__init__(self)
+        units = flat_units(model.backbone)
+        if units is None or any(getattr(model, k, None) is not None for k in ("shift", "valve", "policy")):
+            raise ModelError("this model's backbone is not a sequence of layers")
+        self.backbone, self.classifier = model.backbone, model.classifier
+        self.feature_dim = model.feature_dim
+        self.shift = self.valve = self.policy = None
+        self.received = as_buffers(copy.deepcopy(model))
+        self.fixed_keys = model.fixed_keys | {"received." + k for k in model.fixed_keys}
+        self._units, self._received_units = units, flat_units(self.received.backbone)
+        self.blocks = level_blocks(units)
+
+    def forward(self, x: torch.Tensor, return_features: bool = False):
+        h, levels = x, []
+        for block in self.blocks:
+            for i in block:
+                h = self._units[i](h)
+            levels.append(h)
+        logits = self.classifier(h)
+        if self.training:
+            was = self.received.training
+            self.received.eval()
+            try:
+                hybrid = []
+                for k, h in enumerate(levels):
+                    for block in self.blocks[k + 1:]:
+                        for i in block:
+                            h = self._received_units[i](h)
+                    hybrid.append(self.received.classifier(h))
+            finally:
+                self.received.train(was)
+            out = torch.cat([logits, *hybrid], 1)
+        else:
+            out = logits
+        return (levels[-1], out) if return_features else out
 
 
 class Branches(nn.Module):

@@ -1,0 +1,651 @@
+"""Methods checked against a float64 port of their authors' code (or of the code behind the numbers
+they are compared with): the port is written here from the official code, at the commit the method's
+``Source`` names, with nothing of fedskew in it. Each method's pure pieces must match the port to
+round-off in float64; whole rounds, on both executors, must match a replay whose client is plain
+``torch.optim.SGD`` on an ``nn.Module`` and whose server is the port."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedskew.config import load_config
+from fedskew.engine.local import federated_state, load_state
+from fedskew.engine.protocol import stage_schedules
+from fedskew.engine.rundir import read_checkpoint
+from fedskew.engine.runner import Experiment
+
+# three rounds of two clients of five, 3 classes each, E = 1, batch 16, momentum 0.5 (a method that weighs
+# its clients as FedAvg does runs with method.weighting=uniform, as the official code averages)
+BASE = ["partition=pcdd", "partition.classes_per_client=3", "partition.num_clients=5", "clients_per_round=2",
+        "rounds=3", "local_epochs=1", "batch_size=16", "momentum=0.5", "final_personalization=false"]
+EXECUTORS = ["sequential", "vectorized"]
+
+
+def rand_state(like: dict, gen: torch.Generator, scale: float = 0.1) -> dict:
+    return {k: torch.randn(v.shape, generator=gen, dtype=torch.float64) * scale for k, v in like.items()}
+
+
+def train(exp, k, start, rnd, loss_fn):
+    """Client k's local training of round ``rnd`` replayed on the nn.Module: torch.optim.SGD (the
+    run's lr, momentum and weight decay) on ``loss_fn(model, x, y)`` over the batches the run drew."""
+    batches, _, _ = stage_schedules(exp.executor.settings, exp.method, rnd, k, len(exp.fed.train_idx[k]), exp.cfg.lr)
+    model = exp.model
+    load_state(model, start)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=exp.cfg.lr, momentum=exp.cfg.momentum,
+                          weight_decay=exp.cfg.weight_decay)
+    idx = exp.fed.train_idx[k]
+    for pos in batches:
+        loss = loss_fn(model, exp.fed.data.x_train[idx[pos]], exp.fed.data.y_train[idx[pos]])
+        model.zero_grad()
+        loss.backward()
+        opt.step()
+    return federated_state(model)
+
+
+@torch.no_grad()
+def train_loss(exp, k, state) -> torch.Tensor:
+    """The mean cross-entropy of ``state`` over client k's whole training split, eval mode."""
+    load_state(exp.model, state)
+    exp.model.eval()
+    idx = exp.fed.train_idx[k]
+    return F.cross_entropy(exp.model(exp.fed.data.x_train[idx]), exp.fed.data.y_train[idx])
+
+
+def ce(model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+def run(tmp_path, executor, opts):
+    exp = Experiment(load_config(None, BASE + opts + [f"executor={executor}"]), tmp_path / executor)
+    init = federated_state(exp.model)
+    res = exp.run()
+    return exp, init, res, read_checkpoint(tmp_path / executor / "checkpoint.pt")
+
+
+def assert_close(ours: dict, port: dict, atol: float):
+    worst = max((ours[k].double() - port[k].double()).abs().max().item() for k in port)
+    if os.environ.get("FEDSKEW_PORT_DIFFS"):  # the worst differences, for the methods' pages
+        with open(os.environ["FEDSKEW_PORT_DIFFS"], "a") as out:
+            out.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0]} {worst:.3g}\n")
+    assert worst <= atol, worst
+
+
+# -- FedACG (geehokim/FedACG at 62b6e95) --------------------------------------------------------------------
+
+
+def fedacg_port_server(w: dict, m: dict, clients: list[dict], lam: float) -> tuple[dict, dict]:
+    """servers/base.py ServerM with FedACG: True: the lookahead w + lam m was sent; the new model is the
+    plain mean of the client models, the momentum lam m + the mean of (client - lookahead)."""
+    look = {k: w[k] + lam * m[k] for k in w}
+    mean = {k: sum(c[k] for c in clients) / len(clients) for k in w}
+    return mean, {k: lam * m[k] + sum(c[k] - look[k] for c in clients) / len(clients) for k in m}
+
+
+def fedacg_port_loss(model, x, y, anchor: dict, beta: float):
+    """clients/base_client.py _algorithm: CE + prox_loss.weight * sum of ||p - anchor||^2 (no 1/2)."""
+    prox = sum(((p - anchor[n]) ** 2).sum() for n, p in model.named_parameters())
+    return F.cross_entropy(model(x), y) + beta * prox
+
+
+def test_fedacg_server_step_matches_the_port_in_float64():
+    from fedskew.algorithms.methods.fedacg import server_step
+
+    gen = torch.Generator().manual_seed(0)
+    like = {"a": torch.zeros(4, 3), "b": torch.zeros(3)}
+    w, m = rand_state(like, gen), rand_state(like, gen)
+    clients = [rand_state(like, gen) for _ in range(3)]
+    mean = {k: sum(c[k] for c in clients) / 3 for k in like}
+    ours_w, ours_m = server_step(w, m, mean, 0.85)
+    port_w, port_m = fedacg_port_server(w, m, clients, 0.85)
+    assert_close(ours_w, port_w, 1e-15)
+    assert_close(ours_m, port_m, 1e-15)
+    assert_close({k: w[k] + ours_m[k] for k in w}, ours_w, 1e-15)  # w^{t+1} = w^t + m^{t+1}
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_fedacg_rounds_equal_the_official_client_and_server(tmp_path, executor):
+    lam, beta = 0.85, 0.01
+    exp, init, res, ck = run(tmp_path, executor, ["method=fedacg", f"method.lam={lam}", f"method.beta={beta}",
+                                                    "method.weighting=uniform"])
+    names = exp.info.param_names
+    w, m = dict(init), {k: torch.zeros_like(init[k]) for k in names}
+    for rnd, h in enumerate(res.history):
+        look = {k: w[k] + lam * m[k] if k in m else w[k] for k in w}
+        trained = [train(exp, k, look, rnd, lambda mod, x, y, look=look: fedacg_port_loss(mod, x, y, look, beta))
+                   for k in h["clients"]]
+        w, m = fedacg_port_server(w, m, trained, lam)
+    assert_close(ck["global_state"], w, 1e-5)
+    assert_close({k[len("acg.m."):]: v for k, v in ck["server_state"].items()}, m, 1e-5)
+    assert max(v.abs().max().item() for v in m.values()) > 1e-3  # the momentum moved
+
+
+# -- q-FedAvg (litian96/fair_flearn at f097971) -------------------------------------------------------------
+
+
+def qffl_port(w: dict, clients: list[dict], losses: list[float], lr: float, q: float) -> dict:
+    """flearn/trainers/qffedavg.py (train) and fedbase.aggregate2, over numpy arrays there: grads =
+    (w - w_k) / lr; Deltas = (F+1e-10)^q grads; hs = q (F+1e-10)^(q-1) norm_grad(grads) + (1/lr)
+    (F+1e-10)^q, norm_grad the squared norm of all arrays concatenated; w - sum Deltas / sum hs."""
+    deltas, hs = [], []
+    for c, loss in zip(clients, losses):
+        grads = {k: (w[k] - c[k]) * 1.0 / lr for k in w}
+        flat = torch.cat([g.flatten() for g in grads.values()])
+        hs.append(q * (loss + 1e-10) ** (q - 1) * float(flat @ flat) + (1.0 / lr) * (loss + 1e-10) ** q)
+        deltas.append({k: (loss + 1e-10) ** q * g for k, g in grads.items()})
+    return {k: w[k] - sum(d[k] for d in deltas) / sum(hs) for k in w}
+
+
+@pytest.mark.parametrize("q", [0.0, 0.1, 5.0])
+def test_qfedavg_server_step_matches_the_port_in_float64(q):
+    from fedskew.algorithms.methods.qfedavg import qffl_step
+
+    gen = torch.Generator().manual_seed(1)
+    like = {"a": torch.zeros(4, 3), "b": torch.zeros(3)}
+    w = rand_state(like, gen)
+    clients = [rand_state(like, gen) for _ in range(4)]
+    losses = [0.3, 1.2, 2.5, 0.01]
+    ours = qffl_step(w, clients, losses, [0.05] * 4, q, list(like))
+    assert_close(ours, qffl_port(w, clients, losses, 0.05, q), 1e-14)
+    if q == 0:  # q = 0: the plain mean of the clients' models
+        assert_close(ours, {k: sum(c[k] for c in clients) / 4 for k in like}, 1e-14)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("momentum", [0.0, 0.5])  # 0: the official setting, L = 1 / lr
+def test_qfedavg_rounds_equal_the_official_client_and_server(tmp_path, executor, momentum):
+    q = 2.0
+    exp, init, res, ck = run(tmp_path, executor, ["method=qfedavg", f"method.q={q}", f"momentum={momentum}"])
+    w = {k: v.double() for k, v in init.items()}
+    for rnd, h in enumerate(res.history):
+        start = {k: v.float() for k, v in w.items()}
+        losses = [float(train_loss(exp, k, start)) for k in h["clients"]]  # F_k before training
+        trained = [{k: v.double() for k, v in train(exp, k, start, rnd, ce).items()} for k in h["clients"]]
+        w = qffl_port(w, trained, losses, exp.cfg.lr / (1 - momentum), q)  # fedskew's L: 1 / the step size
+    assert_close(ck["global_state"], w, 1e-5)
+    fedavg = {k: sum(t[k] for t in trained) / len(trained) for k in w}  # the last round: not the mean
+    assert max((w[k] - fedavg[k]).abs().max().item() for k in w) > 1e-3
+
+
+# -- IFCA (jichan3751/ifca at 61e44b8) -----------------------------------------------------------------------
+
+
+def ifca_port_assign(losses: torch.Tensor) -> int:
+    """The trainers' np.argmin over the k cluster losses: the first of equal minima."""
+    return int(losses.double().numpy().argmin())
+
+
+def ifca_port_average(models: list[dict], trained: list[dict], assign: list[int]) -> list[dict]:
+    """The mnist/cifar trainers' weight averaging: each cluster's model the plain mean of its members'
+    trained models; a cluster nobody chose keeps its model."""
+    out = []
+    for j, model in enumerate(models):
+        members = [t for t, a in zip(trained, assign) if a == j]
+        out.append({k: sum(t[k] for t in members) / len(members) for k in model} if members else dict(model))
+    return out
+
+
+def test_ifca_cluster_choice_breaks_ties_as_numpy():
+    from fedskew.algorithms.methods.ifca import chosen_model
+
+    for losses in ([1.0, 1.0, 2.0], [3.0, 0.5, 0.5], [0.2, 0.1, 0.3]):
+        t = torch.tensor(losses)
+        assert int(torch.argmin(t)) == ifca_port_assign(t)
+    stacked = {"w": torch.randn(3, 2, 2, dtype=torch.float64)}
+    for j in range(3):  # the one-hot pick is the model itself, bit for bit
+        assert torch.equal(chosen_model(stacked, F.one_hot(torch.tensor(j), 3).double())["w"], stacked["w"][j])
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_ifca_rounds_equal_the_official_client_and_server(tmp_path, executor):
+    exp, init, res, ck = run(tmp_path, executor, ["method=ifca", "method.clusters=3", "rounds=4",
+                                                 "clients_per_round=3", "method.weighting=uniform"])
+    models = [dict(init)] + [exp.info.model_draw(j) for j in (1, 2)]
+    assert all((models[1][k] - init[k]).abs().max() > 1e-3 for k in exp.info.param_names)  # independent draws
+    chosen = set()
+    for rnd, h in enumerate(res.history):
+        assign = [ifca_port_assign(torch.stack([train_loss(exp, k, m) for m in models])) for k in h["clients"]]
+        chosen |= set(assign)
+        trained = [train(exp, k, models[a], rnd, ce)
+                   for k, a in zip(h["clients"], assign)]
+        models = ifca_port_average(models, trained, assign)
+    assert len(chosen) >= 2  # more than one cluster trained
+    for j, model in enumerate(models):
+        assert_close({k: v[j] for k, v in ((k[len("ifca.models."):], v) for k, v in ck["server_state"].items())},
+                     model, 1e-5)
+
+
+# -- FedDistill / FD (TsingZ0/PFLlib at d832e76, clientfd.py and serverfd.py) ------------------------------
+
+FD_FORMS = {"logits_ce": "pfllib_head", "softmax_ce": "pfllib_softmax", "mse": "pfllib_mse"}
+
+
+def fd_port_loss(output, y, global_logits: dict | None, lam: float, variant: str):
+    """clientFD.train's loss: CE, plus lam * the distance to the server's logits of each label (the
+    sample's own logits, detached, where the server has none); CE only before any logits arrive."""
+    loss = F.cross_entropy(output, y)
+    if global_logits is None:
+        return loss
+    target = output.detach().clone()
+    for b, c in enumerate(y.tolist()):
+        if c in global_logits:
+            target[b] = global_logits[c]
+    if variant == "pfllib_head":  # nn.CrossEntropyLoss with the raw logits as probabilities
+        kd = -(target * F.log_softmax(output, 1)).sum(1).mean()
+    elif variant == "pfllib_softmax":
+        kd = -(target.softmax(1) * F.log_softmax(output, 1)).sum(1).mean()
+    else:
+        kd = F.mse_loss(target, output)
+    return loss + lam * kd
+
+
+def fd_port_aggregate(uploaded: list[dict]) -> dict:
+    """serverFD.proto_aggregation: per class, the plain mean over the uploads that hold it."""
+    out = {}
+    for d in uploaded:
+        for c, v in d.items():
+            out.setdefault(c, []).append(v)
+    return {c: torch.stack(vs).mean(0) for c, vs in out.items()}
+
+
+def as_table(logits: dict, num_classes: int) -> torch.Tensor:
+    table = torch.full((num_classes, num_classes), float("nan"), dtype=torch.float64)
+    for c, v in logits.items():
+        table[c] = v
+    return table
+
+
+@pytest.mark.parametrize("form", list(FD_FORMS))
+def test_feddistill_loss_matches_the_port_in_float64(form):
+    from fedskew.algorithms.methods.feddistill import distillation_term
+
+    gen = torch.Generator().manual_seed(2)
+    z = torch.randn(9, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 3])
+    g = {0: torch.randn(4, generator=gen, dtype=torch.float64), 2: torch.randn(4, generator=gen, dtype=torch.float64)}
+    ours = F.cross_entropy(z, y) + 0.7 * distillation_term(z, y, as_table(g, 4), form)
+    port = fd_port_loss(z, y, g, 0.7, FD_FORMS[form])
+    assert abs(ours.item() - port.item()) < 1e-14
+    (ga,), (gb,) = torch.autograd.grad(ours, [z]), torch.autograd.grad(port, [z])
+    assert (ga - gb).abs().max().item() < 1e-15
+    if form != "logits_ce":  # a label without server logits distils towards itself: no gradient beyond CE's
+        (gc,) = torch.autograd.grad(F.cross_entropy(z, y), [z])
+        assert (ga - gc)[y % 2 == 1].abs().max().item() < 1e-15
+
+
+def test_feddistill_server_logits_match_the_port():
+    from fedskew.algorithms.methods.feddistill import class_logits
+
+    gen = torch.Generator().manual_seed(3)
+    def draw():
+        return torch.randn(3, generator=gen, dtype=torch.float64)
+
+    ups = [{0: draw(), 2: draw()}, {0: draw()}]
+    means = [torch.nan_to_num(as_table(u, 3)) for u in ups]
+    counts = [torch.tensor([5.0, 0.0, 2.0], dtype=torch.float64), torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)]
+    ours = class_logits(means, counts, 3)
+    port = as_table(fd_port_aggregate(ups), 3)
+    assert torch.equal(torch.isnan(ours), torch.isnan(port))  # class 1: nobody's, NaN
+    assert (torch.nan_to_num(ours) - torch.nan_to_num(port)).abs().max().item() < 1e-15
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_feddistill_rounds_equal_the_pfllib_client_and_server(tmp_path, executor):
+    """Every client trains its own model from the same start; the server's table is rebuilt each round.
+    The upload is each class's mean logits of the trained model (eval mode), fedskew's documented
+    difference from PFLlib's means over the forward passes of training."""
+    lam = 0.5
+    exp, init, res, ck = run(tmp_path, executor, ["method=feddistill", f"method.lam={lam}", "rounds=3"])
+    own, table = {}, None
+    for rnd, h in enumerate(res.history):
+        ups = []
+        for k in h["clients"]:
+            g = None if table is None else {c: v.float() for c, v in table.items()}
+            own[k] = train(exp, k, own.get(k, init), rnd,
+                           lambda m, x, y, g=g: fd_port_loss(m(x), y, g, lam, "pfllib_softmax"))
+            load_state(exp.model, own[k])
+            exp.model.eval()
+            idx = exp.fed.train_idx[k]
+            with torch.no_grad():
+                logits = exp.model(exp.fed.data.x_train[idx]).double()
+            ys = exp.fed.data.y_train[idx]
+            ups.append({int(c): logits[ys == c].mean(0) for c in ys.unique()})
+        table = fd_port_aggregate(ups)
+    got = ck["server_state"]["fd.g"].double()
+    assert_close({"g": torch.nan_to_num(got, nan=7.0)}, {"g": torch.nan_to_num(as_table(table, 10), nan=7.0)}, 1e-5)
+    for k, state in own.items():
+        assert_close({n[len("fd.model."):]: v for n, v in ck["client_states"][k].items()}, state, 1e-5)
+
+
+# -- FedSOL (Lee-Gihun/FedSOL at ebc3f64, algorithms/fedsol_adaptive/ClientTrainer.py) ----------------------
+
+
+def fedsol_port_train(exp, k, start, rnd, rho, adaptive, temperature=3.0, floor=1e-6):
+    """ClientTrainer.train with ExpSAM (adaptive) or SAM (fixed) around torch.optim.SGD: per batch the KL
+    of the received model's softmax(f / T) to the local one's (batchmean) at w, its gradient's
+    direction scaled to rho (ExpSAM: times F.normalize(|w - w_g|, dim=0) per tensor), the CE's gradient
+    at w + eps, w restored, the SGD step (the run's lr, momentum and weight decay). ``floor``: fedskew's
+    one difference, eps = 0 where the KL's gradient is round-off (0: the official code's)."""
+    from torch.func import functional_call
+
+    batches, _, _ = stage_schedules(exp.executor.settings, exp.method, rnd, k, len(exp.fed.train_idx[k]), exp.cfg.lr)
+    model = exp.model
+    load_state(model, start)
+    glob = {n: v.clone() for n, v in start.items()}
+    opt = torch.optim.SGD(model.parameters(), lr=exp.cfg.lr, momentum=exp.cfg.momentum,
+                          weight_decay=exp.cfg.weight_decay)
+    idx = exp.fed.train_idx[k]
+    for pos in batches:
+        x, y = exp.fed.data.x_train[idx[pos]], exp.fed.data.y_train[idx[pos]]
+        model.eval()
+        with torch.no_grad():
+            q = F.softmax(functional_call(model, glob, (x,)) / temperature, 1)
+        model.train()
+        kl = F.kl_div(F.log_softmax(model(x) / temperature, 1), q, reduction="batchmean")
+        params = dict(model.named_parameters())
+        g = dict(zip(params, torch.autograd.grad(kl, list(params.values()))))
+        norm = torch.sqrt(sum((v ** 2).sum() for v in g.values()))
+        scale = rho / (norm + 1e-12) if norm >= floor else 0.0  # floor: fedskew's, below which g is round-off
+        old = {n: p.detach().clone() for n, p in params.items()}
+        with torch.no_grad():
+            for n, p in params.items():
+                a = F.normalize((p - glob[n]).abs(), p=2, dim=0) if adaptive else 1.0
+                p.add_(a * g[n] * scale)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(old[n])
+        opt.step()
+    return federated_state(model)
+
+
+def test_fedsol_perturbation_matches_the_port_in_float64():
+    from fedskew.algorithms.methods.fedsol import fedsol_perturbation
+
+    gen = torch.Generator().manual_seed(4)
+    like = {"w": torch.zeros(5, 3), "b": torch.zeros(5)}
+    w, wg, g = (rand_state(like, gen) for _ in range(3))
+    for adaptive in (True, False):
+        ours = fedsol_perturbation({k: v[None] for k, v in w.items()}, {k: v[None] for k, v in g.items()},
+                                   {"model." + k: v[None] for k, v in wg.items()}, 0.7, adaptive)
+        scale = 0.7 / (torch.sqrt(sum((v ** 2).sum() for v in g.values())) + 1e-12)
+        port = {k: (F.normalize((w[k] - wg[k]).abs(), p=2, dim=0) if adaptive else 1.0) * g[k] * scale for k in like}
+        assert_close({k: v[0] for k, v in ours.items()}, port, 1e-15)
+    zero = fedsol_perturbation({k: v[None] for k, v in w.items()}, {k: v[None] for k, v in g.items()},
+                               {"model." + k: v[None] for k, v in w.items()}, 0.7, True)
+    assert all(v.abs().max() == 0 for v in zero.values())  # at w = w^g the adaptive step is plain SGD
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("form", ["adaptive", "fixed"])
+def test_fedsol_rounds_equal_the_official_client(tmp_path, executor, form):
+    rho = 0.5
+    exp, init, res, ck = run(tmp_path, executor, ["method=fedsol", f"method.rho={rho}", f"method.form={form}",
+                                                 "rounds=2", "method.weighting=uniform"])
+    w = dict(init)
+    for rnd, h in enumerate(res.history):
+        trained = [fedsol_port_train(exp, k, w, rnd, rho, form == "adaptive") for k in h["clients"]]
+        w = {n: sum(t[n] for t in trained) / len(trained) for n in w}
+    assert_close(ck["global_state"], w, 1e-5)
+    if form == "adaptive":  # no round-off direction to scale: the official code's own step, floor or not
+        first = res.history[0]["clients"][0]
+        assert_close(fedsol_port_train(exp, first, init, 0, rho, True, floor=0.0),
+                     fedsol_port_train(exp, first, init, 0, rho, True), 1e-7)
+
+
+# -- FedRCL (skynbe/FedRCL at 378beb4, utils/loss.py CLLoss as RCLClient._algorithm_rcl calls it) ------------
+
+
+def rcl_port_rows(pos, neg, temp):
+    """MultiLabelCrossEntropyLoss over [pos_p, negatives] / temp per positive p: +inf to -inf, the
+    non-finite row losses to 0, the mean over the positives."""
+    b, p = pos.shape
+    logits = torch.cat([pos.unsqueeze(2), neg.unsqueeze(1).expand(b, p, neg.size(1))], 2) / temp
+    logits = logits.masked_fill(torch.isposinf(logits), float("-inf"))
+    nll = -F.log_softmax(logits, dim=2)[..., 0]
+    return torch.where(torch.isfinite(nll), nll, torch.zeros_like(nll)).mean(1)
+
+
+def rcl_port_loss(z, y, temp=0.05, topk_pos=1, topk_neg=2, threshold=0.7):
+    """The two pairs of the RCL config on one level: 'scl' (supervised, hardest topk_pos positive, self
+    included, against the topk_neg hardest negatives) and 'penalty' (unsupervised with
+    intra_class_thresholding: self-similarity against the least similar same-class partner, dropped to
+    -1 below the threshold); each the batch mean."""
+    n = F.normalize(z.flatten(1), p=2, dim=1)
+    s = n @ n.t()
+    b = s.size(0)
+    same = y.unsqueeze(0) == y.unsqueeze(1)
+    eye = torch.eye(b, dtype=torch.bool)
+    pos = s.masked_fill(~same, float("inf")).topk(topk_pos, dim=1, largest=False).values
+    neg = s.masked_fill(same, float("-inf")).topk(min(topk_neg, b), dim=1, largest=True).values
+    pos_self = s.masked_fill(~eye, float("inf")).topk(topk_pos, dim=1, largest=False).values
+    cand = s.masked_fill(~same | eye, float("inf")).topk(min(topk_pos, b), dim=1, largest=False).values
+    cand = torch.where((cand < threshold) | torch.isinf(cand), torch.full_like(cand, -1.0), cand)
+    return rcl_port_rows(pos, neg, temp).mean(), rcl_port_rows(pos_self, cand, temp).mean()
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_fedrcl_terms_match_the_port_in_float64(case):
+    from fedskew.algorithms.methods.fedrcl import relaxed_contrastive_terms
+
+    gen = torch.Generator().manual_seed(case)
+    b, classes = [1, 2, 5, 8, 16, 16, 12, 9][case], [1, 2, 3, 4, 10, 1, 3, 2][case]
+    z = torch.randn(b, 6, generator=gen, dtype=torch.float64)
+    if case >= 5:  # near-collapsed features: the penalty fires
+        z = torch.randn(1, 6, generator=gen, dtype=torch.float64) + 0.05 * z
+    z.requires_grad_(True)
+    y = torch.randint(classes, (b,), generator=gen)
+    scl, pen = relaxed_contrastive_terms(z, y, 0.05, 0.7, 2)
+    port_scl, port_pen = rcl_port_loss(z, y)
+    ours, port = scl.mean() + pen.mean(), port_scl + port_pen
+    assert abs(scl.mean().item() - port_scl.item()) < 1e-13 and abs(pen.mean().item() - port_pen.item()) < 1e-13
+    (ga,), (gb,) = torch.autograd.grad(ours, [z]), torch.autograd.grad(port, [z])
+    assert (ga - gb).abs().max().item() < 1e-12
+    if case >= 5:
+        assert pen.mean().item() > 1e-3  # (the penalty is active in the collapsed cases)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_fedrcl_rounds_equal_the_official_client(tmp_path, executor):
+    exp, init, res, ck = run(tmp_path, executor, ["method=fedrcl", "rounds=2", "method.weighting=uniform"])
+
+    def loss(model, x, y):
+        z, logits = model(x, return_features=True)
+        scl, pen = rcl_port_loss(z, y)
+        return F.cross_entropy(logits, y) + scl + pen
+
+    w = dict(init)
+    for rnd, h in enumerate(res.history):
+        trained = [train(exp, k, w, rnd, loss) for k in h["clients"]]
+        w = {n: sum(t[n] for t in trained) / len(trained) for n in w}
+    assert_close(ck["global_state"], w, 1e-5)
+    assert res.history[-1]["train/fedrcl/scl"] > 0
+
+
+# -- FedLoGe (ZackZikaiXiao/FedLoGe at f4cac52: util/etf_methods.py, fedloge.py, realignment.py) ------------
+
+
+def loge_port_objective(e, target_norm=0.1):
+    """gen_sparse_ETF's loss: (column norms - 0.1)^2 summed, minus the mean arccos of each class's largest
+    cosine to another class (clamped to +-0.99999)."""
+    k = e.shape[1]
+    n = e.norm(dim=0)
+    u = e / n
+    cos = (u.T @ u).masked_fill(torch.eye(k, dtype=torch.bool), -1.0)
+    return ((n - target_norm) ** 2).sum() - torch.acos(cos.max(dim=1).values.clamp(-0.99999, 0.99999)).mean()
+
+
+def loge_port_sse_c(etf, zero_idx, steps, target_norm=0.1):
+    """The flat entries zero_idx of the ETF set to 0, torch.optim.Adam(lr=1e-4) on the loss with the
+    gradient multiplied by the non-zero mask; the nn.Linear weight is its transpose."""
+    e = etf.detach().clone().reshape(-1)
+    e[zero_idx] = 0
+    e = e.reshape(etf.shape)
+    mask = (e != 0).to(e.dtype)
+    e.requires_grad_(True)
+    opt = torch.optim.Adam([e], lr=1e-4)
+    for _ in range(steps):
+        opt.zero_grad()
+        loge_port_objective(e, target_norm).backward()
+        e.grad.mul_(mask)
+        opt.step()
+    return e.detach().T
+
+
+def test_fedloge_sse_c_matches_the_port_in_float64():
+    from fedskew.algorithms.methods.fedloge import simplex_etf, sse_c
+
+    gen = torch.Generator().manual_seed(5)
+    noise = torch.rand(24, 6, generator=gen, dtype=torch.float64)
+    etf = simplex_etf(noise)
+    gram = etf.T @ etf
+    assert (gram.diagonal() - 1).abs().max() < 1e-12  # unit class vectors, cosines -1 / (C - 1)
+    assert (gram.clone().fill_diagonal_(-0.2) + 0.2).abs().max() < 1e-12
+    zeros = torch.randperm(24 * 6, generator=gen)[:int(0.6 * 24 * 6)]
+    ours, port = sse_c(etf, zeros, 0.1, 400), loge_port_sse_c(etf, zeros, 400)
+    assert (ours - port).abs().max().item() < 1e-12
+    assert int((ours == 0).sum()) == len(zeros)  # the zeros stay zeros
+
+
+def test_fedloge_realignment_matches_the_port():
+    from fedskew.algorithms.methods.fedloge import global_realignment, local_realignment
+
+    gen = torch.Generator().manual_seed(6)
+    aux, loc = torch.randn(5, 7, generator=gen, dtype=torch.float64), torch.randn(5, 7, generator=gen,
+                                                                                dtype=torch.float64)
+    assert (global_realignment(aux, 1.7) - 1.7 * aux / aux.norm(dim=1, keepdim=True)).abs().max() < 1e-15
+    assert (global_realignment(aux, 1.7).norm(dim=1) - 1.7).abs().max() < 1e-12
+    assert (local_realignment(aux, loc) - aux * loc.norm(dim=1, keepdim=True)).abs().max() < 1e-15
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_fedloge_rounds_equal_the_official_client_and_server(tmp_path, executor):
+    from fedskew.models.functional import predict
+
+    exp, init, res, ck = run(tmp_path, executor, ["method=fedloge", "rounds=2", "method.refine_steps=200",
+                                                 "method.weighting=uniform"])
+    sse = exp.info.fixed_state  # (the run's result holds the scored model: its realigned head in the module)
+
+    def loss(model, x, y):  # update_weights_gaux: three CEs, the heads on detached features
+        z = model.backbone(x)
+        return (F.cross_entropy(F.linear(z, sse["classifier.weight"], sse["classifier.bias"]), y)
+                + F.cross_entropy(model.aux(z.detach()), y)
+                + F.cross_entropy(model.local_head(z.detach()), y))
+
+    w, local = dict(init), {}
+    for rnd, h in enumerate(res.history):
+        trained = []
+        for k in h["clients"]:
+            start = {**w, **local.get(k, {n: v for n, v in init.items() if n.startswith("local_head.")})}
+            t = train(exp, k, start, rnd, loss)
+            local[k] = {n: v for n, v in t.items() if n.startswith("local_head.")}
+            trained.append(t)
+        w = {n: v if n.startswith("local_head.") else sum(t[n] for t in trained) / len(trained) for n, v in w.items()}
+    assert_close(ck["global_state"], w, 1e-5)
+    for k, heads in local.items():
+        assert_close({"local_head." + n[len("loge.local."):]: v for n, v in ck["client_states"][k].items()
+                      if n.startswith("loge.local.")}, heads, 1e-5)
+    # the global model predicts with the auxiliary head's rows at norm 1.7, its bias kept (globaltest_calibra)
+    x, y = exp.fed.data.x_test, exp.fed.data.y_test
+    with torch.no_grad():
+        load_state(exp.model, w)
+        z = exp.model.backbone(x)
+        a = exp.model.aux
+        port = (z @ (1.7 * a.weight / a.weight.norm(dim=1, keepdim=True)).T + a.bias).argmax(1)
+    scored = exp.method.evaluation_state(ck["global_state"], ck["server_state"])
+    assert torch.equal(predict(exp.model, scored, x), port)
+    assert res.history[-1]["global/test_acc"] == pytest.approx((port == y).float().mean().item())
+
+
+# -- FedMLB (jinkyu032/FedMLB at d695dbf, local_update_method/FedMLB.py) -------------------------------------
+
+
+def mlb_port_loss(x, y, local_blocks, global_blocks, temp=1.0):
+    """FedMLB.py's loss: CE of the main pathway, plus the mean over branch levels k of the CE of the
+    hybrid pathway (local blocks 0..k, then the frozen global blocks) and of KLDivLoss(batchmean)(
+    log_softmax(main / T), softmax(hybrid / T)); lambda1 = lambda2 = lambda3 = 1."""
+    feats, h = [], x
+    for blk in local_blocks:
+        h = blk(h)
+        feats.append(h)
+    z = feats[-1]
+    ce_b, kl_b = [], []
+    for k in range(len(local_blocks) - 1):
+        hk = feats[k]
+        for blk in global_blocks[k + 1:]:
+            hk = blk(hk)
+        ce_b.append(F.cross_entropy(hk, y))
+        kl_b.append(torch.nn.KLDivLoss(reduction="batchmean")(F.log_softmax(z / temp, 1), F.softmax(hk / temp, 1)))
+    return F.cross_entropy(z, y) + sum(ce_b) / len(ce_b) + sum(kl_b) / len(kl_b)
+
+
+def mlb_blocks(units, blocks, head):
+    """The chain of callables: each block of backbone units, then the classifier."""
+    def block(ids):
+        def run(h):
+            for i in ids:
+                h = units[i](h)
+            return h
+        return run
+    return [block(b) for b in blocks] + [head]
+
+
+def test_fedmlb_blocks_are_the_official_resnet18_levels():
+    """models/resnet_FedMLB.py branches after the stem (conv1, bn1, relu) and after layer1..layer4."""
+    from fedskew.models.build import build_model
+    from fedskew.models.nets import BranchedNet
+
+    net = BranchedNet(build_model(load_config(None, ["model=resnet18"]).model, (3, 32, 32), 10))
+    names = [[type(net._units[i]).__name__ for i in b] for b in net.blocks]
+    assert names == [["Conv2d", "BatchNorm2d", "ReLU"], ["BasicBlock"] * 2, ["BasicBlock"] * 2, ["BasicBlock"] * 2,
+                     ["BasicBlock", "BasicBlock", "AdaptiveAvgPool2d", "Flatten"]]
+
+
+def test_fedmlb_loss_matches_the_port_in_float64():
+    from fedskew.algorithms.methods.fedmlb import multi_level_loss
+
+    gen = torch.Generator().manual_seed(7)
+    local = [torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU()), torch.nn.Sequential(
+        torch.nn.Linear(5, 4), torch.nn.ReLU()), torch.nn.Linear(4, 3)]
+    glob = [torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU()), torch.nn.Sequential(
+        torch.nn.Linear(5, 4), torch.nn.ReLU()), torch.nn.Linear(4, 3)]
+    for m in (*local, *glob):
+        m.double()
+    x, y = torch.randn(7, 6, generator=gen, dtype=torch.float64), torch.randint(3, (7,), generator=gen)
+    h0 = local[0](x)
+    h1 = local[1](h0)
+    logits = torch.cat([local[2](h1), glob[2](glob[1](h0)), glob[2](h1)], 1)
+    ours, _ = multi_level_loss(logits, y, 3, 1.0, 1.0, 1.0)
+    port = mlb_port_loss(x, y, local, glob)
+    assert abs(ours.item() - port.item()) < 1e-14
+    params = list(local[0].parameters())
+    for a, b in zip(torch.autograd.grad(ours, params), torch.autograd.grad(port, params)):
+        assert (a - b).abs().max().item() < 1e-14
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_fedmlb_rounds_equal_the_official_client(tmp_path, executor):
+    import copy
+
+    exp, init, res, ck = run(tmp_path, executor, ["method=fedmlb", "rounds=2", "method.weighting=uniform"])
+    net = exp.model
+    w = {k: v for k, v in init.items() if not k.startswith("received.")}
+    for rnd, h in enumerate(res.history):
+        load_state(net, w)
+        frozen = copy.deepcopy(net).eval()  # the received model, its blocks frozen
+        for p in frozen.parameters():
+            p.requires_grad_(False)
+        glob = mlb_blocks(frozen._units, frozen.blocks, frozen.classifier)
+
+        def loss(model, x, y, glob=glob):
+            return mlb_port_loss(x, y, mlb_blocks(model._units, model.blocks, model.classifier), glob)
+
+        trained = [{k: v for k, v in train(exp, k, {**init, **w}, rnd, loss).items() if not k.startswith("received.")}
+                   for k in h["clients"]]
+        w = {n: sum(t[n] for t in trained) / len(trained) for n in w}
+    assert_close({k: v for k, v in ck["global_state"].items() if not k.startswith("received.")}, w, 1e-5)
+    assert res.history[-1]["train/fedmlb/kl"] > 0
