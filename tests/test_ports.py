@@ -649,3 +649,67 @@ def test_fedmlb_rounds_equal_the_official_client(tmp_path, executor):
         w = {n: sum(t[n] for t in trained) / len(trained) for n in w}
     assert_close({k: v for k, v in ck["global_state"].items() if not k.startswith("received.")}, w, 1e-5)
     assert res.history[-1]["train/fedmlb/kl"] > 0
+
+
+# -- APPLE (ljaiverson/pFL-APPLE at 8078196: train_APPLE.py, utils/apple.py) --------------------------------
+
+
+def apple_port_coef(r, rounds, mu=0.1, frac=0.1):
+    """get_reg_coef, exponential scheduler: mu 0.001^(r / L), 0 from L = int(rounds frac) on."""
+    last = int(rounds * frac)
+    return 0.0 if mu == 0 or r >= last else mu * 0.001 ** (r / last)
+
+
+def apple_port_client(exp, k, cores, p, p0, rnd, coef, ratio):
+    """The client's round: ClientNet's output sum_j p_j layer_j(x) (for affine layers the model with the
+    mixed weights), optim.SGD over its own core (lr) and ps (lr_coef = ratio lr), one momentum, fresh each
+    round, on CE + coef ||p - p0||^2; the other cores fixed. Returns its trained core and p."""
+    from torch.func import functional_call
+
+    batches, _, _ = stage_schedules(exp.executor.settings, exp.method, rnd, k, len(exp.fed.train_idx[k]), exp.cfg.lr)
+    own = {n: v.clone().requires_grad_(True) for n, v in cores[k].items()}
+    p = p.clone().requires_grad_(True)
+    opt = torch.optim.SGD([{"params": list(own.values()), "lr": exp.cfg.lr},
+                           {"params": [p], "lr": ratio * exp.cfg.lr}], momentum=exp.cfg.momentum)
+    idx = exp.fed.train_idx[k]
+    exp.model.train()
+    for pos in batches:
+        x, y = exp.fed.data.x_train[idx[pos]], exp.fed.data.y_train[idx[pos]]
+        theta = {n: sum(p[j] * (own[n] if j == k else cores[j][n]) for j in range(len(cores))) for n in own}
+        loss = F.cross_entropy(functional_call(exp.model, theta, (x,)), y) + coef * torch.sum((p - p0) * (p - p0))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {n: v.detach() for n, v in own.items()}, p.detach()
+
+
+def test_apple_pull_weight_is_the_official_scheduler():
+    from fedskew.algorithms.methods.apple import APPLEOptions, pull_weight
+
+    for r in range(25):
+        assert pull_weight(r, 200, APPLEOptions()) == pytest.approx(apple_port_coef(r, 200), rel=1e-15, abs=0)
+    assert pull_weight(19, 200, APPLEOptions()) > 0 and pull_weight(20, 200, APPLEOptions()) == 0
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_apple_rounds_equal_the_official_client(tmp_path, executor):
+    ratio = 0.1
+    exp, init, res, ck = run(tmp_path, executor, ["method=apple", "method.cores=independent", "weight_decay=0",
+                                                 "method.decay_fraction=1.0", "rounds=3"])
+    n = exp.info.class_counts.sum(1).float()
+    p0 = n / n.sum()
+    names = [k for k in init if k != "apple_p"]
+    cores = [{k: init[k] for k in names}] + [{k: v for k, v in exp.info.model_draw(j).items() if k != "apple_p"}
+                                              for j in range(1, exp.fed.num_clients)]
+    assert (cores[1][names[0]] - cores[0][names[0]]).abs().max() > 1e-3  # independent draws, as the code's
+    ps = {}
+    for rnd, h in enumerate(res.history):
+        coef = apple_port_coef(rnd, 3, frac=1.0)
+        out = {k: apple_port_client(exp, k, cores, ps.get(k, p0), p0, rnd, coef, ratio) for k in h["clients"]}
+        for k, (core, p) in out.items():
+            cores[k], ps[k] = core, p
+    for j, core in enumerate(cores):
+        assert_close({k: ck["server_state"]["apple.cores." + k][j] for k in names}, core, 1e-5)
+    for k, p in ps.items():
+        assert_close({"p": ck["client_states"][k]["apple.p"]}, {"p": p}, 1e-5)
+        assert (p - p0).abs().max() > 1e-4  # the mixing weights trained

@@ -244,15 +244,18 @@ def method_validation_fraction(cfg) -> float:
     return float(cls.validation_fraction(options))
 
 
-def build_method_model(cfg, classifier: str, model, rebuild):
+def build_method_model(cfg, classifier: str, model, rebuild, num_clients: int = 0):
     """The model of a run of the method named by ``cfg``: the configured ``model`` (whose
     ``model.classifier`` is ``classifier``) with the method's own architecture
-    (``Method.build_model``; ``rebuild()`` draws another configured model). A method that needs
-    the other classifier is refused first, in one sentence."""
+    (``Method.build_model``; ``rebuild()`` draws another configured model; a method whose
+    architecture has a part per client, ``Method.sized_by_clients``, is given ``num_clients``). A
+    method that needs the other classifier is refused first, in one sentence."""
     cls, options, _ = _parse(cfg)
     need = build_method(cfg).requires_classifier  # (a composed method's is its base's)
     if need not in (None, classifier):
         raise ValueError(f"method '{cfg.name}' needs model.classifier = '{need}', not '{classifier}'")
+    if getattr(cls, "sized_by_clients", False):
+        return cls.build_model(model, options, rebuild, num_clients=num_clients)
     return cls.build_model(model, options, rebuild)
 
 

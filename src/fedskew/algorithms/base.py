@@ -433,6 +433,10 @@ class Method:
     def broadcast(self, global_state: State, server_state: State) -> State:
         return as_model_part(global_state)
 
+    # True: ``build_model`` takes ``num_clients`` too (an architecture with a part per client: APPLE's
+    # mixing weights over every client's core model)
+    sized_by_clients = False
+
     @classmethod
     def build_model(cls, model: nn.Module, options: BaseModel, rebuild: Callable[[], nn.Module]) -> nn.Module:
         """The method's own architecture around the configured model (the ``model`` section's,

@@ -170,6 +170,7 @@ FOLD = {
             "model_defaults",
             "model_requires",
             "build_model",
+            "sized_by_clients",
             "run_defaults",
             "own_optimiser",
             "validation_fraction",

@@ -111,7 +111,8 @@ class Experiment:
 
             base = configured()
             try:
-                self.model = build_method_model(cfg.method, cfg.model.classifier, base, configured)
+                self.model = build_method_model(cfg.method, cfg.model.classifier, base, configured,
+                                                self.fed.num_clients)
             except ValueError as exc:  # a method that needs the other classifier
                 raise ConfigError(str(exc).rstrip(".") + ".") from None
         self.model.to(self.device)
@@ -198,7 +199,8 @@ class Experiment:
     def _draw_model(self, configured: Callable, j: int) -> dict:
         """FederationInfo.model_draw: the run's model built again from stream ``method_models``, j."""
         with seeded_torch(self.cfg.seed, "method_models", j):
-            model = build_method_model(self.cfg.method, self.cfg.model.classifier, configured(), configured)
+            model = build_method_model(self.cfg.method, self.cfg.model.classifier, configured(), configured,
+                                       self.fed.num_clients)
         return {k: v.to(self.device) for k, v in federated_state(model).items()}
 
     def run(self, on_round: Callable[[dict], None] | None = None) -> RunResult | None:
