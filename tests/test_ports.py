@@ -713,3 +713,93 @@ def test_apple_rounds_equal_the_official_client(tmp_path, executor):
     for k, p in ps.items():
         assert_close({"p": ck["client_states"][k]["apple.p"]}, {"p": p}, 1e-5)
         assert (p - p0).abs().max() > 1e-4  # the mixing weights trained
+
+
+# -- pFedLA (KarhouTam/FL-bench at 06e658b, src/server/pfedla.py; the KarhouTam/pFedLA client) ---------------
+
+
+def pfedla_port_weights(hn, client_id, num_layers, k=0):
+    """HyperNetwork.forward: emb -> three (Linear, ReLU) -> a ReLU(Linear) head per layer; the weights a / sum
+    (one-hot where the sum is 0); HeurpFedLA: the top-k raw self-weights' layers one-hot, no gradient."""
+    h = hn["emb"][client_id]
+    for n in ("l0", "l1", "l2"):
+        h = F.relu(h @ hn[n + ".w"].T + hn[n + ".b"])
+    a = [F.relu(h @ hn[f"head{layer}.w"].T + hn[f"head{layer}.b"]) for layer in range(num_layers)]
+    retained = torch.topk(torch.stack([al[client_id].detach() for al in a]), k).indices.tolist() if k else []
+    out = []
+    for layer, al in enumerate(a):
+        if layer in retained or float(al.detach().sum()) == 0.0:
+            al = torch.zeros_like(al).detach()
+            al[client_id] = 1.0
+        out.append(al / al.sum())
+    return out
+
+
+def pfedla_port_round(hn, models, names, client_id, trained, hn_lr, sign):
+    """pFedLAServer.update_hn for one client: the mixture's autograd graph, grad_outputs = theta~ - theta_bar
+    (the code's sign) or its negative, a plain SGD step on the client's hypernetwork; theta_i <- theta~."""
+    hn = {n: t.detach().clone().requires_grad_(True) for n, t in hn.items()}
+    w = pfedla_port_weights(hn, client_id, len(names))
+    bar = {n: (torch.stack([m[n] for m in models], -1) * wl).sum(-1) for n, wl in zip(names, w)}
+    g = [(trained[n] - bar[n].detach()) * (1 if sign == "flbench" else -1) for n in names]
+    grads = torch.autograd.grad([bar[n] for n in names], list(hn.values()), grad_outputs=g, allow_unused=True)
+    return {n: (v - hn_lr * d if d is not None else v).detach() for (n, v), d in zip(hn.items(), grads)}
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("sign", ["descent", "flbench"])
+def test_pfedla_rounds_equal_the_flbench_server(tmp_path, executor, sign):
+    exp, init, res, ck = run(tmp_path, executor, ["method=pfedla", f"method.sign={sign}", "clients_per_round=1",
+                                                 "rounds=4"])
+    names = list(exp.info.param_names)
+    server = exp.method.server_init(init, exp.info)  # (the hypernetworks from the seed, as the run drew them)
+    hns = [{k[len("la.hn."):]: v[j] for k, v in server.items() if k.startswith("la.hn.")}
+           for j in range(exp.fed.num_clients)]
+    models = [dict(init) for _ in range(exp.fed.num_clients)]
+    for rnd, h in enumerate(res.history):
+        (k,) = h["clients"]
+        with torch.no_grad():
+            w = pfedla_port_weights(hns[k], k, len(names))
+            bar = {n: (torch.stack([m[n] for m in models], -1) * wl).sum(-1) for n, wl in zip(names, w)}
+        trained = train(exp, k, bar, rnd, ce)
+        hns[k] = pfedla_port_round(hns[k], models, names, k, trained, 0.005, sign)
+        models[k] = trained
+    for j in range(exp.fed.num_clients):
+        assert_close({n: ck["server_state"]["la.models." + n][j] for n in names}, models[j], 1e-5)
+        assert_close({n: ck["server_state"]["la.hn." + n][j] for n in hns[j]}, hns[j], 1e-5)
+    moved = [k for k in range(exp.fed.num_clients) if (hns[k]["head0.w"] - server["la.hn.head0.w"][k]).abs().max() > 0]
+    assert moved  # a hypernetwork stepped
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_pfedla_weights_and_mixture_match_the_port_in_float64(k):
+    from fedskew.algorithms.methods.pfedla import aggregation_weights, personalised
+
+    gen = torch.Generator().manual_seed(8)
+    n, e, hdim, layers = 4, 5, 6, 3
+    hn = {"emb": torch.randn(n, e, generator=gen, dtype=torch.float64)}
+    for i, fan_in in enumerate((e, hdim, hdim)):
+        hn[f"l{i}.w"] = torch.randn(hdim, fan_in, generator=gen, dtype=torch.float64)
+        hn[f"l{i}.b"] = torch.randn(hdim, generator=gen, dtype=torch.float64)
+    for layer in range(layers):
+        hn[f"head{layer}.w"] = torch.rand(n, hdim, generator=gen, dtype=torch.float64)
+        hn[f"head{layer}.b"] = torch.zeros(n, dtype=torch.float64)
+    hn = {key: v.requires_grad_(True) for key, v in hn.items()}
+    ours, port = aggregation_weights(hn, 2, layers, k), pfedla_port_weights(hn, 2, layers, k)
+    names = [f"t{layer}" for layer in range(layers)]
+    models = {name: torch.randn(n, 3, 2, generator=gen, dtype=torch.float64) for name in names}
+    mixed = personalised(models, ours, [[name] for name in names])
+    port_mixed = {name: (models[name].permute(1, 2, 0) * w).sum(-1) for name, w in zip(names, port)}
+    for layer, name in enumerate(names):
+        assert (ours[layer] - port[layer]).abs().max().item() < 1e-15
+        assert (mixed[name] - port_mixed[name]).abs().max().item() < 1e-14
+    assert sum(float(w.detach().max()) == 1.0 for w in ours) == k  # HeurpFedLA's one-hot layers
+    live = [name for name in names if mixed[name].requires_grad]  # (a kept layer has no gradient)
+    g = {name: torch.randn(3, 2, generator=gen, dtype=torch.float64) for name in live}
+    keys = list(hn)
+    a = torch.autograd.grad([mixed[name] for name in live], [hn[x] for x in keys],
+                            grad_outputs=[g[name] for name in live], allow_unused=True)
+    b = torch.autograd.grad([port_mixed[name] for name in live], [hn[x] for x in keys],
+                            grad_outputs=[g[name] for name in live], allow_unused=True)
+    for x, y in zip(a, b):
+        assert (x is None and y is None) or (x - y).abs().max().item() < 1e-13
