@@ -803,3 +803,17 @@ def test_pfedla_weights_and_mixture_match_the_port_in_float64(k):
                             grad_outputs=[g[name] for name in live], allow_unused=True)
     for x, y in zip(a, b):
         assert (x is None and y is None) or (x - y).abs().max().item() < 1e-13
+
+
+def test_a_model_the_method_cannot_build_on_is_one_sentence(tmp_path):
+    """FedLoGe's ETF classifier needs d >= C; a real process, its exit status and its one sentence."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "fedskew.cli", "run", "method=fedloge", "model.hidden=[8,4]",
+                           "rounds=1", "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "fedskew: error: method fedloge needs a feature dimension of at least the 10 classes for its ETF classifier, "
+        "but the model gives 4; widen the model's last hidden layer.")
+    assert not (tmp_path / "r").exists()  # nothing written
