@@ -232,7 +232,8 @@ class SequentialExecutor(Executor):
                                       draws if augment is not None else None, s.augment_pad)
                 loss, aux = loss_fn(fwd, params, x, y, payload, client_state)
                 opt.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
+                if getattr(sam, "ascent", None) is None:  # (FedSOL's step never reads the gradient at w)
+                    scaler.scale(loss).backward()
                 if sam is not None:
                     self._sam_gradient(loss_fn, fwd, params, updated, x, y, payload, client_state, sam)
                 scaler.unscale_(opt)

@@ -542,8 +542,9 @@ class VectorizedExecutor(Executor):
                 for key, _v in tracked.items():
                     sums.setdefault(key, torch.zeros(G, device=self.device))
                 sc = pick(scaler) if s.precision == "fp16" else None
-                grads = torch.autograd.grad((losses if sc is None else losses * sc["scale"]).sum(),
-                                            [leaves[k] for k in updated], allow_unused=True, materialize_grads=True)
+                grads = None if getattr(sam, "ascent", None) is not None else torch.autograd.grad(  # (FedSOL: unread)
+                    (losses if sc is None else losses * sc["scale"]).sum(), [leaves[k] for k in updated],
+                    allow_unused=True, materialize_grads=True)
                 # Each lane's loss depends only on its own row of the stack, so the gradient of
                 # the sum is every lane's own gradient.
                 if sam is not None:  # SAM / ASAM / FedSOL: the gradient at w + eps, each lane its own eps

@@ -109,13 +109,15 @@ class APPLE(Method):
         me = torch.zeros_like(n)
         me[client_id] = 1
         mix = {"apple.mix." + k: torch.zeros_like(v) for k, v in global_state.items() if k != P}
-        return {"apple.p": n / n.sum(), "apple.p0": n / n.sum(), "apple.me": me, **mix}
+        return {"apple.p": n / n.sum(), "apple.me": me, **mix}
 
     def broadcast(self, global_state, server_state):
         coef = pull_weight(int(server_state["apple.round"]), self.info.rounds, self.opt)
         payload = {k: v for k, v in server_state.items() if k.startswith(CORES)}
-        return {**payload, "apple.coef": torch.tensor(coef, dtype=reference_tensor(payload).dtype,
-                                                      device=reference_tensor(payload).device)}
+        ref = reference_tensor(payload)
+        n = self.info.class_counts.sum(1).to(ref)
+        coef = torch.tensor(coef, dtype=ref.dtype, device=ref.device)
+        return {**payload, "apple.p0": n / n.sum(), "apple.coef": coef}
 
     def cores(self, payload) -> dict:
         return {k[len(CORES):]: v for k, v in payload.items() if k.startswith(CORES)}
@@ -129,7 +131,7 @@ class APPLE(Method):
         p = params[P] * self.scale
         own = {k: v for k, v in params.items() if k != P}
         _, logits = fwd.call({**mixture(own, self.cores(payload), p, client_state["apple.me"]), P: params[P]}, x)
-        pull = (p - client_state["apple.p0"]).pow(2).sum()
+        pull = (p - payload["apple.p0"]).pow(2).sum()
         return fwd.cross_entropy(logits, y) + payload["apple.coef"] * pull, {"apple/self_weight": (
             p * client_state["apple.me"]).sum().detach()}
 

@@ -197,8 +197,7 @@ class FedLoGe(Method):
                 "classifier.bias": global_state[AUX + "bias"]}
 
     def personal_state(self, trained, client_state):
-        local_w = client_state[KEEP + "weight"] if LOCAL + "weight" not in trained else trained[LOCAL + "weight"]
-        local_b = client_state[KEEP + "bias"] if LOCAL + "bias" not in trained else trained[LOCAL + "bias"]
+        local_w, local_b = trained[LOCAL + "weight"], trained[LOCAL + "bias"]
         weight = local_w + local_realignment(trained[AUX + "weight"], local_w)
         bias = local_b + trained[AUX + "bias"] - 1e30 * client_state["loge.absent"]
         return {**trained, "classifier.weight": weight, "classifier.bias": bias}

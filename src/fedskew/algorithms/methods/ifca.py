@@ -7,7 +7,16 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import FedAvgOptions, Method, Source, as_model_part, builtin, model_part, weighted_mean
+from fedskew.algorithms.base import (
+    FedAvgOptions,
+    Method,
+    Source,
+    as_model_part,
+    builtin,
+    model_part,
+    reference_tensor,
+    weighted_mean,
+)
 
 MODELS = "ifca.models."  # the k cluster models, stacked on a first dimension
 
@@ -72,7 +81,7 @@ class IFCA(Method):
         return {MODELS + k: torch.stack([d[k] for d in draws]) for k in global_state}
 
     def client_init(self, client_id, global_state, info):
-        ref = next(iter(global_state.values()))
+        ref = reference_tensor(global_state)
         return {"ifca.choice": torch.zeros(self.opt.clusters, dtype=torch.float32, device=ref.device)}
 
     def broadcast(self, global_state, server_state):

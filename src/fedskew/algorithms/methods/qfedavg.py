@@ -9,7 +9,15 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedskew.algorithms.base import FedAvgOptions, Method, Source, as_model_part, builtin, model_part
+from fedskew.algorithms.base import (
+    FedAvgOptions,
+    Method,
+    Source,
+    as_model_part,
+    builtin,
+    model_part,
+    reference_tensor,
+)
 
 EPS = 1e-10  # added to every F_k in the official code (and in Flower's and FedLab's)
 
@@ -79,7 +87,7 @@ class QFedAvg(Method):
         code="litian96/fair_flearn (flearn/trainers/qffedavg.py at f097971; Flower's QFedAvg)")
 
     def client_init(self, client_id, global_state, info):
-        ref = next(iter(global_state.values()))
+        ref = reference_tensor(global_state)
         return {"qffl.loss": torch.zeros((), dtype=torch.float32, device=ref.device)}
 
     def prepare(self, payload, client_state, data):
