@@ -677,3 +677,23 @@ def test_a_run_folder_with_a_deep_metrics_line_or_a_summary_without_its_keys_is_
     (run / "summary.json").write_text(summary)
     (run / "metrics.jsonl").write_text("[" * 20_000 + "]" * 20_000 + "\n" + (run / "metrics.jsonl").read_text())
     said_once(*main(["resume", run], tmp_path), expect="line 1 is not a round record")
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzz_every_method_option_through_the_config(data):
+    """Any value of any registered method's option on the command line is a config or one sentence
+    naming the key, never a traceback (a method registered later joins by being registered)."""
+    from fedskew.algorithms import METHODS
+    from fedskew.config import load_config
+
+    name = data.draw(st.sampled_from(sorted(METHODS)))
+    option = data.draw(st.sampled_from(sorted(METHODS[name].Options.model_fields)))
+    value = data.draw(st.one_of(st.integers(-2**70, 2**70).map(str), st.floats(allow_nan=True).map(repr),
+                                st.sampled_from(["true", "null", "[]", "{}", "nan", "-inf", "1e400", "'x'", ""]),
+                                st.text(max_size=12)))
+    try:
+        load_config(None, [f"method={name}", f"method.{option}={value}"])
+    except ConfigError as exc:
+        text = str(exc)
+        assert "\n" not in text.strip() and option in text, text
