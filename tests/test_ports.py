@@ -29,7 +29,8 @@ def rand_state(like: dict, gen: torch.Generator, scale: float = 0.1) -> dict:
 
 def train(exp, k, start, rnd, loss_fn):
     """Client k's local training of round ``rnd`` replayed on the nn.Module: torch.optim.SGD (the
-    run's lr, momentum and weight decay) on ``loss_fn(model, x, y)`` over the batches the run drew."""
+    run's lr, momentum and weight decay; the run's gradient norm clip) on ``loss_fn(model, x, y)`` over the
+    batches the run drew."""
     batches, _, _ = stage_schedules(exp.executor.settings, exp.method, rnd, k, len(exp.fed.train_idx[k]), exp.cfg.lr)
     model = exp.model
     load_state(model, start)
@@ -41,6 +42,8 @@ def train(exp, k, start, rnd, loss_fn):
         loss = loss_fn(model, exp.fed.data.x_train[idx[pos]], exp.fed.data.y_train[idx[pos]])
         model.zero_grad()
         loss.backward()
+        if exp.cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), exp.cfg.grad_clip)
         opt.step()
     return federated_state(model)
 
@@ -803,6 +806,172 @@ def test_pfedla_weights_and_mixture_match_the_port_in_float64(k):
                             grad_outputs=[g[name] for name in live], allow_unused=True)
     for x, y in zip(a, b):
         assert (x is None and y is None) or (x - y).abs().max().item() < 1e-13
+
+
+# -- PeFLL (jonnyascott/PeFLL at 18659a1, train.py and models.py; FL-bench 06e658b for the resize) -----------
+
+
+class PeFLLPortEmbed(torch.nn.Module):
+    """models.py CNNEmbed (embed_y): the image with the one-hot label as constant channels, a LeNet to R^e
+    (resized to 32 x 32 first when smaller, FL-bench's EmbedNetwork, for 8 x 8 digits)."""
+
+    def __init__(self, channels, classes, e):
+        super().__init__()
+        self.classes = classes
+        self.conv1, self.conv2 = torch.nn.Conv2d(channels + classes, 16, 5), torch.nn.Conv2d(16, 32, 5)
+        self.fc1, self.fc2, self.fc3 = torch.nn.Linear(800, 120), torch.nn.Linear(120, 84), torch.nn.Linear(84, e)
+
+    def forward(self, x, y):
+        x = F.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False)
+        c = torch.zeros(x.shape[0], self.classes, 32, 32, dtype=x.dtype)
+        c = c + F.one_hot(y, self.classes).to(x)[..., None, None]
+        x = torch.cat((x, c), dim=1)
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x.flatten(1))))))
+
+
+class PeFLLPortHyper(torch.nn.Module):
+    """models.py CNNHyper: Linear(e, 100), then n_hidden x [ReLU, Linear(100, 100)], a Linear head per tensor."""
+
+    def __init__(self, e, shapes, hidden=100, n_hidden=3):
+        super().__init__()
+        layers = [torch.nn.Linear(e, hidden)]
+        for _ in range(n_hidden):
+            layers += [torch.nn.ReLU(), torch.nn.Linear(hidden, hidden)]
+        self.mlp, self.shapes = torch.nn.Sequential(*layers), shapes
+        self.heads = torch.nn.ModuleDict({n.replace(".", "-"): torch.nn.Linear(hidden, s.numel())
+                                          for n, s in shapes.items()})
+
+    def forward(self, v):
+        f = self.mlp(v)
+        return {n: self.heads[n.replace(".", "-")](f).view(s) for n, s in self.shapes.items()}
+
+
+def pefll_port_nets(exp, server, dtype):
+    """The port's networks holding the run's initial eta_v, eta_h (the method's server_init, from the seed)."""
+    shapes = {n: server["pe.shape." + n].tolist() for n in exp.info.param_names}
+    shapes = {n: torch.Size(s) for n, s in shapes.items()}
+    e = server["pe.v.fc3.weight"].shape[0]
+    emb, hyp = PeFLLPortEmbed(1, exp.info.num_classes, e), PeFLLPortHyper(e, shapes)
+    ours = {**{"pe.v." + k: k for k in ("conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias", "fc1.weight",
+                                         "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias")}}
+    with torch.no_grad():
+        for key, name in ours.items():
+            emb.get_parameter(name).copy_(server[key])
+        for i, j in enumerate([0, 2, 4, 6]):
+            for part in ("weight", "bias"):
+                hyp.mlp[j].get_parameter(part).copy_(server[f"pe.h.mlp.{i}.{part}"])
+        for n in shapes:
+            for part in ("weight", "bias"):
+                hyp.heads[n.replace(".", "-")].get_parameter(part).copy_(server[f"pe.h.head.{n}.{part}"])
+    return emb.to(dtype), hyp.to(dtype)
+
+
+def pefll_port_descriptor(emb, x, y, m=None, s=None):
+    """train.py: the embeddings summed over the batch, divided by l (+2 per batch: len((x, y))), then (v - m) / s
+    with the first descriptor's (m, s), computed without gradient."""
+    v = emb(x, y).sum(0) / 2
+    if m is None:
+        with torch.no_grad():
+            m, s = v.mean(), v.std()
+    return (v - m) / s, m, s
+
+
+def pefll_port_round(emb, hyp, opt, clients, clip=50.0):
+    """One step of train.py: for each client (descriptor batch, trained model, (m, s)) the joint gradient
+    autograd.grad(theta, eta, grad_outputs=theta - theta~), averaged, clip_grad_norm_ 50, Adam."""
+    params = list(emb.parameters()) + list(hyp.parameters())
+    total = [torch.zeros_like(p) for p in params]
+    for (x, y), trained, (m, s) in clients:
+        v, _, _ = pefll_port_descriptor(emb, x, y, m, s)
+        theta = hyp(v)
+        g = torch.autograd.grad(list(theta.values()), params,
+                                grad_outputs=[theta[n].detach() - trained[n] for n in theta], allow_unused=True)
+        total = [t + (0 if d is None else d) for t, d in zip(total, g)]
+    for p, t in zip(params, total):
+        p.grad = t / len(clients)
+    torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+
+
+def test_pefll_client_and_server_match_the_port_in_float64(tmp_path):
+    """Descriptor, generated model, the clients' gradients and the server's clipped Adam step (several clients,
+    the clip active), in float64: fedskew's split (eta_v's gradient on the client, eta_h's on the server from v
+    and theta - theta~) against the code's one autograd call over both networks."""
+    from fedskew.algorithms.base import ClientData
+    from fedskew.algorithms.methods.pefll import descriptor_batch
+
+    exp = Experiment(load_config(None, BASE + ["method=pefll", "method.clip=0.5"]), tmp_path / "x")
+    method = exp.method
+    server = {k: v.double() if v.is_floating_point() else v for k, v in method.server_init(
+        federated_state(exp.model), exp.info).items()}
+    emb, hyp = pefll_port_nets(exp, server, torch.float64)
+    opt = torch.optim.Adam(list(emb.parameters()) + list(hyp.parameters()), lr=2e-4)
+    gen, stat = torch.Generator().manual_seed(4), None
+    for rnd in range(3):
+        payload = method.broadcast({}, server)
+        uploads, port = [], []
+        for k in (0, 3, 4):
+            idx = exp.fed.train_idx[k]
+            x, y = exp.fed.data.x_train[idx].double(), exp.fed.data.y_train[idx]
+            state = method.prepare(payload, {}, ClientData(k, rnd, x, y, None))
+            pos = descriptor_batch(exp.cfg.seed, rnd, k, len(y), method.batch)
+            v, m, s = pefll_port_descriptor(emb, x[pos], y[pos], *(stat or (None, None)))
+            theta = hyp(v)
+            for n in theta:
+                assert (state["pe.w." + n] - theta[n]).abs().max().item() < 1e-12
+            trained = {n: t.detach() + 0.05 * torch.randn(t.shape, generator=gen, dtype=torch.float64)
+                       for n, t in theta.items()}
+            up, kept = method.after_training(trained, payload, state, None)
+            assert kept == {}
+            uploads.append(up)
+            port.append(((x[pos], y[pos]), trained, (m, s)))
+        stat = stat or port[0][2]  # the first descriptor's (m, s), frozen
+        _, server = method.aggregate(server, {}, uploads, [])
+        pefll_port_round(emb, hyp, opt, port, clip=0.5)
+        assert_close({k: server["pe.v." + k] for k, _ in emb.named_parameters()}, dict(emb.named_parameters()),
+                     1e-12)
+        for i, j in enumerate([0, 2, 4, 6]):
+            assert (server[f"pe.h.mlp.{i}.weight"] - hyp.mlp[j].weight).abs().max().item() < 1e-12
+        for n in exp.info.param_names:
+            assert (server[f"pe.h.head.{n}.weight"] - hyp.heads[n.replace(".", "-")].weight).abs().max() < 1e-12
+    assert float(server["pe.stat"][1]) > 0  # (m, s) set by the first round and frozen
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_pefll_rounds_equal_the_official_loop(tmp_path, executor):
+    """Three rounds of two clients: the run's networks against train.py's loop, whose clients train the generated
+    model with torch.optim.SGD (the code's 50 steps) and whose server is one autograd call and torch.optim.Adam.
+    In the first round each client standardises v by its own (m, s) (the code's later clients use the first's).
+    Sequential: equal to the last bit; vectorised: worst 1.7e-6, held to 1e-5 (Adam's first steps are about
+    lr sign(g), so round-off in a gradient entry near zero moves its parameter by up to lr)."""
+    from fedskew.algorithms.methods.pefll import descriptor_batch
+
+    exp, init, res, ck = run(tmp_path, executor, ["method=pefll"])
+    server = exp.method.server_init(init, exp.info)
+    emb, hyp = pefll_port_nets(exp, server, torch.float32)
+    opt = torch.optim.Adam(list(emb.parameters()) + list(hyp.parameters()), lr=2e-4)
+    stat = None
+    for rnd, h in enumerate(res.history):
+        clients = []
+        for k in h["clients"]:
+            idx = exp.fed.train_idx[k]
+            pos = descriptor_batch(exp.cfg.seed, rnd, k, len(idx), exp.method.batch)
+            x, y = exp.fed.data.x_train[idx[pos]], exp.fed.data.y_train[idx[pos]]
+            v, m, s = pefll_port_descriptor(emb, x, y, *(stat or (None, None)))
+            with torch.no_grad():
+                theta = hyp(v)
+            clients.append(((x, y), train(exp, k, theta, rnd, ce), (m, s)))
+        stat = stat or clients[0][2]
+        pefll_port_round(emb, hyp, opt, clients)
+    assert_close({k: ck["server_state"]["pe.v." + k] for k, _ in emb.named_parameters()},
+                 {k: p.detach() for k, p in emb.named_parameters()}, 1e-5)
+    for n in exp.info.param_names:
+        assert_close({"w": ck["server_state"][f"pe.h.head.{n}.weight"]},
+                     {"w": hyp.heads[n.replace(".", "-")].weight.detach()}, 1e-5)
+    moved = (ck["server_state"]["pe.v.fc3.weight"] - server["pe.v.fc3.weight"]).abs().max()
+    assert moved > 1e-4  # both networks stepped (Adam: about lr per step)
 
 
 def test_a_model_the_method_cannot_build_on_is_one_sentence(tmp_path):

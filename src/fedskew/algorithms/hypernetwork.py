@@ -16,4 +16,38 @@ family); this module holds the pieces several of them share.
 
 from __future__ import annotations
 
-__all__ = []
+import math
+
+import torch.nn.functional as F
+from torch import nn
+
+
+def hyper_forward(phi: dict, v, shapes: dict, n_hidden: int) -> dict:
+    """theta = h(v; phi): Linear + n_hidden x (ReLU, Linear) on the descriptor v, then one linear head per
+    model tensor, reshaped (the authors' ``CNNHyper.forward`` in pFedHN and PeFLL, for any model; no ReLU
+    after the last hidden layer). Differentiable in ``phi`` and ``v`` (tensors by name: ``mlp.<i>.weight``,
+    ``head.<tensor name>.weight``)."""
+    h = F.linear(v, phi["mlp.0.weight"], phi["mlp.0.bias"])
+    for i in range(1, n_hidden + 1):
+        h = F.linear(F.relu(h), phi[f"mlp.{i}.weight"], phi[f"mlp.{i}.bias"])
+    return {name: F.linear(h, phi[f"head.{name}.weight"], phi[f"head.{name}.bias"]).view(shape)
+            for name, shape in shapes.items()}
+
+
+def hyper_layers(embed_dim: int, hidden: int, n_hidden: int, shapes: dict) -> dict:
+    """The layers ``hyper_forward`` reads, as PyTorch initialises them (draw them under a seeded stream):
+    ``mlp.0`` (embed_dim -> hidden), ``mlp.1..n_hidden`` (hidden -> hidden), one ``head.<name>`` per tensor."""
+    layers = {"mlp.0": nn.Linear(embed_dim, hidden)}
+    for i in range(1, n_hidden + 1):
+        layers[f"mlp.{i}"] = nn.Linear(hidden, hidden)
+    for name, shape in shapes.items():
+        layers[f"head.{name}"] = nn.Linear(hidden, math.prod(shape))
+    return layers
+
+
+def hyper_floats(embed_dim: int, hidden: int, n_hidden: int, param_numel: int) -> int:
+    """Floats in those layers: (embed_dim + 1) hidden + n_hidden (hidden + 1) hidden + (hidden + 1) |theta|."""
+    return (embed_dim + 1) * hidden + n_hidden * (hidden + 1) * hidden + (hidden + 1) * param_numel
+
+
+__all__ = ["hyper_floats", "hyper_forward", "hyper_layers"]

@@ -131,6 +131,16 @@ def hpm_momentum(visits: torch.Tensor, expected_visits: float, mu_max: float = 0
     return torch.clamp(mu_max * visits / max(math.floor(expected_visits), 1), 0.0, mu_max)
 
 
+def adam_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, lr: float,
+              betas=(0.9, 0.999), eps: float = 1e-8) -> None:
+    """torch.optim.Adam's step ``step`` (1, 2, ...) on ``p`` in place, its moments ``m``, ``v`` (no weight decay,
+    no amsgrad): PeFLL's server, FedCOG's synthetic inputs."""
+    m.lerp_(g, 1 - betas[0])
+    v.mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
+    denom = (v.sqrt() / math.sqrt(1 - betas[1] ** step)).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / (1 - betas[0] ** step))
+
+
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 4.0,
             form: str = "paper", mean=torch.mean) -> torch.Tensor:
     """Knowledge distillation from the HPM (teacher) to the model being trained.

@@ -7,30 +7,23 @@ the class's docstring has the details.)"""
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
 from fedskew.algorithms.base import Method, Source, StrictOptions, builtin, check_size
+from fedskew.algorithms.hypernetwork import hyper_floats, hyper_forward, hyper_layers
 from fedskew.streams import seeded_torch
 
 PHI, MOMENTUM, SHAPE, SENT, DELTA = "hn.phi.", "hn.mom.", "hn.shape.", "hn.w.", "hn.delta."
 
 
 def generate(phi: dict, client_id: int, shapes: dict, n_hidden: int) -> dict:
-    """theta_k = h(v_k; phi): the embedding of client k, Linear + n_hidden x (ReLU, Linear), then
-    one linear head per model tensor, reshaped (the authors' ``CNNHyper.forward``, for any model).
-    Differentiable in ``phi`` (tensors by name: ``embeddings``, ``mlp.<i>.weight``, ``head.<tensor
-    name>.weight``)."""
-    h = F.linear(phi["embeddings"][client_id], phi["mlp.0.weight"], phi["mlp.0.bias"])
-    for i in range(1, n_hidden + 1):
-        h = F.linear(F.relu(h), phi[f"mlp.{i}.weight"], phi[f"mlp.{i}.bias"])
-    return {name: F.linear(h, phi[f"head.{name}.weight"], phi[f"head.{name}.bias"]).view(shape)
-            for name, shape in shapes.items()}
+    """theta_k = h(v_k; phi): the hypernetwork (:func:`~fedskew.algorithms.hypernetwork.hyper_forward`) on
+    client k's learned embedding (``phi["embeddings"][client_id]``). Differentiable in ``phi``."""
+    return hyper_forward(phi, phi["embeddings"][client_id], shapes, n_hidden)
 
 
 class PFedHNOptions(StrictOptions):
@@ -95,9 +88,8 @@ class PFedHN(Method):
                              "without BatchNorm (mlp, lenet, simplecnn, tfcnn, ...)")
         if info is not None:  # phi (with its momentum): embeddings, the MLP and one head per model tensor
             e, h = self.opt.embed_dim or int(1 + info.num_clients / 4), self.opt.hidden
-            heads = (h + 1) * info.param_numel
             check_size("pfedhn", f"hypernetwork (method.hidden = {h}, method.embed_dim = {e})",
-                       2 * (info.num_clients * e + (e + 1) * h + self.opt.n_hidden * (h + 1) * h + heads))
+                       2 * (info.num_clients * e + hyper_floats(e, h, self.opt.n_hidden, info.param_numel)))
 
     @staticmethod
     def _shapes(server_state) -> dict:
@@ -108,14 +100,10 @@ class PFedHN(Method):
         """phi from the experiment's seed (stream ``pfedhn``), PyTorch's default initialisations
         (embeddings N(0, 1), linear layers uniform), as the authors' ``CNNHyper``; momentum zero."""
         e = self.opt.embed_dim or int(1 + info.num_clients / 4)
+        shapes = {n: global_state[n].shape for n in info.param_names}
         with seeded_torch(info.seed, "pfedhn"):
-            layers = {"embeddings": nn.Embedding(info.num_clients, e)}
-            layers["mlp.0"] = nn.Linear(e, self.opt.hidden)
-            for i in range(1, self.opt.n_hidden + 1):
-                layers[f"mlp.{i}"] = nn.Linear(self.opt.hidden, self.opt.hidden)
-            shapes = {n: global_state[n].shape for n in info.param_names}
-            for name, shape in shapes.items():
-                layers[f"head.{name}"] = nn.Linear(self.opt.hidden, math.prod(shape))
+            layers = {"embeddings": nn.Embedding(info.num_clients, e),
+                      **hyper_layers(e, self.opt.hidden, self.opt.n_hidden, shapes)}
         device = next(iter(global_state.values())).device
         phi = {(f"{k}.{n}" if k != "embeddings" else k): t.detach().to(device)
                for k, layer in layers.items() for n, t in layer.named_parameters()}
