@@ -974,6 +974,136 @@ def test_pefll_rounds_equal_the_official_loop(tmp_path, executor):
     assert moved > 1e-4  # both networks stepped (Adam: about lr per step)
 
 
+# -- FedCOG (rui-ye/FedCOG at cf34c0a, fedcog.py and gen_utils/) ------------------------------------------------
+
+
+def cog_port_plan(counts, size):
+    """fedcog.py: deficits max - n_c, the targets floor(size * deficit / sum) per class, syn_lr = N_syn / (N_real +
+    N_syn)."""
+    c = torch.as_tensor(counts, dtype=torch.float64)
+    deficit = c.max() - c
+    n_syn, n_real = deficit.sum(), c.sum()
+    per_class = [int(size * float(d / n_syn)) for d in deficit]
+    return (torch.cat([torch.full((n,), k, dtype=torch.long) for k, n in enumerate(per_class)]),
+            float(n_syn / (n_real + n_syn)))
+
+
+def cog_port_js(s_logits, t_logits, T=1.0):
+    """generate_utils.jensen_shanon_div: nn.KLDivLoss(reduction='batchmean') on the clamped log-probabilities."""
+    p, q = F.softmax(s_logits / T, dim=1), F.softmax(t_logits / T, dim=1)
+    m = 0.5 * (p + q)
+    p, q, m = p.clamp(0.01, 0.99), q.clamp(0.01, 0.99), m.clamp(0.01, 0.99)
+    kl = torch.nn.KLDivLoss(reduction="batchmean")
+    return 1 - (0.5 * kl(p.log(), m) + 0.5 * kl(q.log(), m)).clamp(0.0, 1.0)
+
+
+def cog_port_synthesise(teacher, student, targets, x0, steps, lr_g=0.01, oh=1.0, adv=0.1):
+    """ImageSynthesizer.synthesize: Adam(betas 0.5, 0.9) on the inputs; best_out = the teacher's logits at the
+    lowest loss, best_inputs = inputs.data (the live tensor: the last inputs)."""
+    x = x0.clone().requires_grad_(True)
+    opt = torch.optim.Adam([x], lr_g, betas=(0.5, 0.9))
+    best, best_inputs, best_out = 1e6, None, None
+    for _ in range(steps):
+        opt.zero_grad()
+        t, s = teacher(x), student(x)
+        loss = oh * F.cross_entropy(t, targets) + adv * cog_port_js(s, t)
+        if best > loss.item() or best_inputs is None:
+            best, best_inputs, best_out = loss.item(), x.data, t.data
+        loss.backward()
+        opt.step()
+    return best_inputs, best_out
+
+
+def test_fedcog_plan_and_losses_match_the_port_in_float64():
+    from fedskew.algorithms.methods.fedcog import complementary_plan, disagreement
+
+    targets, w_syn = complementary_plan(torch.tensor([50, 10, 0, 40]), 20)
+    assert targets.tolist() == [1] * 8 + [2] * 10 + [3] * 2 and w_syn == 0.5  # (by hand)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(5):
+        counts = torch.randint(0, 60, (10,), generator=gen)
+        ours, port = complementary_plan(counts, 256), cog_port_plan(counts, 256)
+        assert ours[0].tolist() == port[0].tolist() and abs(ours[1] - port[1]) < 1e-15
+        assert counts.argmax().item() not in ours[0].tolist()
+    balanced = complementary_plan(torch.tensor([7, 7, 7]), 256)  # (the code divides 0 by 0)
+    assert balanced[0].numel() == 0 and balanced[1] == 0.0
+    for scale in (0.1, 1.0, 10.0):
+        s, t = (torch.randn(16, 10, generator=gen, dtype=torch.float64) * scale for _ in range(2))
+        assert (disagreement(s, t, 2.0) - cog_port_js(s, t, 2.0)).abs().item() < 1e-15
+    assert disagreement(s, s, 1.0).item() == 1.0
+
+
+def test_fedcog_synthesis_matches_the_port_in_float64():
+    from fedskew.algorithms.methods.fedcog import FedCOGOptions, synthesise
+
+    gen = torch.Generator().manual_seed(6)
+    teacher, student = torch.nn.Linear(12, 4).double(), torch.nn.Linear(12, 4).double()
+    state = {"t": dict(teacher.named_parameters()), "s": dict(student.named_parameters())}
+
+    def call(which, x):  # (z, logits), as FederationInfo.model_call
+        w = state[which["id"]]
+        return x, F.linear(x.flatten(1), w["weight"].detach(), w["bias"].detach())
+
+    targets = torch.tensor([1, 1, 2, 3, 3, 3])
+    x0 = torch.randn(6, 3, 2, 2, generator=gen, dtype=torch.float64)
+    opt = FedCOGOptions(g_steps=60)
+    x, logits = synthesise(call, {"id": "t"}, {"id": "s"}, targets, x0, opt)
+    px, plogits = cog_port_synthesise(lambda v: teacher(v.flatten(1)), lambda v: student(v.flatten(1)), targets, x0, 60)
+    assert (x - px).abs().max().item() < 1e-13 and (logits - plogits).abs().max().item() < 1e-13
+    assert (logits.argmax(1) == targets).float().mean() > 0.5  # the teacher labels them as planned
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_fedcog_rounds_equal_the_official_client(tmp_path, executor):
+    """A FedAvg round, then two generation rounds (20 Adam steps, 24 inputs): each client's synthesis replayed by the
+    port from its student (its last trained model, or the global model it first received) and the run's draw of
+    the inputs, then its training replayed as fedcog.py's loop: torch.optim.SGD on the nn.Module, the real batch's
+    weighted CE and the synthetic batch's weighted KD as two backward passes, one step."""
+    from fedskew.algorithms.methods.fedcog import complementary_plan
+    from fedskew.streams import torch_seed
+
+    exp, init, res, ck = run(tmp_path, executor, ["method=fedcog", "method.start_round=1", "method.g_steps=20",
+                                                 "method.synthesis_size=24", "method.weighting=uniform"])
+    model, glob, kept, made = exp.model, dict(init), {}, 0
+
+    def net(state):  # the module in eval mode with a state (FederationInfo.model_call's form)
+        model.eval()
+        return lambda x: torch.func.functional_call(model, state, (x,))
+
+    for rnd, h in enumerate(res.history):
+        trained = []
+        for k in h["clients"]:
+            idx = exp.fed.train_idx[k]
+            student = kept.get(k, glob)
+            targets, w = complementary_plan(exp.info.class_counts[k], 24)
+            if rnd < 1 or not len(targets):  # FedAvg's round; a client with balanced classes has nothing to make
+                trained.append(train(exp, k, glob, rnd, ce))
+                kept[k] = trained[-1]
+                continue
+            gen = torch.Generator().manual_seed(torch_seed(exp.cfg.seed, "fedcog_inputs", rnd, k))
+            x0 = torch.randn((len(targets), *exp.fed.data.x_train.shape[1:]), generator=gen)
+            sx, st = cog_port_synthesise(net(glob), net({n: v.clone() for n, v in student.items()}), targets, x0, 20)
+            made += 1
+            pair = torch.randperm(len(targets), generator=gen)[torch.arange(len(idx)) % len(targets)]
+            batches, _, _ = stage_schedules(exp.executor.settings, exp.method, rnd, k, len(idx), exp.cfg.lr)
+            load_state(model, glob)
+            model.train()
+            opt = torch.optim.SGD(model.parameters(), lr=exp.cfg.lr, momentum=exp.cfg.momentum,
+                                  weight_decay=exp.cfg.weight_decay)
+            for pos in batches:
+                model.zero_grad()
+                ((1 - w) * F.cross_entropy(model(exp.fed.data.x_train[idx[pos]]), exp.fed.data.y_train[idx[pos]])
+                 ).backward()
+                s_logits, t_logits = model(sx[pair[pos]]), st[pair[pos]]
+                (w * F.kl_div(F.log_softmax(s_logits, 1), F.softmax(t_logits, 1), reduction="batchmean")).backward()
+                opt.step()
+            trained.append(federated_state(model))
+            kept[k] = trained[-1]
+        glob = {n: sum(t[n] for t in trained) / len(trained) for n in glob}
+    assert made >= 3  # clients that generated and distilled
+    assert_close(ck["global_state"], glob, 1e-6)
+
+
 def test_a_model_the_method_cannot_build_on_is_one_sentence(tmp_path):
     """FedLoGe's ETF classifier needs d >= C; a real process, its exit status and its one sentence."""
     import subprocess
