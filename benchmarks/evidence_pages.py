@@ -24,13 +24,9 @@ DOCS = ROOT / "docs"
 RESULTS = ROOT / "benchmarks" / "results"
 PUBLISHED_HEAD = ["method", "ours", "seeds", "published", "delta", "within", "source"]
 
-from fedskew.experiments.bench import PAPERS, SUITES  # noqa: E402
+from fedskew.experiments.bench import PAPERS, SUITES, written_sections  # noqa: E402
 
 SUITE_OF = {part: name for name, suite in SUITES.items() for part in suite["papers"] if name != "label-skew"}
-
-
-def _cells(line: str) -> list[str]:
-    return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
 def board_pages() -> list[Path]:
@@ -48,17 +44,13 @@ def read_board(path: Path) -> dict:
     board = {"path": path, "title": text.splitlines()[0].removeprefix("# ").strip(),
              "scale": scale.group(1) if scale else "?", "measured": measured.group(1) if measured else "not recorded",
              "summaries": [], "tables": []}
-    for section in re.split(r"\n(?=## )", text):
-        lines = section.splitlines()
-        board["summaries"] += [(lines[0].lstrip("# ").strip(), m) for m in
-                               re.findall(r"^Summary \(generated\): (.*)$", section, re.M)]
-        rows = [ln for ln in lines if ln.startswith("| ")]
-        if not rows or _cells(rows[0]) != PUBLISHED_HEAD:
+    for title, lines, cells in written_sections(text):
+        board["summaries"] += [(title, m) for m in re.findall(r"^Summary \(generated\): (.*)$", "\n".join(lines), re.M)]
+        if not cells or cells[0] != PUBLISHED_HEAD:
             continue
-        part = lines[0].lstrip("# ").split(":", 1)[0]
         citation = next((ln for ln in lines[1:] if ln.strip() and not ln.startswith("|")), "")
-        body = [dict(zip(PUBLISHED_HEAD, _cells(r))) for r in rows[1:] if not r.startswith("|---")]
-        board["tables"].append({"part": part, "citation": citation, "rows": body})
+        board["tables"].append({"part": title.split(":", 1)[0], "citation": citation,
+                                "rows": [dict(zip(PUBLISHED_HEAD, row)) for row in cells[1:]]})
     return board
 
 

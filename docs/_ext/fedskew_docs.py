@@ -309,36 +309,28 @@ def partition_figures() -> None:
 
 def board_tables(text: str) -> list[dict]:
     """Each ranked table of a board (its section title, settings and per-method means) and each
-    published table (method, ours, published)."""
+    published table (method, ours, published), read by :func:`fedskew.experiments.bench.written_sections`."""
+    from fedskew.experiments.bench import board_tables as ranked_tables
+    from fedskew.experiments.bench import column_means, written_sections
+
     out = []
-    for section in re.split(r"\n(?=## )", text):
-        title = section.splitlines()[0].lstrip("# ").strip()
-        rows = [ln for ln in section.splitlines() if ln.startswith("| ")]
-        if len(rows) < 3:
+    for title, (head, rows) in ranked_tables(text).items():
+        settings = head[1:head.index("avg rank")]
+        columns = [column_means(rows, 1 + j) for j in range(len(settings))]
+        out.append({"kind": "ranked", "title": title, "settings": settings,
+                    "means": {row[0]: [c.get(row[0]) for c in columns] for row in rows}})
+    for title, _, cells in written_sections(text):
+        if len(cells) < 3 or cells[0][:2] != ["method", "ours"] or "published" not in cells[0]:
             continue
-        head = [c.strip() for c in rows[0].strip().strip("|").split("|")]
-        body = [[c.strip() for c in r.strip().strip("|").split("|")] for r in rows[1:] if not r.startswith("|---")]
-        if "avg rank" in head:
-            settings = head[1:head.index("avg rank")]
-            means = {}
-            for cells in body:
-                vals = []
-                for c in cells[1:1 + len(settings)]:
-                    m = re.match(r"\**(-?\d+\.\d+)", c)
-                    vals.append(float(m.group(1)) if m else None)
-                means[cells[0]] = vals
-            out.append({"kind": "ranked", "title": title, "settings": settings, "means": means})
-        elif head[:2] == ["method", "ours"] and "published" in head:
-            p, s = head.index("published"), head.index("seeds")
-            points = []
-            for cells in body:
-                ours = re.match(r"(-?\d+\.\d+) \+- (\d+\.\d+)", cells[1])
-                pub = re.match(r"(-?\d+\.\d+)", cells[p])
-                if ours and pub:
-                    points.append((cells[0], float(ours.group(1)), float(ours.group(2)), float(pub.group(1)),
-                                   int(cells[s])))
-            if points:
-                out.append({"kind": "published", "title": title, "points": points})
+        p, s = cells[0].index("published"), cells[0].index("seeds")
+        points = []
+        for row in cells[1:]:
+            ours = re.match(r"(-?\d+\.\d+) \+- (\d+\.\d+)", row[1])
+            pub = re.match(r"(-?\d+\.\d+)", row[p])
+            if ours and pub:
+                points.append((row[0], float(ours.group(1)), float(ours.group(2)), float(pub.group(1)), int(row[s])))
+        if points:
+            out.append({"kind": "published", "title": title, "points": points})
     return out
 
 

@@ -989,17 +989,26 @@ def mixed_code(code: Counter) -> str | None:
             + (f", {dirty:,} of them from a working tree with uncommitted changes" if dirty else ""))
 
 
+def written_sections(text: str) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Each section of a written board (split before every ``## ``): its title, its lines and the cells of its
+    table's rows, header first (the ``|---|`` rule left out; none: no table). The one reader of a board's
+    markdown: the bench's rank checks here, the docs' figures (docs/_ext) and the evidence pages
+    (benchmarks/evidence_pages.py) all go through it."""
+    out = []
+    for section in re.split(r"\n(?=## )", text):
+        lines = section.splitlines() or [""]
+        rows = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines
+                if ln.startswith("| ") and not ln.startswith("|---")]
+        out.append((lines[0].lstrip("# ").strip(), lines, rows))
+    return out
+
+
 def board_tables(text: str) -> dict[str, tuple[list[str], list[list[str]]]]:
     """The ranked tables of a written board (``leaderboard.md``): section title -> (header, rows)."""
     out = {}
-    for section in re.split(r"\n(?=## )", text):
-        title = (section.splitlines() or [""])[0].removeprefix("## ").strip()
-        lines = [ln for ln in section.splitlines() if ln.startswith("| ")]
-        if len(lines) < 3:
-            continue
-        cells = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines if not ln.startswith("|---")]
-        if "avg rank" in cells[0]:  # a row of another width than the header is not the table's (a board edited)
-            rows = [row for row in cells[1:] if len(row) == len(cells[0]) and row[0]]
+    for title, _, cells in written_sections(text):
+        if len(cells) >= 3 and "avg rank" in cells[0]:  # (a board ranks two methods at least) a row of another
+            rows = [row for row in cells[1:] if len(row) == len(cells[0]) and row[0]]  # width is not the table's
             if rows:
                 out[title] = (cells[0], rows)
     return out
