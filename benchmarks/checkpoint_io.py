@@ -63,20 +63,24 @@ def main() -> None:
         last = res.history[-1]["clients"]
         ours, old = [], []
         for i in range(args.repeats):
-            files = RunDir(run_dir)
+            files = RunDir(run_dir)  # as the run left it: the files and their digests the checkpoint names
             files.client_files, files.current_ok = dict(ckpt["client_files"]), True
+            files.client_digests = dict(ckpt["client_digests"])
             changing = ClientStates(states, changed=False)
             for k in last:
                 changing[k] = states[k]
             t0 = time.perf_counter()
             files.checkpoint({**ckpt, "next_round": 1000 + i, "client_states": changing})
             t1 = time.perf_counter()
+            wrote = len(list((run_dir / "clients").glob(f"*-{1000 + i}.pt")))
+            if wrote != len(set(last)):  # (a RunDir without the digests rewrites every client)
+                raise SystemExit(f"the checkpoint wrote {wrote} client files, not the {len(set(last))} that changed")
             atomic_save({**{k: v for k, v in ckpt.items() if k != "client_files"}, "client_states": dict(states)},
                         Path(tmp) / "whole.pt")
             t2 = time.perf_counter()
             ours.append(t1 - t0)
             old.append(t2 - t1)
-            ckpt["client_files"] = files.client_files
+            ckpt["client_files"], ckpt["client_digests"] = files.client_files, files.client_digests
         whole_file = (Path(tmp) / "whole.pt").stat().st_size
         changed_bytes = sum((run_dir / "clients" / f"{k}-{1000 + args.repeats - 1}.pt").stat().st_size
                             for k in set(last)) + (run_dir / "checkpoint.pt").stat().st_size

@@ -1037,7 +1037,9 @@ def test_fedcog_synthesis_matches_the_port_in_float64():
     from fedskew.algorithms.methods.fedcog import FedCOGOptions, synthesise
 
     gen = torch.Generator().manual_seed(6)
-    teacher, student = torch.nn.Linear(12, 4).double(), torch.nn.Linear(12, 4).double()
+    with torch.random.fork_rng(devices=[]):  # (the layers' initialisation, whatever ran before)
+        torch.manual_seed(6)
+        teacher, student = torch.nn.Linear(12, 4).double(), torch.nn.Linear(12, 4).double()
     state = {"t": dict(teacher.named_parameters()), "s": dict(student.named_parameters())}
 
     def call(which, x):  # (z, logits), as FederationInfo.model_call
@@ -1050,7 +1052,8 @@ def test_fedcog_synthesis_matches_the_port_in_float64():
     x, logits = synthesise(call, {"id": "t"}, {"id": "s"}, targets, x0, opt)
     px, plogits = cog_port_synthesise(lambda v: teacher(v.flatten(1)), lambda v: student(v.flatten(1)), targets, x0, 60)
     assert (x - px).abs().max().item() < 1e-13 and (logits - plogits).abs().max().item() < 1e-13
-    assert (logits.argmax(1) == targets).float().mean() > 0.5  # the teacher labels them as planned
+    with torch.no_grad():  # the global model labels them as planned, more so than where they started
+        assert F.cross_entropy(logits, targets) < 0.75 * F.cross_entropy(teacher(x0.flatten(1)), targets)
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
