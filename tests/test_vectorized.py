@@ -279,9 +279,10 @@ def registry_cases(cases: list[list[str]]) -> list[list[str]]:
 # feature differences then move the head 6.5e-5 apart in round 2 (a ReLU kink; a 1e-6 change of lr
 # moves it 2.9e-6), or flip beta's L-BFGS stop (0.382 vs 0.367, issue 54); with min_samples (the
 # default before issue 54) they agree within the case's 5e-5
-# FedCOG generates in every round of this short run by default, and its paired samples are never padded: with one
-# FedAvg round first, the case covers its padded steps too (and 50 of its 500 synthesis steps keep it short)
-REGISTRY_OPTIONS = {"pfedfda": ["method.class_means=min_samples"], "fedcog": ["method.start_round=1", "method.g_steps=50"]}
+# FedCOG's generation rounds pair samples, which are never padded: one FedAvg round, then two that generate, cover
+# both (50 of its 500 synthesis steps keep the case short)
+REGISTRY_OPTIONS = {"pfedfda": ["method.class_means=min_samples"],
+                    "fedcog": ["method.start_round=1", "method.g_steps=50"]}
 
 
 CASES += registry_cases(CASES)  # (appended: the indices of the cases above stay; test_lanes names some)

@@ -12,7 +12,7 @@ from fedskew.algorithms.base import MODEL, FedAvgOptions, Method, Source, builti
 from fedskew.algorithms.tensors import adam_step, kd_loss
 from fedskew.streams import torch_seed
 
-LAST = 20  # rounds that generate by default: the code's run.sh runs 70, generating from round 50
+START = 5 / 7  # the share of the rounds before generation by default: the code's run.sh runs 70, generating from 50
 KEPT = "cog.local."  # the client's model as its last local training left it (the generation's student)
 # the round's synthetic inputs, their teacher logits, which are real (not padding), the own samples' partners, w_syn
 SYN_X, SYN_T, SYN_W, PAIR, W_SYN = "cog.sx", "cog.st", "cog.sw", "cog.pair", "cog.wsyn"
@@ -21,7 +21,7 @@ SYN_X, SYN_T, SYN_W, PAIR, W_SYN = "cog.sx", "cog.st", "cog.sw", "cog.pair", "co
 class FedCOGOptions(FedAvgOptions):
     search = {"adv": [0.05, 0.1, 0.3]}  # the bench's search space (fedskew bench)
     start_round: int | None = Field(None, ge=0, description=
-        "rounds of plain FedAvg before generation starts; None: all but the last 20 (the code's run.sh: 50 of 70)")
+        "rounds of plain FedAvg before generation starts; None: the first 5/7 of the run (the code's run.sh: 50 of 70)")
     synthesis_size: int = Field(256, ge=1, le=1 << 16, description=
         "synthetic inputs per client and round, shared among its missing classes (--synthesis_batch_size 256)")
     g_steps: int = Field(500, ge=1, le=100_000, description="Adam steps on the synthetic inputs (--g_steps 500)")
@@ -83,8 +83,8 @@ def synthesise(model_call, teacher: dict, student: dict, targets: torch.Tensor, 
 @builtin
 class FedCOG(Method):
     """FedCOG (Ye et al., ICLR 2024) as its code runs it (rui-ye/FedCOG ``fedcog.py`` and
-    ``gen_utils/generate_image.py`` at cf34c0a). The first ``start_round`` rounds are FedAvg (by default all
-    but the last 20, as the code's run.sh: 50 of its 70). From then on,
+    ``gen_utils/generate_image.py`` at cf34c0a). The first ``start_round`` rounds are FedAvg (by default the
+    first 5/7 of the run, as the code's run.sh: 50 of its 70). From then on,
     before its local training a client synthesises, for the classes it lacks, ``synthesis_size`` inputs
     shared in proportion to each class's deficit max_j n_j - n_c (``complementary_plan``): ``g_steps`` Adam
     steps (lr 0.01, betas 0.5, 0.9) from N(0, 1) on oh CE(g(x), y) + adv (1 - JS(l(x), g(x))), g the received
@@ -132,7 +132,7 @@ class FedCOG(Method):
     def prepare(self, payload, client_state, data):
         """From ``start_round`` on: the client's synthetic inputs, their teacher logits (padded to
         ``synthesis_size`` with weight 0) and which one each own sample carries."""
-        start = self.opt.start_round if self.opt.start_round is not None else max(0, self.info.rounds - LAST)
+        start = self.opt.start_round if self.opt.start_round is not None else round(self.info.rounds * START)
         if data.round_idx < start or data.round_idx >= self.info.rounds:
             return client_state
         targets, w_syn = complementary_plan(self.info.class_counts[data.client_id], self.opt.synthesis_size)
