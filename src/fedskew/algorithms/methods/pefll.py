@@ -205,8 +205,9 @@ class PeFLL(Method):
         with torch.no_grad():
             frozen = self.opt.descriptor_norm == "first"
             if frozen and torch.isnan(stat).any():  # before the server has (m, s): the client's own
-                stat = descriptor(eta_v, x, y, self.info.num_classes, None)[1]
-            v, _ = descriptor(eta_v, x, y, self.info.num_classes, stat if frozen else None)
+                v, stat = descriptor(eta_v, x, y, self.info.num_classes, None)
+            else:
+                v, _ = descriptor(eta_v, x, y, self.info.num_classes, stat if frozen else None)
             theta = hyper_forward(eta_h, v, shapes, self.opt.n_hidden)
         state = {**client_state, **{SENT + n: t for n, t in theta.items()}}
         if training:
