@@ -34,9 +34,12 @@ grows as its norm shrinks) moves 1.35e-5 apart in round 3, exactly as far as the
 moves the sequential executor alone (measured on an AMD EPYC, where the fixed 1e-5 failed).
 """
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedskew.algorithms import METHODS, Method
 from fedskew.config import load_config
@@ -695,3 +698,59 @@ def test_the_compiled_step_matches_the_eager_one(tmp_path, caplog):
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 1  # (ragged step groups: more than one shape)
         assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
     assert_parity(tmp_path, extra + ["executor=vectorized"], eager, compiled)
+
+
+# -- local evaluation ------------------------------------------------------------------------------
+
+
+def test_eval_groups_by_hand_and_their_padding_bound():
+    from fedskew.engine.vectorized import eval_groups
+
+    # longest first: 1440, 1400, 800 pad to 4,320 rows <= 1.25 x 3,640 real; 790 would make 5,760 > 5,537.5
+    got = eval_groups(np.array([371, 1440, 0, 800, 790, 1400, 380, 5]))
+    assert [g.tolist() for g in got] == [[1, 3, 5], [4], [0, 6], [7]]
+    assert eval_groups(np.array([0, 0])) == []
+    assert [g.tolist() for g in eval_groups(np.array([7, 7, 7]))] == [[0, 1, 2]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2000), min_size=1, max_size=40))
+def test_eval_groups_cover_every_scored_client_once_within_the_slack(lengths):
+    from fedskew.engine.vectorized import eval_groups
+
+    lengths = np.array(lengths)
+    groups = eval_groups(lengths)
+    members = np.concatenate(groups) if groups else np.zeros(0, dtype=int)
+    assert sorted(members.tolist()) == np.flatnonzero(lengths).tolist()
+    for g in groups:
+        assert (np.diff(g) > 0).all()
+        assert len(g) == 1 or len(g) * lengths[g].max() <= 1.25 * lengths[g].sum()
+    assert sum(len(g) * lengths[g].max() for g in groups) <= len(lengths) * lengths.max()  # never above one pad
+
+
+def test_local_accuracies_are_the_sequential_executors_client_by_client():
+    """The vectorised local evaluation (one plain pass for a broadcast model; otherwise vmapped
+    groups of similar test size, as views of a contiguous range, gathered copies or expanded shared
+    tensors) scores every client as the sequential executor does, one client after another; a
+    client without test samples gets None."""
+    from fedskew.engine.local import federated_state
+    from fedskew.engine.vectorized import eval_groups
+
+    exp = Experiment(load_config(None, BASE + ["executor=vectorized", "partition.num_clients=12"]))
+    ex = exp.executor
+    ex.test_idx[5] = ex.test_idx[5][:0]  # a client with nothing to score (the sequential executor shares the list)
+    g = federated_state(exp.model)
+    torch.manual_seed(0)
+    own = [{k: v + 0.3 * torch.randn_like(v) for k, v in g.items()} for _ in range(12)]
+    clients = [11, 3, 5, 0, 7, 2, 9, 1, 10, 4, 8, 6]  # the stack's order is not the test sizes' order
+    lengths = np.array([len(ex.test_idx[k]) for k in clients])
+    assert any(np.diff(m).max(initial=1) > 1 for m in eval_groups(lengths))  # a gathered (not contiguous) group
+    assert len(eval_groups(lengths)) > 1
+    cases = {"broadcast": [g] * 12, "own": own,
+             "own and shared": [{**s, "classifier.bias": g["classifier.bias"]} for s in own]}
+    for name, states in cases.items():
+        want = ex.sequential.accuracies(states, clients)
+        got = ex.local_accuracies(ex._stack_starts(states), clients)
+        assert got == want, name
+        assert got[clients.index(5)] is None and len(set(got)) > 3
+    assert ex.model.training  # eval mode was left as found

@@ -113,6 +113,27 @@ def step_groups(col: np.ndarray, padded: bool, contiguous: bool) -> list[np.ndar
     return groups
 
 
+def eval_groups(lengths: np.ndarray, slack: float = 1.25) -> list[np.ndarray]:
+    """Clients scored together in one vmapped pass, given each one's number of test samples: sorted
+    longest first, a group grows while its rows padded to its longest stay within ``slack`` times
+    its real rows (clients with no samples are left out). Each group's members in ascending order."""
+    order = np.argsort(-lengths, kind="stable")
+    groups, start, real = [], 0, 0
+    for i, k in enumerate(order):
+        n = int(lengths[k])
+        if n == 0:
+            break
+        if i > start and (i - start + 1) * int(lengths[order[start]]) > slack * (real + n):
+            groups.append(np.sort(order[start:i]))
+            start, real = i, 0
+        real += n
+    else:
+        i = len(order)
+    if i > start:
+        groups.append(np.sort(order[start:i]))
+    return groups
+
+
 def put(target: dict, values: dict, a: int, b: int, gi: torch.Tensor | None, add: bool = False) -> None:
     """Write (``add``: add) a group's stacked ``values`` into the full stacks of ``target``: rows
     a:b (a contiguous group, ``gi`` None) or rows ``gi``."""
@@ -294,28 +315,52 @@ class VectorizedExecutor(Executor):
 
     @torch.no_grad()
     def local_accuracies(self, states: State, clients: list[int]) -> list[float | None]:
-        """Each client's state on its own local test split, all clients in one vmapped eval pass
-        (test sets padded to the longest and masked; eval mode, so padding cannot leak)."""
-        lengths = [len(self.test_idx[k]) for k in clients]
-        longest = max(lengths)
-        if longest == 0:
+        """Each client's state (row i of the stack: ``clients[i]``) on its own local test split, in
+        eval mode. One model for all (a broadcast: every stacked tensor expanded, or one client):
+        one plain pass over their test samples together. Otherwise clients of similar test size
+        (:func:`eval_groups`) are scored in one vmapped pass each, their test sets padded to the
+        group's longest and masked (eval mode, so padding cannot leak into the real rows)."""
+        lengths = np.array([len(self.test_idx[k]) for k in clients])
+        if lengths.max(initial=0) == 0:
             return [None] * len(clients)
-        lengths_np = np.array(lengths)
-        mask = torch.arange(longest, device=self.device) < self._to_device(lengths_np)[:, None]
-        # flat positions of each client's samples in the [clients, longest] table (host-side)
-        at = np.repeat(np.arange(len(clients)) * longest - (np.cumsum(lengths_np) - lengths_np), lengths_np) + \
-            np.arange(lengths_np.sum())
-        rows = torch.zeros(len(clients) * longest, dtype=torch.long, device=self.device)
-        rows[self._to_device(at)] = torch.cat([self.test_idx[k] for k in clients])
-        rows = rows.view(len(clients), longest)
+        hits = torch.zeros(len(clients), dtype=torch.long, device=self.device)
         was_training = self.model.training
         self.model.eval()
         try:
-            preds = self._eval(states, self.x[rows]).argmax(-1)
+            shared = len(clients) == 1 or all(v.stride(0) == 0 for v in states.values())
+            if shared:
+                rows = torch.cat([self.test_idx[k] for k in clients])
+                owner = self._to_device(np.repeat(np.arange(len(clients)), lengths))
+                right = self._logits({k: v[0] for k, v in states.items()}, self.x[rows]).argmax(-1) == self.y[rows]
+                hits.index_add_(0, owner, right.long())
+            for members in [] if shared else eval_groups(lengths):
+                hits[self._to_device(members)] = self._group_hits(states, clients, members, lengths[members])
         finally:
             self.model.train(was_training)
-        correct = ((preds == self.y[rows]) & mask).sum(1).tolist()  # one transfer for the chunk
+        correct = hits.tolist()  # one transfer
         return [correct[i] / n if n else None for i, n in enumerate(lengths)]
+
+    def _group_hits(self, states: State, clients: list[int], members: np.ndarray, lengths: np.ndarray
+                    ) -> torch.Tensor:
+        """Correct predictions of the stack rows ``members`` (ascending) on their clients' test
+        splits of ``lengths`` samples, one vmapped pass: a contiguous range of the stack as views,
+        else gathered copies; a tensor shared by all (expanded) stays expanded."""
+        a, b = int(members[0]), int(members[-1]) + 1
+        if b - a == len(members):
+            group = {k: v[a:b] for k, v in states.items()}
+        else:
+            at = self._to_device(members)
+            group = {k: v[:1].expand(len(members), *v.shape[1:]) if v.stride(0) == 0 else v.index_select(0, at)
+                     for k, v in states.items()}
+        longest = int(lengths.max())
+        # flat positions of each client's samples in the [members, longest] table (host-side)
+        at = np.repeat(np.arange(len(members)) * longest - (np.cumsum(lengths) - lengths), lengths) + \
+            np.arange(lengths.sum())
+        rows = torch.zeros(len(members) * longest, dtype=torch.long, device=self.device)
+        rows[self._to_device(at)] = torch.cat([self.test_idx[clients[i]] for i in members])
+        rows = rows.view(len(members), longest)
+        mask = torch.arange(longest, device=self.device) < self._to_device(lengths)[:, None]
+        return ((self._eval(group, self.x[rows]).argmax(-1) == self.y[rows]) & mask).sum(1)
 
     # -- the round ---------------------------------------------------------------------------------
     def train_round(self, round_idx: int, clients: list[int], payload: State,
