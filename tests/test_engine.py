@@ -89,3 +89,28 @@ def test_cli_run_and_errors(tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 1000
     assert main(["run", "partition.num_clients=3", "clients_per_round=3", "partition.classes_per_client=2"]) == 2
     assert "fewer than the 10 classes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, want", [
+    ([], "vectorized"),  # the digits MLP: the faster executor
+    (["method=fedcp"], "sequential"),  # a method that does not vectorise (Gumbel noise)
+    (["model=tcnn", "batch_size=64"], "sequential"),  # CPU convolutions of batches of 32 or more
+    (["model=tcnn", "batch_size=16"], "vectorized"),
+    (["channels_last=on"], "sequential"),  # the sequential executor's layout
+    (["clients_per_round=1"], "sequential"),  # nothing to stack
+    (["executor=sequential"], "sequential"),  # as named
+])
+def test_the_auto_executor_follows_the_configuration(extra, want):
+    from fedskew.engine.local import SequentialExecutor
+    from fedskew.engine.vectorized import VectorizedExecutor
+
+    exp = Experiment(load_config(None, SMALL + extra))
+    assert exp.environment["executor"] == want
+    assert type(exp.executor) is {"vectorized": VectorizedExecutor, "sequential": SequentialExecutor}[want]
+
+
+def test_compile_and_channels_last_cannot_both_be_on():
+    from fedskew.config import ConfigError
+
+    with pytest.raises(ConfigError, match="ask for different executors"):
+        load_config(None, ["compile=on", "channels_last=on"])

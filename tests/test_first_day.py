@@ -239,7 +239,8 @@ def test_sizes_are_bounded_before_anything_is_allocated(tmp_path, args, text):
 
 @pytest.mark.parametrize("args, text", [
     (["compile=sometimes"], "config key 'compile' = 'sometimes' is not allowed: Input should be 'off', 'on' or 'auto'"),
-    (["compile=on"], "compile = on compiles the vectorized executor's stacked step; set executor = vectorized"),
+    (["compile=on", "executor=sequential"],
+     "compile = on compiles the vectorized executor's stacked step; set executor = vectorized"),
 ])
 def test_compile_takes_off_on_or_auto_and_on_needs_the_vectorised_executor(tmp_path, args, text):
     one_sentence(cli("run", *args, "rounds=1", cwd=tmp_path, timeout=120), text)

@@ -69,11 +69,13 @@ def spy(monkeypatch, exp) -> list:
 def test_dropped_clients_are_left_out_and_the_others_train_as_without_dropout(tmp_path, monkeypatch):
     """Round 1 (from the same global model): the clients that stay upload bit for bit what they upload
     in a run without dropout; the dropped ones upload nothing, are recorded, and their download is
-    counted (they received the model)."""
-    plain = Experiment(load_config(None, TINY + ["rounds=1"]), tmp_path / "plain")
+    counted (they received the model). (The sequential executor: stacked, another set of clients
+    rounds differently.)"""
+    plain = Experiment(load_config(None, TINY + ["rounds=1", "executor=sequential"]), tmp_path / "plain")
     seen_plain = spy(monkeypatch, plain)
     res_plain = plain.run()
-    drop = Experiment(load_config(None, TINY + ["rounds=1", "client_dropout=0.4"]), tmp_path / "drop")
+    drop = Experiment(load_config(None, TINY + ["rounds=1", "client_dropout=0.4", "executor=sequential"]),
+                      tmp_path / "drop")
     seen_drop = spy(monkeypatch, drop)
     res = drop.run()
     record = res.history[0]

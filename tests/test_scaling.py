@@ -70,6 +70,7 @@ def assert_same_run(a: Path, b: Path, tol: float) -> None:
 @pytest.mark.parametrize("extra", [["method=fedavg"], ["method=scaffold"], ["method=map"]],
                          ids=["fedavg", "scaffold", "map"])
 def test_two_torchrun_ranks_give_the_single_process_run(tmp_path, extra):
+    extra = [*extra, "executor=sequential"]
     single = fedskew_run(tmp_path, "single", extra)
     spread = fedskew_run(tmp_path, "spread", extra, ranks=2)
     assert_same_run(single, spread, tol=0.0)  # sequential executor: bit for bit

@@ -359,9 +359,9 @@ def test_every_executor_runs_rounds_through_the_one_driver(tmp_path, monkeypatch
 
     monkeypatch.setattr(local, "client_round", counted)
     monkeypatch.setattr(vectorized, "client_round", counted)
-    run(load_config(None, TINY), tmp_path / "s")
+    run(load_config(None, TINY + ["executor=sequential"]), tmp_path / "s")
     run(load_config(None, TINY + ["executor=vectorized"]), tmp_path / "v")
-    exp = Experiment(load_config(None, TINY), tmp_path / "f")
+    exp = Experiment(load_config(None, TINY + ["executor=sequential"]), tmp_path / "f")
     payload = exp.method.broadcast(federated_state(exp.model), {})
     exp.executor.train_client(0, 0, payload, {}, 0.01)  # Flower's ClientApp and the retry path
     assert calls.count("SequentialExecutor") == 2 + 1 and calls.count("VectorizedExecutor") == 2

@@ -119,7 +119,8 @@ def _start_line(cfg, exp) -> str:
             f"{cfg.partition.name} partition of {exp.fed.num_clients} clients; model {cfg.model.name}; "
             f"{cfg.rounds} rounds of {cfg.clients_per_round} clients, E={cfg.local_epochs}, B={cfg.batch_size}, "
             f"lr {cfg.lr}{'' if cfg.lr_schedule == 'step' and cfg.lr_decay == 1 else ' (' + cfg.lr_schedule + ')'}, "
-            f"{f'momentum {cfg.momentum}' if cfg.optimizer == 'sgd' else cfg.optimizer}; executor {cfg.executor}; "
+            f"{f'momentum {cfg.momentum}' if cfg.optimizer == 'sgd' else cfg.optimizer}; "
+            f"executor {exp.environment['executor']}{' (auto)' if cfg.executor == 'auto' else ''}; "
             f"seed {cfg.seed}; "
             f"run directory {exp.run_dir}")
 

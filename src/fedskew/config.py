@@ -256,9 +256,11 @@ class RunConfig(_Strict):
     checkpoint_every: int = Field(1, ge=1, description="write checkpoint.pt every n rounds (and after the last)")
     fail_fast: bool = Field(False, description="stop the run when a client's training raises (default: "
                                                "report it and aggregate the others)")
-    executor: Literal["sequential", "vectorized"] = Field(
-        "sequential", description="sequential: one client after another; vectorized: a round's clients as one "
-                                  "torch.func program (the same results to float round-off)")
+    executor: Literal["auto", "sequential", "vectorized"] = Field(
+        "auto", description="sequential: one client after another; vectorized: a round's clients as one torch.func "
+                            "program (the same results to float round-off); auto: vectorized, the faster where the "
+                            "method runs vectorised and a round has more than one client, except convolutions on "
+                            "the CPU (sequential there, as for channels_last = on)")
     distributed: bool = Field(False, description="spread each round's clients over the ranks of a torchrun "
                                                  "launch (rank 0 writes the run; docs/scaling.md)")
     max_parallel_clients: int | None = Field(None, ge=1, description="vectorized: clients per chunk")
@@ -356,10 +358,13 @@ class RunConfig(_Strict):
             raise ValueError(f"clients_per_round = {self.clients_per_round} exceeds partition.num_clients = "
                              f"{self.partition.num_clients}")
         self._check_held_out()
-        if self.compile == "on" and self.executor != "vectorized":
+        if self.compile == "on" and self.executor == "sequential":
             raise ValueError("compile = on compiles the vectorized executor's stacked step; set executor = "
                              "vectorized, or compile = off")
-        if self.channels_last == "on" and self.executor != "sequential":
+        if self.compile == "on" and self.channels_last == "on":
+            raise ValueError("compile = on (the vectorized executor) and channels_last = on (the sequential one) "
+                             "ask for different executors; set one of them off")
+        if self.channels_last == "on" and self.executor == "vectorized":
             raise ValueError("channels_last = on lays out the sequential executor's model and batches; set executor = "
                              "sequential, or channels_last = off")
         return self

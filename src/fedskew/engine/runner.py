@@ -62,7 +62,7 @@ from fedskew.engine.rundir import (
     run_identity,
 )
 from fedskew.engine.tracking import Trackers, check_available
-from fedskew.engine.vectorized import VectorizedExecutor
+from fedskew.engine.vectorized import VectorizedExecutor, cpu_convolutions_alone
 from fedskew.files import read_json
 from fedskew.metrics import (
     client_means,
@@ -148,6 +148,8 @@ class Experiment:
         self.files = RunDir(self.run_dir)
         self.changes: dict = {}  # settings changed at this resume (fedskew resume DIR key=value)
         self.environment = environment(self.device)
+        self.environment["executor"] = "vectorized" if pack is not None else \
+            executor_name(cfg, self.model, self.method, self.device)  # (``auto`` resolved)
         check_available(cfg.logger)
         blocked = blocking_file(self.run_dir)
         if blocked is not None:
@@ -535,13 +537,31 @@ def compile_step(cfg) -> bool:
     return cfg.compile == "on"
 
 
+def executor_name(cfg, model, method, device) -> str:
+    """The executor a run trains on: ``executor`` as given, or for ``auto`` the vectorised one
+    (faster on the CPU and GPU where it runs: benchmarks/engine_speed.py, benchmarks/round_cost.py)
+    unless the run asks for the sequential executor's layout (``channels_last = on``), a round has
+    one client (nothing to stack), the method does not vectorise, or the CPU trains its convolutions
+    faster one client after another (:func:`~fedskew.engine.vectorized.cpu_convolutions_alone`). A
+    rule of the configuration: a run's executor never depends on a timing."""
+    if cfg.executor != "auto":
+        return cfg.executor
+    if cfg.compile == "on":
+        return "vectorized"
+    if cfg.channels_last == "on" or cfg.clients_per_round == 1 or not method.vectorizable or \
+            cpu_convolutions_alone(model, device, cfg.batch_size):
+        return "sequential"
+    return "vectorized"
+
+
 def make_executor(cfg, model, fed, method, device, pack=None):
-    """The run's executor (``cfg`` a RunConfig); with ``pack`` (a :class:`~fedskew.engine.lanes.Pack`) the
-    vectorised one whose stages train as lanes of the pack's stacked program."""
+    """The run's executor (``cfg`` a RunConfig; :func:`executor_name`); with ``pack`` (a
+    :class:`~fedskew.engine.lanes.Pack`) the vectorised one whose stages train as lanes of the pack's
+    stacked program."""
     settings = local_settings(cfg)
     if pack is not None:
         return LaneExecutor(model, fed, method, settings, device, cfg.max_parallel_clients, cfg.pad_batches, pack=pack)
-    if cfg.executor == "vectorized":
+    if executor_name(cfg, model, method, device) == "vectorized":
         return VectorizedExecutor(model, fed, method, settings, device, cfg.max_parallel_clients, cfg.pad_batches)
     return SequentialExecutor(model, fed, method, settings, device)
 

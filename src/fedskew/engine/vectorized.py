@@ -113,6 +113,15 @@ def step_groups(col: np.ndarray, padded: bool, contiguous: bool) -> list[np.ndar
     return groups
 
 
+def cpu_convolutions_alone(model: nn.Module, device: torch.device, batch_size: int) -> bool:
+    """Whether a run trains faster one client after another: on the CPU, a convolutional model
+    with batches of at least ``CPU_CONV_BATCH`` (a vmapped convolution there is one grouped
+    convolution over the stacked clients, slower than the clients' own; a rule of the
+    configuration, so a run's results never depend on a timing)."""
+    return (device.type == "cpu" and batch_size >= CPU_CONV_BATCH
+            and any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules()))
+
+
 def eval_groups(lengths: np.ndarray, slack: float = 1.25) -> list[np.ndarray]:
     """Clients scored together in one vmapped pass, given each one's number of test samples: sorted
     longest first, a group grows while its rows padded to its longest stay within ``slack`` times
@@ -235,12 +244,8 @@ class VectorizedExecutor(Executor):
         self._mask_blocks: list[int] = []
 
     def cpu_convolutions_alone(self, model: nn.Module, device: torch.device, settings: LocalSettings) -> bool:
-        """Whether this run trains faster one client after another: on the CPU, a convolutional
-        model with batches of at least ``CPU_CONV_BATCH`` (a vmapped convolution there is one
-        grouped convolution over the stacked clients, slower than the clients' own; a rule of the
-        configuration, so a run's results never depend on a timing). A pack's lanes always stack."""
-        return (device.type == "cpu" and settings.batch_size >= CPU_CONV_BATCH and not getattr(self, "pack", None)
-                and any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules()))
+        """:func:`cpu_convolutions_alone`; a pack's lanes always stack."""
+        return not getattr(self, "pack", None) and cpu_convolutions_alone(model, device, settings.batch_size)
 
     # -- pure pieces -------------------------------------------------------------------------------
     def _loss(self, stage: Stage):

@@ -234,10 +234,20 @@ RUN_SETTINGS = ("lr", "local_epochs", "batch_size", "momentum", "weight_decay", 
 ADDED_KEYS = {"model.conditional_policy": False, "model.dropout": 0.0, **ADDED_RUN_KEYS}
 
 
+# Keys whose default changed after sweep run ids were first hashed: (the new default, the value the ids
+# were hashed with). A run at the new default keeps the id it had (``executor``: the executors agree to
+# float round-off, so a finished run is the same run on either).
+CHANGED_DEFAULTS = {"executor": ("auto", "sequential")}
+
+
 def run_identity(cfg: dict) -> dict:
     """The part of a resolved run config that names the run: all of it but :data:`NOT_IDENTITY`,
-    and the :data:`ADDED_KEYS` that are at their as-before value."""
+    the :data:`ADDED_KEYS` that are at their as-before value, and :data:`CHANGED_DEFAULTS` at the
+    value their ids were hashed with."""
     out = {k: v for k, v in cfg.items() if k not in NOT_IDENTITY}
+    for key, (new, old) in CHANGED_DEFAULTS.items():
+        if out.get(key) == new:
+            out[key] = old
     if isinstance(out.get("model"), dict) and isinstance(out.get("method"), dict):  # keys that left the schema
         out["model"] = {**former_architecture_keys(out["method"]), **out["model"]}
     return without_added(out, ADDED_KEYS)
