@@ -21,9 +21,9 @@ when it holds a partition this script did not write) and ``out/``.
         --json benchmarks/results/peers-cpu.json
     python benchmarks/peers.py --data DIR --pfllib P --flbench F --methods fedavg --seeds 0 --rounds 3
 
-Needs, beside fedskew: PFLlib's imports (h5py, scikit-learn; torchvision), FL-bench's (hydra-core,
-omegaconf, ray, rich, pynvml, pandas, Pillow, scikit-learn, torchvision), in the same environment,
-so that every framework runs on the same torch build.
+Needs, beside fedskew, what the peers import, in the same environment so that every framework runs
+on the same torch build: PFLlib's h5py, scikit-learn, torchvision, cvxpy, calmsize, matplotlib;
+FL-bench's hydra-core, omegaconf, ray, rich, pynvml, pandas, Pillow, scikit-learn, torchvision.
 """
 
 from __future__ import annotations
@@ -84,14 +84,22 @@ def partition(args, seed: int, y_official: np.ndarray, y_test: np.ndarray) -> li
     y_train = fed.data.y_train.numpy()
     if not np.array_equal(y_train, y_official):  # fedskew's rows are the official training images, in order
         raise SystemExit("benchmarks/peers.py: fedskew's Fashion-MNIST training table is not the official one")
-    holders = {c: [k for k, idx in enumerate(train) if (y_train[idx] == c).any()] for c in range(10)}
-    tests: list[list] = [[] for _ in train]
-    for c, ks in holders.items():
-        for k, part in zip(ks, np.array_split(np.flatnonzero(y_test == c), len(ks))):
+    tests = deal_test([np.unique(y_train[idx]) for idx in train], y_test)
+    return [{"train": t, "test": s} for t, s in zip(train, tests)]
+
+
+def deal_test(classes: list[np.ndarray], y_test: np.ndarray) -> list[np.ndarray]:
+    """Each client's share of the test set: the test images of each class split into equal
+    contiguous parts among the clients holding the class (``classes[k]``: client k's), in client
+    order; every image goes to exactly one client."""
+    tests: list[list] = [[np.zeros(0, dtype=np.int64)] for _ in classes]
+    for c in np.unique(y_test):
+        holders = [k for k, cs in enumerate(classes) if c in cs]
+        if not holders:
+            raise SystemExit(f"benchmarks/peers.py: class {c} is held by no client; its test images would go unscored")
+        for k, part in zip(holders, np.array_split(np.flatnonzero(y_test == c), len(holders))):
             tests[k].append(part)
-    if any(not ks for ks in holders.values()):
-        raise SystemExit("benchmarks/peers.py: a class is held by no client; its test images would go unscored")
-    return [{"train": t, "test": np.sort(np.concatenate(s))} for t, s in zip(train, tests)]
+    return [np.sort(np.concatenate(t)) for t in tests]
 
 
 def write_pfllib(root: Path, parts, x_train, y_train, x_test, y_test) -> None:
@@ -412,8 +420,21 @@ def main():
                            f"over seeds of each run's median round). PFLlib {commits['pfllib']}, FL-bench "
                            f"{commits['flbench']}. Hardware: {hardware()}.")
         record = json.loads(Path(args.json).read_text())
+        record["command"] = public_command(record["command"])
         record["observations"] = observations(results, args)
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def public_command(command: str) -> str:
+    """The command as a reader reruns it: the clones' paths as placeholders, the runs' folder left out."""
+    import shlex
+
+    words, out = shlex.split(command), []
+    for i, w in enumerate(words):
+        if i and words[i - 1] == "--out" or w == "--out":
+            continue
+        out.append({"--pfllib": "PFLLIB_CLONE", "--flbench": "FLBENCH_CLONE"}.get(words[i - 1], w) if i else w)
+    return shlex.join(out)
 
 
 def observations(results: dict, args) -> list[str]:

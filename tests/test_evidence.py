@@ -8,7 +8,10 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedskew.config import ConfigError
 from fedskew.experiments.evidence import BLOCK, front_table, read_runs, refresh
@@ -179,3 +182,34 @@ def test_fuzz_an_exported_runs_file(tmp_path):
         assert all(isinstance(r, dict) and {"label", "partition", "seed", "status"} <= set(r) for r in rows)
 
     check()
+
+
+# -- the frameworks comparison: what it writes for the peers -----------------------------------------
+
+import peers  # noqa: E402
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sets(st.integers(0, 4), min_size=1, max_size=3), min_size=1, max_size=8),
+       st.lists(st.integers(0, 4), max_size=60))
+def test_the_test_set_is_dealt_out_once_to_the_holders_of_each_class(classes, labels):
+    y = np.array(labels, dtype=np.int64)
+    held = set().union(*classes)
+    if not set(labels) <= held:
+        with pytest.raises(SystemExit, match="held by no client"):
+            peers.deal_test([np.array(sorted(c)) for c in classes], y)
+        return
+    shares = peers.deal_test([np.array(sorted(c)) for c in classes], y)
+    assert sorted(np.concatenate(shares).tolist()) == list(range(len(y)))  # every image exactly once
+    for share, cs in zip(shares, classes):
+        assert set(y[share].tolist()) <= cs  # only the classes a client holds
+    for c in set(labels):  # a class's images split as evenly as they go among its holders
+        sizes = [int((y[share] == c).sum()) for share, cs in zip(shares, classes) if c in cs]
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_the_peers_command_names_no_path_of_the_machine_that_ran_it():
+    cmd = ("python benchmarks/peers.py --data DATA_DIR --pfllib /home/me/PFLlib --flbench /home/me/FL-bench "
+           "--out /home/me/runs --json benchmarks/results/peers-cpu.json")
+    assert peers.public_command(cmd) == ("python benchmarks/peers.py --data DATA_DIR --pfllib PFLLIB_CLONE --flbench "
+                                         "FLBENCH_CLONE --json benchmarks/results/peers-cpu.json")
