@@ -394,3 +394,14 @@ def test_run_prints_a_line_a_round_when_asked(tmp_path, capsys):
     assert [ln.split()[1] for ln in lines] == ["1/2", "2/2"] and len(seen) == 2
     fedskew.run(rounds=1, out_dir=str(tmp_path), progress=False)
     assert "round " not in capsys.readouterr().out
+
+
+def test_two_unnamed_runs_of_one_second_get_two_folders(tmp_path, monkeypatch):
+    """Without run_name a run's folder is named by the second it started; a second run of that
+    second gets its own folder, not the first one's ("already holds a run")."""
+    import time
+
+    monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20261208-000034")
+    a = fedskew.run(rounds=1, out_dir=str(tmp_path), progress=False)
+    b = fedskew.run(rounds=1, out_dir=str(tmp_path), progress=False)
+    assert a.run_dir.name == "fedavg-digits-pcdd-s0-20261208-000034" and b.run_dir.name == a.run_dir.name + "-2"

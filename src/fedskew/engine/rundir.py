@@ -53,9 +53,17 @@ class StorageError(ConfigError):
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
-    name = cfg.run_name or (f"{cfg.method.name}-{cfg.dataset.name}-{cfg.partition.name}-s{cfg.seed}-"
-                            f"{time.strftime('%Y%m%d-%H%M%S')}")
-    return Path(cfg.out_dir) / name
+    """``out_dir/run_name``, or without a name ``out_dir/<method>-<dataset>-<partition>-s<seed>-<time>``,
+    ``-2``, ``-3``, ... added when a run of the same second is there (runs of a second or less)."""
+    if cfg.run_name:
+        return Path(cfg.out_dir) / cfg.run_name
+    base = (f"{cfg.method.name}-{cfg.dataset.name}-{cfg.partition.name}-s{cfg.seed}-"
+            f"{time.strftime('%Y%m%d-%H%M%S')}")
+    path, n = Path(cfg.out_dir) / base, 1
+    while path.exists():
+        n += 1
+        path = Path(cfg.out_dir) / f"{base}-{n}"
+    return path
 
 
 def cpu_model() -> str:
