@@ -104,24 +104,29 @@ def deal_test(classes: list[np.ndarray], y_test: np.ndarray) -> list[np.ndarray]
 
 def write_pfllib(root: Path, parts, x_train, y_train, x_test, y_test) -> None:
     d = root / "dataset" / PFL_NAME
+    if d.exists() and not (d / MARKER).exists():
+        raise SystemExit(f"benchmarks/peers.py: {d} holds files this script did not write; move it away (or use a "
+                         f"clone of PFLlib of its own) and run again")
     for split in ("train", "test"):
         (d / split).mkdir(parents=True, exist_ok=True)
+    (d / MARKER).write_text("")
     for k, p in enumerate(parts):
         for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
             rows = p[split]
             xs = ((x[rows].astype(np.float32) / 255.0 - MEAN) / STD).reshape(-1, 1, 28, 28)
             with open(d / split / f"{k}.npz", "wb") as fh:
                 np.savez(fh, data={"x": xs, "y": y[rows].astype(np.int64)})
-    (d / MARKER).write_text("")
 
 
 def write_flbench(root: Path, parts, data: Path) -> None:
     d = root / "data" / "fmnist"
-    if (d / "partition.pkl").exists() and not (d / MARKER).exists():
-        raise SystemExit(f"benchmarks/peers.py: {d / 'partition.pkl'} holds a partition this script did not write; "
+    theirs = [f for f in ("partition.pkl", "args.json") if (d / f).exists()]
+    if theirs and not (d / MARKER).exists():
+        raise SystemExit(f"benchmarks/peers.py: {d / theirs[0]} holds a partition this script did not write; "
                          f"move it away (or use a clone of FL-bench of its own) and run again")
     raw = d / "FashionMNIST" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
+    (d / MARKER).write_text("")  # (first: a run cut short leaves files this script may write again)
     for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
                  "t10k-labels-idx1-ubyte"):
         if not (raw / name).exists():
@@ -134,7 +139,6 @@ def write_flbench(root: Path, parts, data: Path) -> None:
                      "data_indices": [{"train": p["train"].astype(np.int64), "val": np.zeros(0, np.int64),
                                        "test": 60000 + p["test"].astype(np.int64)} for p in parts]}, fh)
     (d / "args.json").write_text(json.dumps({"client_num": len(parts), "split": "sample", "seed": 0}))
-    (d / MARKER).write_text("")
 
 
 # -- workers: one framework's run, in its own process ------------------------------------------------------

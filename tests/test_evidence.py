@@ -213,3 +213,15 @@ def test_the_peers_command_names_no_path_of_the_machine_that_ran_it():
            "--out /home/me/runs --json benchmarks/results/peers-cpu.json")
     assert peers.public_command(cmd) == ("python benchmarks/peers.py --data DATA_DIR --pfllib PFLLIB_CLONE --flbench "
                                          "FLBENCH_CLONE --json benchmarks/results/peers-cpu.json")
+
+
+def test_the_peers_benchmark_never_writes_over_a_partition_it_did_not_write(tmp_path):
+    for write, folder, theirs in ((lambda root: peers.write_flbench(root, [], tmp_path), "data/fmnist", "args.json"),
+                                  (lambda root: peers.write_pfllib(root, [], None, None, None, None),
+                                   f"dataset/{peers.PFL_NAME}", "0.npz")):
+        root = tmp_path / folder.split("/")[0] / "clone"
+        (root / folder).mkdir(parents=True)
+        (root / folder / theirs).write_text("the user's")
+        with pytest.raises(SystemExit, match="did not write"):
+            write(root)
+        assert (root / folder / theirs).read_text() == "the user's" and not (root / folder / peers.MARKER).exists()
