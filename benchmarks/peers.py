@@ -28,6 +28,7 @@ FL-bench's hydra-core, omegaconf, ray, rich, pynvml, pandas, Pillow, scikit-lear
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import os
@@ -370,7 +371,7 @@ def main():
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--clients", type=int, default=20)
     p.add_argument("--json", default=None, help="write the figure here (benchmarks/results/peers-cpu.json)")
-    p.add_argument("--worker", nargs=4, help=argparse_hidden())
+    p.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)  # (internal: one framework's run)
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -452,12 +453,6 @@ def observations(results: dict, args) -> list[str]:
                    f"its global control was nonzero in {sum(r['global_control_nonzero'] for r in runs)} of "
                    f"{len(runs)} runs. Each client ran local_epoch = {runs[0]['local_epoch']} steps a round.")
     return out
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":
